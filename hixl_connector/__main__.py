@@ -1,0 +1,30 @@
+"""``python -m hixl_connector <command> ...``: a dispatcher for the project's tools.
+
+Each command is imported only when it is run, so adding one costs nothing to the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, one-line help); the module exposes main(argv) -> int
+COMMANDS = {
+    "bench": ("hixl_connector.bench", "benchmark pull_blocks between two processes"),
+    "demo": ("hixl_connector.demo.pd_demo", "P/D with real vLLM and vllm-router vs a plain server"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+        print("usage: python -m hixl_connector <command> [args]\n\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:10s} {text}")
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[args[0]][0])
+    return int(module.main(args[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

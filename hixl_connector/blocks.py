@@ -1,0 +1,87 @@
+"""Pure block-id mapping: prefix-hit trimming, pairing, contiguous runs, chunking.
+
+Nothing here knows about vLLM, tensors or transports; every function takes and returns plain
+ints so it can be checked exhaustively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# (src_start, dst_start, length): ``length`` blocks that are consecutive on both sides.
+Run = tuple[int, int, int]
+BlockIds = tuple[int, ...]
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Number of blocks that hold ``num_tokens`` tokens (the last one may be partial)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return -(-num_tokens // block_size)
+
+
+def trim_remote_to_local(remote: Sequence[int], local: Sequence[int]) -> BlockIds:
+    """The remote blocks that correspond to ``local``, the blocks D still has to fill.
+
+    D's leading blocks are local prefix-cache hits, so the blocks it lacks are always the
+    tail of the prompt: they match the *suffix* of P's block list.
+    """
+    if len(local) > len(remote):
+        raise ValueError(
+            f"decode side needs {len(local)} blocks but the prefill side offers only "
+            f"{len(remote)}: the remote prefill covered fewer tokens than this prompt"
+        )
+    # remote[-0:] would be the whole list, hence the explicit start index.
+    return tuple(remote[len(remote) - len(local) :])
+
+
+def pair_blocks(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int]]:
+    """(src, dst) pairs in order; the two lists must have equal length."""
+    _check_same_length(src, dst)
+    return list(zip(src, dst, strict=True))
+
+
+def group_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
+    """Maximal runs: a pair extends the current run iff src and dst both equal previous+1.
+
+    This is the native engine's planning rule, so the Python view and the C++ plan agree.
+    """
+    _check_same_length(src, dst)
+    runs: list[Run] = []
+    if not src:
+        return runs
+    run_src, run_dst, length = src[0], dst[0], 1
+    for s, d in zip(src[1:], dst[1:], strict=True):
+        if s == run_src + length and d == run_dst + length:
+            length += 1
+            continue
+        runs.append((run_src, run_dst, length))
+        run_src, run_dst, length = s, d, 1
+    runs.append((run_src, run_dst, length))
+    return runs
+
+
+def chunk_pairs(
+    src: Sequence[int], dst: Sequence[int], max_pairs: int
+) -> list[tuple[BlockIds, BlockIds]]:
+    """Splits the pairs into consecutive chunks of at most ``max_pairs`` pairs each.
+
+    Source and destination are cut at the same positions so every chunk stays a valid
+    pull on its own (used when a transport limits descriptors per call).
+    """
+    if max_pairs < 1:
+        raise ValueError(f"max_pairs must be >= 1, got {max_pairs}")
+    _check_same_length(src, dst)
+    return [
+        (tuple(src[start : start + max_pairs]), tuple(dst[start : start + max_pairs]))
+        for start in range(0, len(src), max_pairs)
+    ]
+
+
+def _check_same_length(src: Sequence[int], dst: Sequence[int]) -> None:
+    if len(src) != len(dst):
+        raise ValueError(
+            f"source and destination block lists differ in length: {len(src)} != {len(dst)}"
+        )

@@ -1,0 +1,203 @@
+"""Typed, validated view of ``kv_connector_extra_config`` (plus the environment).
+
+Every key is optional. A key this module does not know, or a value of the wrong type or
+range, raises ``ValueError`` naming the key, so a bad deployment fails at start instead of at
+the first transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
+BACKENDS = ("auto", "native", "ascend")
+TRANSPORTS = ("auto", "cma", "tcp")
+# Each engine owns a window of cluster ids, one per (dp, tp) rank; 1024 ranks per engine
+# is far more than any deployment uses, and keeps derived windows from overlapping.
+CLUSTER_ID_STEP = 1024
+CLUSTER_ID_SPACE = 2**31
+MAX_CLUSTER_ID = 2**63 - 1
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class HixlConfig:
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5701
+    engine_host: str = "127.0.0.1"
+    engine_port: int = 0
+    backend: str = "auto"
+    transport: str = "auto"
+    pull_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    transfer_threads: int = 2
+    tcp_connections: int = 2
+    lease_s: float = 30.0
+    heartbeat_s: float = 5.0
+    auth_token: str = ""
+    cluster_id_base: int = 0
+    test_corrupt_received_kv: bool = False
+
+    @classmethod
+    def from_dict(cls, extra: Mapping[str, Any] | None, engine_id: str) -> HixlConfig:
+        """Builds the config from ``kv_connector_extra_config``; raises ValueError."""
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
+        extra = dict(extra or {})
+        valid = sorted(field.name for field in dataclasses.fields(cls))
+        for key in extra:
+            if key not in valid:
+                raise ValueError(
+                    f"unknown kv_connector_extra_config key {key!r}; valid keys: {', '.join(valid)}"
+                )
+
+        side_channel_host = _host(extra, "side_channel_host", "127.0.0.1")
+        lease_s = _positive_float(extra, "lease_s", 30.0)
+        heartbeat_s = _positive_float(extra, "heartbeat_s", lease_s / 6)
+        if heartbeat_s >= lease_s:
+            raise ValueError(
+                f"kv_connector_extra_config key 'heartbeat_s' must be < lease_s "
+                f"({lease_s}), got {heartbeat_s!r}"
+            )
+        return cls(
+            side_channel_host=side_channel_host,
+            side_channel_port=_int(extra, "side_channel_port", 5701, low=1, high=MAX_PORT),
+            engine_host=_host(extra, "engine_host", side_channel_host),
+            engine_port=_int(extra, "engine_port", 0, low=0, high=MAX_PORT),
+            backend=_choice(extra, "backend", "auto", BACKENDS),
+            transport=_choice(extra, "transport", "auto", TRANSPORTS),
+            pull_timeout_s=_positive_float(extra, "pull_timeout_s", 30.0),
+            handshake_timeout_s=_positive_float(extra, "handshake_timeout_s", 5.0),
+            transfer_threads=_int(extra, "transfer_threads", 2, low=1),
+            tcp_connections=_int(extra, "tcp_connections", 2, low=1),
+            lease_s=lease_s,
+            heartbeat_s=heartbeat_s,
+            auth_token=_str(extra, "auth_token", os.environ.get(AUTH_TOKEN_ENV, "")),
+            cluster_id_base=_int(
+                extra,
+                "cluster_id_base",
+                derived_cluster_id_base(engine_id),
+                low=0,
+                high=MAX_CLUSTER_ID - CLUSTER_ID_STEP,
+            ),
+            test_corrupt_received_kv=_bool(extra, "test_corrupt_received_kv", False),
+        )
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfig) -> HixlConfig:
+        kv_transfer_config = vllm_config.kv_transfer_config
+        if kv_transfer_config is None:
+            raise ValueError("HixlConfig needs vllm_config.kv_transfer_config to be set")
+        engine_id = kv_transfer_config.engine_id
+        if not engine_id:
+            raise ValueError("kv_transfer_config.engine_id is not set")
+        return cls.from_dict(kv_transfer_config.kv_connector_extra_config, engine_id)
+
+    def rank_offset(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
+        """Position of a (dp, tp) rank in this engine's window of ports and cluster ids."""
+        for name, value, low in (("dp_rank", dp_rank, 0), ("tp_rank", tp_rank, 0)):
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not _is_int(tp_size) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+        if tp_rank >= tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size}")
+        return dp_rank * tp_size + tp_rank
+
+    def cluster_id_for_rank(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
+        cluster_id = self.cluster_id_base + self.rank_offset(dp_rank, tp_rank, tp_size)
+        if cluster_id > MAX_CLUSTER_ID:
+            raise ValueError(f"cluster id {cluster_id} exceeds {MAX_CLUSTER_ID}")
+        return cluster_id
+
+    def side_channel_port_for_rank(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
+        port = self.side_channel_port + self.rank_offset(dp_rank, tp_rank, tp_size)
+        if port > MAX_PORT:
+            raise ValueError(
+                f"side_channel_port {self.side_channel_port} + rank offset gives port {port} "
+                f"> {MAX_PORT} for dp_rank={dp_rank} tp_rank={tp_rank} tp_size={tp_size}"
+            )
+        return port
+
+
+def cluster_id_for_rank(config: HixlConfig, dp_rank: int, tp_rank: int, tp_size: int) -> int:
+    """Module-level spelling of ``HixlConfig.cluster_id_for_rank``."""
+    return config.cluster_id_for_rank(dp_rank, tp_rank, tp_size)
+
+
+def derived_cluster_id_base(engine_id: str) -> int:
+    """Stable (process- and restart-independent) window start for an engine id."""
+    digest = hashlib.sha256(engine_id.encode("utf-8")).digest()
+    windows = CLUSTER_ID_SPACE // CLUSTER_ID_STEP
+    return (int.from_bytes(digest[:8], "big") % windows) * CLUSTER_ID_STEP
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but True as a port is a typo, never intent.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad(key: str, value: Any, expected: str) -> ValueError:
+    return ValueError(
+        f"kv_connector_extra_config key {key!r} must be {expected}, got {value!r} "
+        f"({type(value).__name__})"
+    )
+
+
+def _int(
+    extra: Mapping[str, Any], key: str, default: int, low: int, high: int | None = None
+) -> int:
+    value = extra.get(key, default)
+    expected = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise _bad(key, value, expected)
+    return int(value)
+
+
+def _positive_float(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise _bad(key, value, "a finite number > 0")
+    return float(value)
+
+
+def _str(extra: Mapping[str, Any], key: str, default: str) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str):
+        raise _bad(key, value, "a string")
+    return value
+
+
+def _host(extra: Mapping[str, Any], key: str, default: str) -> str:
+    value = _str(extra, key, default)
+    if not value or value != value.strip():
+        raise _bad(key, value, "a non-empty host name or address without spaces")
+    return value
+
+
+def _choice(extra: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]) -> str:
+    value = extra.get(key, default)
+    if value not in choices or not isinstance(value, str):
+        raise _bad(key, value, "one of " + ", ".join(repr(c) for c in choices))
+    return value
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise _bad(key, value, "a bool (true or false)")
+    return value

@@ -1,0 +1,149 @@
+"""HixlConnector: the class vLLM instantiates. It only forwards to one of its halves.
+
+role=SCHEDULER -> `HixlScheduler` (EngineCore; pure bookkeeping),
+role=WORKER    -> `HixlWorker` (every worker; the engine, the side channel, the pulls).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hixl_connector.config import HixlConfig
+from hixl_connector.metadata import HixlConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from hixl_connector.scheduler import HixlScheduler
+    from hixl_connector.stats import HixlKVConnectorStats, HixlPromMetrics
+    from hixl_connector.worker import HixlWorker
+
+
+class HixlConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = HixlConfig.from_vllm_config(vllm_config)
+        engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self._scheduler: HixlScheduler | None = None
+        self._worker: HixlWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from hixl_connector.scheduler import HixlScheduler
+
+            self._scheduler = HixlScheduler(vllm_config, config, engine_id)
+        else:
+            from hixl_connector.worker import HixlWorker
+
+            self._worker = HixlWorker(vllm_config, config, engine_id)
+
+    # -- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    # -- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, HixlConnectorMetadata)
+        self._worker.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Pulls are whole-request and asynchronous: nothing to wait for per layer."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Pull mode: D reads P's blocks; P never pushes."""
+
+    def wait_for_save(self) -> None:
+        """Pull mode: nothing is saved; P's blocks stay leased until D is done."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.get_transfer_results()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_kv_connector_stats(self) -> HixlKVConnectorStats | None:
+        return self._worker.get_stats() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- class-level hooks (called in the API-server process too) -----------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> HixlKVConnectorStats | None:
+        from hixl_connector.stats import HixlKVConnectorStats
+
+        return HixlKVConnectorStats(data=data) if data is not None else HixlKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HixlPromMetrics:
+        from hixl_connector.stats import HixlPromMetrics
+
+        return HixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

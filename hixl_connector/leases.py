@@ -1,0 +1,131 @@
+"""P-side block leases: which prefilled requests still pin their blocks, and until when.
+
+A lease starts when P's scheduler hands a finished prefill to the worker (SendSpec). It ends
+when every expected consumer on D said "done" (or "release"), or when no heartbeat arrived
+for `lease_s` seconds. Either way the request is reported in `finished_sending` exactly once
+and vLLM frees its blocks. Pure and clock-injected, so it is unit-tested without processes.
+
+A "done" can overtake its SendSpec: P returns `kv_transfer_params` to the router in the same
+step that queues the SendSpec, and a fast D may pull and notify before P's next step. Such
+early notifications are parked (bounded in number and age) and applied when the lease starts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+_EARLY_NOTICE_LIMIT = 4096
+_ENDED_MEMORY = 4096
+
+
+@dataclass
+class Lease:
+    request_id: str
+    lease_id: int
+    block_ids: tuple[int, ...]
+    expires_at: float
+    consumers_done: int = 0
+    consumers_expected: int = 1
+
+
+@dataclass
+class _EarlyNotice:
+    lease_id: int
+    consumers: int
+    done: int
+    received_at: float
+
+
+@dataclass
+class LeaseTable:
+    lease_s: float
+    _leases: dict[str, Lease] = field(default_factory=dict)
+    _early: dict[str, _EarlyNotice] = field(default_factory=dict)
+    _finished: set[str] = field(default_factory=set)
+    # Recently ended leases, so a late or repeated notice is not parked as an early one.
+    _ended: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, request_id: str, lease_id: int, block_ids: tuple[int, ...], now: float) -> None:
+        with self._lock:
+            lease = Lease(request_id, lease_id, block_ids, now + self.lease_s)
+            self._leases[request_id] = lease
+            early = self._early.pop(request_id, None)
+            if early is not None and early.lease_id == lease_id:
+                lease.consumers_expected = early.consumers
+                lease.consumers_done = early.done
+                self._finish_if_complete(lease)
+
+    def heartbeat(self, request_id: str, lease_id: int, now: float) -> bool:
+        """Extends a live lease; False when the lease is unknown or was replaced."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.lease_id != lease_id:
+                return request_id in self._early
+            lease.expires_at = max(lease.expires_at, now + self.lease_s)
+            return True
+
+    def is_held(self, request_id: str, lease_id: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is not None and lease.lease_id == lease_id
+
+    def consumer_done(self, request_id: str, lease_id: int, consumers: int, now: float) -> str:
+        """Records one consumer's "done"; returns "held", "finished", "early" or "unknown"."""
+        consumers = max(1, consumers)
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return self._park_early(request_id, lease_id, consumers, now)
+            if lease.lease_id != lease_id:
+                return "unknown"
+            lease.consumers_expected = consumers
+            lease.consumers_done += 1
+            return "finished" if self._finish_if_complete(lease) else "held"
+
+    def expire(self, now: float) -> list[str]:
+        """Ends every lease past its deadline; returns their request ids."""
+        with self._lock:
+            expired = [r for r, lease in self._leases.items() if lease.expires_at <= now]
+            for request_id in expired:
+                self._end(self._leases[request_id])
+            stale = [r for r, e in self._early.items() if e.received_at + self.lease_s <= now]
+            for request_id in stale:
+                del self._early[request_id]
+            return expired
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            finished, self._finished = self._finished, set()
+            return finished
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def _finish_if_complete(self, lease: Lease) -> bool:
+        if lease.consumers_done < lease.consumers_expected:
+            return False
+        self._end(lease)
+        return True
+
+    def _end(self, lease: Lease) -> None:
+        del self._leases[lease.request_id]
+        self._finished.add(lease.request_id)
+        self._ended[lease.request_id] = lease.lease_id
+        if len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
+
+    def _park_early(self, request_id: str, lease_id: int, consumers: int, now: float) -> str:
+        if self._ended.get(request_id) == lease_id:
+            return "unknown"
+        early = self._early.get(request_id)
+        if early is not None and early.lease_id == lease_id:
+            early.done += 1
+            return "early"
+        if len(self._early) >= _EARLY_NOTICE_LIMIT:
+            return "unknown"
+        self._early[request_id] = _EarlyNotice(lease_id, consumers, 1, now)
+        return "early"

@@ -1,0 +1,399 @@
+"""Everything that crosses a process boundary.
+
+- scheduler -> worker: the per-step ``HixlConnectorMetadata`` (pickled by vLLM);
+- P -> router -> D: ``kv_transfer_params`` (NixlConnector pull fields plus HIXL fields);
+- worker <-> worker: the handshake payload and the done/heartbeat/release notifications,
+  as dicts of msgpack-able primitives only (str, int, bool, None, list, dict).
+
+Whatever arrives from another process is validated here, and a bad message raises
+``ValueError`` with a message that says which field was wrong and how.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+SCHEMA_VERSION = 1
+MAX_U64 = 2**64 - 1
+MAX_CLUSTER_ID = 2**63 - 1
+
+
+# --- scheduler -> worker
+
+
+@dataclass(frozen=True)
+class RemoteEndpoint:
+    engine_id: str
+    host: str
+    port: int  # side channel port of P's tp rank 0; rank r listens on port + r
+    tp_size: int
+    cluster_id: int  # cluster id of P's tp rank 0; rank r is cluster_id + r
+
+
+# Stands in for the peer when kv_transfer_params were unusable: such a spec carries an error.
+UNKNOWN_ENDPOINT = RemoteEndpoint(engine_id="", host="", port=0, tp_size=1, cluster_id=0)
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: pull ``remote_block_ids`` into ``local_block_ids`` (equal lengths, suffix-trimmed).
+
+    A non-empty ``error`` means the scheduler refused the transfer (unusable params, or P
+    offers fewer blocks than D needs). The worker must then report the request in
+    ``failed_recving`` (and ``finished_recving``) with that message, pull nothing, and
+    send "release" to P when ``remote.engine_id`` is known.
+    """
+
+    request_id: str
+    remote_request_id: str
+    lease_id: int
+    remote: RemoteEndpoint
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    """D: nothing to pull (full local prefix hit, or aborted before allocation); free P."""
+
+    request_id: str
+    remote_request_id: str
+    lease_id: int
+    remote: RemoteEndpoint
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P: keep these blocks leased until "done"/"release" from every consumer, or expiry."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    lease_id: int
+
+
+@dataclass
+class HixlConnectorMetadata(KVConnectorMetadata):
+    to_recv: list[RecvSpec] = field(default_factory=list)
+    to_release: list[ReleaseSpec] = field(default_factory=list)
+    to_send: list[SendSpec] = field(default_factory=list)
+    # D: (remote, remote_request_id, lease_id) of requests still waiting for their KV.
+    heartbeats: list[tuple[RemoteEndpoint, str, int]] = field(default_factory=list)
+
+
+# --- kv_transfer_params
+
+
+class InvalidTransferParams(ValueError):
+    """kv_transfer_params from P (through the router) cannot drive a pull."""
+
+
+REQUIRED_PARAMS = (
+    *("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host"),
+    *("remote_port", "tp_size", "remote_cluster_id", "remote_lease_id"),
+)
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """D's validated view of P's kv_transfer_params."""
+
+    remote: RemoteEndpoint
+    remote_request_id: str
+    lease_id: int
+    block_ids: tuple[int, ...]
+    num_tokens: int | None
+
+
+def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
+    """Validates P's params on D; raises InvalidTransferParams naming what is wrong."""
+    if not isinstance(params, Mapping):
+        raise InvalidTransferParams(f"kv_transfer_params must be a dict, got {params!r}")
+    missing = [key for key in REQUIRED_PARAMS if params.get(key) is None]
+    if missing:
+        raise InvalidTransferParams(
+            "kv_transfer_params for a remote prefill lack required field(s) "
+            f"{', '.join(missing)}; pass P's returned kv_transfer_params to D unchanged"
+        )
+    check = functools.partial(_check, "kv_transfer_params")
+    try:
+        for key, expected in (("dcp_size", 1), ("pp_size", 1), ("transfer_mode", "pull")):
+            if params.get(key) not in (None, expected):
+                raise ValueError(f"{key} must be {expected!r}, got {params.get(key)!r}")
+        num_tokens = params.get("remote_num_tokens")
+        if num_tokens is not None:
+            check("remote_num_tokens", num_tokens, int, 0)
+        remote = RemoteEndpoint(
+            engine_id=check("remote_engine_id", params, str),
+            host=check("remote_host", params, str),
+            port=check("remote_port", params, int, 1, 65535),
+            tp_size=check("tp_size", params, int, 1),
+            cluster_id=check("remote_cluster_id", params, int, 0, MAX_CLUSTER_ID),
+        )
+        return RemotePrefill(
+            remote=remote,
+            remote_request_id=check("remote_request_id", params, str),
+            lease_id=check("remote_lease_id", params, int, 0, MAX_U64),
+            block_ids=_single_group(params["remote_block_ids"]),
+            num_tokens=num_tokens,
+        )
+    except InvalidTransferParams:
+        raise
+    except ValueError as exc:
+        raise InvalidTransferParams(f"invalid kv_transfer_params: {exc}") from None
+
+
+def build_remote_decode_params(
+    endpoint: RemoteEndpoint,
+    request_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    lease_id: int,
+) -> dict[str, Any]:
+    """P's answer in request_finished: where and what D pulls (NixlConnector pull fields).
+
+    ``endpoint`` describes P itself: its rank-0 side channel port and cluster id.
+    """
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[int(block_id) for block_id in block_ids]],
+        "remote_engine_id": endpoint.engine_id,
+        "remote_request_id": request_id,
+        "remote_host": endpoint.host,
+        "remote_port": endpoint.port,
+        "tp_size": endpoint.tp_size,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": num_tokens,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+        "remote_cluster_id": endpoint.cluster_id,
+        "remote_lease_id": lease_id,
+    }
+
+
+def _single_group(value: Any) -> tuple[int, ...]:
+    """Accepts list[int] or list[list[int]] with exactly one KV group."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"remote_block_ids must be a list, got {value!r}")
+    if value and all(isinstance(group, (list, tuple)) for group in value):
+        if len(value) != 1:
+            raise ValueError(
+                f"remote_block_ids has {len(value)} KV cache groups; only one is supported"
+            )
+        value = value[0]
+    for block_id in value:
+        if not _is_int(block_id) or block_id < 0:
+            raise ValueError(f"remote_block_ids holds {block_id!r}, not a block id >= 0")
+    return tuple(value)
+
+
+# --- handshake
+
+# What must be equal on both sides for whole KV blocks to be copied byte for byte. A payload
+# may carry further fields (msgpack primitives); they are hashed and compared the same way.
+COMPATIBILITY_FIELD_TYPES: dict[str, type] = {
+    **dict.fromkeys(("model", "dtype", "kv_layout"), str),
+    # block_bytes: bytes of one block in one tensor.
+    **dict.fromkeys(("num_layers", "num_kv_heads", "head_size", "block_size"), int),
+    **dict.fromkeys(("block_bytes", "tensors_per_layer", "num_tensors"), int),
+}
+
+
+def compatibility_hash(fields: Mapping[str, Any]) -> str:
+    """sha256 (hex) of a canonical encoding: sorted keys, no whitespace, schema version."""
+    try:
+        canonical = json.dumps(
+            {"schema_version": SCHEMA_VERSION, "fields": dict(fields)},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+    except TypeError as exc:
+        raise ValueError(f"compatibility fields must be plain values: {exc}") from None
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def describe_mismatch(local_fields: Mapping[str, Any], remote_fields: Mapping[str, Any]) -> str:
+    """One entry per differing field with both values; "" when the fields agree."""
+    missing = "<missing>"
+    return "; ".join(
+        f"{name}: local={local_fields.get(name, missing)!r} "
+        f"remote={remote_fields.get(name, missing)!r}"
+        for name in sorted(set(local_fields) | set(remote_fields))
+        if local_fields.get(name, missing) != remote_fields.get(name, missing)
+    )
+
+
+def validate_compatibility_fields(fields: Any) -> dict[str, Any]:
+    where = "handshake compatibility"
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"{where} must be a dict, got {type(fields).__name__}")
+    for name, kind in COMPATIBILITY_FIELD_TYPES.items():
+        _check(where, name, fields, kind, 1 if kind is int else None)
+    for name, value in fields.items():
+        if not isinstance(name, str) or not _is_primitive(value):
+            raise ValueError(f"{where} field {name!r} holds a non-primitive value {value!r}")
+    return dict(fields)
+
+
+@dataclass(frozen=True)
+class HandshakePayload:
+    schema_version: int
+    compatibility_hash: str
+    compatibility: dict[str, Any]  # see COMPATIBILITY_FIELD_TYPES
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    cluster_id: int
+    engine_host: str
+    engine_port: int
+    num_blocks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
+            "compatibility": dict(self.compatibility)
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> HandshakePayload:
+        where = "handshake payload"
+        _check_schema(where, data)
+        expected = set(cls.__dataclass_fields__)
+        if set(data) != expected:
+            raise ValueError(
+                f"{where} fields differ from schema {SCHEMA_VERSION}: "
+                f"missing {sorted(expected - set(data))}, unknown {sorted(set(data) - expected)}"
+            )
+        compatibility = validate_compatibility_fields(data["compatibility"])
+        declared = _check(where, "compatibility_hash", data, str)
+        if declared != compatibility_hash(compatibility):
+            raise ValueError(f"{where} compatibility_hash does not match its own fields")
+        tp_size = _check(where, "tp_size", data, int, 1)
+        tp_rank = _check(where, "tp_rank", data, int, 0)
+        if tp_rank >= tp_size:
+            raise ValueError(f"{where} tp_rank {tp_rank} is out of range for tp_size {tp_size}")
+        return cls(
+            schema_version=SCHEMA_VERSION,
+            compatibility_hash=declared,
+            compatibility=compatibility,
+            engine_id=_check(where, "engine_id", data, str),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            cluster_id=_check(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
+            engine_host=_check(where, "engine_host", data, str),
+            engine_port=_check(where, "engine_port", data, int, 1, 65535),
+            num_blocks=_check(where, "num_blocks", data, int, 1),
+        )
+
+
+# --- notifications (D -> P)
+
+NOTIFICATION_KINDS = ("done", "heartbeat", "release")
+MAX_NOTIFICATION_ITEMS = 4096
+
+
+@dataclass(frozen=True)
+class LeaseNotice:
+    remote_request_id: str  # P's request id
+    lease_id: int
+    consumers: int = 1  # notices P waits for before it frees (one per D rank reading it)
+
+
+@dataclass(frozen=True)
+class Notification:
+    """D -> P about leased block sets.
+
+    done: pulled; release: nothing will be pulled (P frees once ``consumers`` notices of
+    either kind arrived for a lease); heartbeat: still waiting, extend the leases.
+    Wire form: {"type": kind, "items": [[request_id, lease_id, consumers], ...]}, with
+    [request_id, lease_id] items for heartbeats.
+    """
+
+    kind: str
+    items: tuple[LeaseNotice, ...]
+
+    def __post_init__(self) -> None:
+        where = "notification"
+        if self.kind not in NOTIFICATION_KINDS:
+            raise ValueError(f"{where} type must be one of {NOTIFICATION_KINDS}, got {self.kind!r}")
+        if len(self.items) > MAX_NOTIFICATION_ITEMS:
+            raise ValueError(f"{where} carries {len(self.items)} > {MAX_NOTIFICATION_ITEMS} items")
+        for item in self.items:
+            _check(where, "request_id", item.remote_request_id, str)
+            _check(where, "lease_id", item.lease_id, int, 0, MAX_U64)
+            _check(where, "consumers", item.consumers, int, 1, 65535)
+
+    def to_dict(self) -> dict[str, Any]:
+        width = 2 if self.kind == "heartbeat" else 3
+        rows = [[i.remote_request_id, i.lease_id, i.consumers][:width] for i in self.items]
+        return {"type": self.kind, "items": rows}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Notification:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"notification must be a dict, got {type(data).__name__}")
+        kind = data.get("type")
+        rows = data.get("items")
+        width = 2 if kind == "heartbeat" else 3
+        if not isinstance(rows, list) or len(rows) > MAX_NOTIFICATION_ITEMS:
+            raise ValueError(
+                f"notification items must be a list of at most "
+                f"{MAX_NOTIFICATION_ITEMS} entries, got {rows!r:.200}"
+            )
+        for row in rows:
+            if not isinstance(row, (list, tuple)) or len(row) != width:
+                fields = "request_id, lease_id" + (", consumers" if width == 3 else "")
+                raise ValueError(f"{kind!r} notification item {row!r} is not [{fields}]")
+        return cls(kind=str(kind), items=tuple(LeaseNotice(*row) for row in rows))
+
+
+# --- validation helpers
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_primitive(value: Any) -> bool:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    return isinstance(value, list) and all(_is_primitive(item) for item in value)
+
+
+def _check_schema(where: str, data: Any) -> None:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION or not _is_int(version):
+        raise ValueError(
+            f"{where} uses schema version {version!r} but this side speaks {SCHEMA_VERSION}; "
+            "run the same hixl_connector version on prefill and decode"
+        )
+
+
+def _check(
+    where: str,
+    name: str,
+    data: Any,
+    kind: type,
+    low: int | None = None,
+    high: int | None = None,
+) -> Any:
+    """Returns ``data[name]`` (or ``data`` itself when it is not a mapping) if well-typed."""
+    value: Any = data.get(name) if isinstance(data, Mapping) else data
+    if kind is int:
+        ok = _is_int(value) and (low is None or value >= low) and (high is None or value <= high)
+        expected = "an int" + (f" >= {low}" if low is not None else "")
+        expected += f" <= {high}" if high is not None else ""
+    else:
+        ok = isinstance(value, str) and bool(value)
+        expected = "a non-empty string"
+    if not ok:
+        raise ValueError(f"{where} field {name!r} must be {expected}, got {value!r}")
+    return value

@@ -1,0 +1,167 @@
+"""D side: the prefill peers this worker pulls from, each handshaken and linked once.
+
+A peer is keyed by its engine id (a restarted P engine has a new one) and the side-channel
+address. The first request for a peer runs the handshake (schema and compatibility check),
+then `link_clusters`; later requests reuse the link. A pull that timed out or lost its link
+marks the peer broken; the next request unlinks with force and does both steps again, as
+LLM-DataDist requires after LLM_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from hixl_connector.config import HixlConfig
+from hixl_connector.metadata import (
+    SCHEMA_VERSION,
+    HandshakePayload,
+    RemoteEndpoint,
+    describe_mismatch,
+)
+from hixl_connector.side_channel import SideChannelClient
+
+logger = logging.getLogger(__name__)
+
+
+class PeerError(RuntimeError):
+    """The peer cannot be used: handshake refused, incompatible, or link failed."""
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    cluster_id: int
+    payload: HandshakePayload
+    client: SideChannelClient
+    broken: bool = False
+
+
+class PeerRegistry:
+    def __init__(
+        self,
+        api: Any,
+        datadist: Any,
+        context: zmq.Context,
+        local: HandshakePayload,
+        config: HixlConfig,
+    ) -> None:
+        self._api = api
+        self._datadist = datadist
+        self._context = context
+        self._local = local
+        self._config = config
+        self._peers: dict[tuple[str, str, int], Peer] = {}
+        self._locks: dict[tuple[str, str, int], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, remote: RemoteEndpoint) -> Peer:
+        key = (remote.engine_id, remote.host, remote.port)
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            peer = self._peers.get(key)
+            if peer is not None and not peer.broken:
+                return peer
+            if peer is not None:
+                self._unlink(peer, force=True)
+            peer = self._connect(remote)
+            with self._guard:
+                self._peers[key] = peer
+            return peer
+
+    def mark_broken(self, peer: Peer) -> None:
+        peer.broken = True
+
+    def client_for(self, remote: RemoteEndpoint) -> SideChannelClient:
+        """A side-channel client for notifications, without handshaking or linking."""
+        return SideChannelClient(
+            self._context,
+            remote.host,
+            self._rank_port(remote),
+            self._config.handshake_timeout_s,
+            self._config.auth_token,
+        )
+
+    def close(self) -> None:
+        with self._guard:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            self._unlink(peer, force=False)
+            peer.client.close()
+
+    def _rank_port(self, remote: RemoteEndpoint) -> int:
+        if remote.tp_size != self._local.tp_size:
+            raise PeerError(
+                f"prefill engine {remote.engine_id} runs tp_size={remote.tp_size}, this decode "
+                f"engine tp_size={self._local.tp_size}; hixl_connector needs equal TP sizes"
+            )
+        return remote.port + self._local.tp_rank
+
+    def _connect(self, remote: RemoteEndpoint) -> Peer:
+        client = self.client_for(remote)
+        try:
+            reply = client.request(
+                {"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": self._local.tp_rank}
+            )
+            payload = HandshakePayload.from_dict(reply["payload"])
+            self._check_compatible(remote, payload)
+            self._link(payload)
+        except Exception:
+            client.close()
+            raise
+        logger.info(
+            "hixl: linked to prefill engine %s rank %d (cluster %d at %s:%d)",
+            payload.engine_id,
+            payload.tp_rank,
+            payload.cluster_id,
+            payload.engine_host,
+            payload.engine_port,
+        )
+        return Peer(payload.engine_id, payload.cluster_id, payload, client)
+
+    def _check_compatible(self, remote: RemoteEndpoint, payload: HandshakePayload) -> None:
+        if payload.engine_id != remote.engine_id:
+            raise PeerError(
+                f"side channel {remote.host}:{remote.port} serves engine {payload.engine_id}, "
+                f"the request expects {remote.engine_id} (prefill restarted?)"
+            )
+        if payload.compatibility_hash != self._local.compatibility_hash:
+            raise PeerError(
+                f"prefill engine {payload.engine_id} is incompatible with this decode engine: "
+                + describe_mismatch(self._local.compatibility, payload.compatibility)
+            )
+        if payload.tp_rank != self._local.tp_rank:
+            raise PeerError(f"asked rank {self._local.tp_rank}, got rank {payload.tp_rank}")
+
+    def _link(self, payload: HandshakePayload) -> None:
+        api = self._api
+        info = self._cluster_info(payload)
+        timeout_ms = int(self._config.handshake_timeout_s * 1000)
+        status, per_cluster = self._datadist.link_clusters([info], timeout_ms)
+        codes = api.LLMStatusCode
+        result = per_cluster[0] if per_cluster else status
+        if status != codes.LLM_SUCCESS or result not in (codes.LLM_SUCCESS, codes.LLM_ALREADY_LINK):
+            raise PeerError(
+                f"link_clusters to cluster {payload.cluster_id} at "
+                f"{payload.engine_host}:{payload.engine_port} failed: {status!r} {per_cluster!r}"
+            )
+
+    def _cluster_info(self, payload: HandshakePayload) -> Any:
+        info = self._api.LLMClusterInfo()
+        info.remote_cluster_id = payload.cluster_id
+        # Port 0: the local side of a one-sided link needs no listener.
+        info.append_local_ip_info(self._config.engine_host, 0)
+        info.append_remote_ip_info(payload.engine_host, payload.engine_port)
+        return info
+
+    def _unlink(self, peer: Peer, force: bool) -> None:
+        info = self._cluster_info(peer.payload)
+        try:
+            self._datadist.unlink_clusters([info], 1000, force=force)
+        except Exception as e:  # unlinking a dead peer may fail; the link is gone either way
+            logger.warning("hixl: unlink of cluster %d failed: %s", peer.cluster_id, e)

@@ -1,0 +1,276 @@
+"""Scheduler half of the connector: pure request bookkeeping in the EngineCore process.
+
+D side (kv_consumer): asks vLLM for the remote tokens asynchronously, turns each allocation
+into one RecvSpec (or a ReleaseSpec when there is nothing to pull) and lists the remote
+requests that still wait so the worker can renew P's leases.
+P side (kv_producer): keeps a finished prefill's blocks (delay-free), leases them under a
+fresh lease id and answers with the kv_transfer_params D needs.
+kv_both enables both. No torch, zmq or engine here; the worker does all I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hixl_connector.blocks import trim_remote_to_local
+from hixl_connector.config import HixlConfig
+from hixl_connector.metadata import (
+    UNKNOWN_ENDPOINT,
+    HixlConnectorMetadata,
+    InvalidTransferParams,
+    RecvSpec,
+    ReleaseSpec,
+    RemoteEndpoint,
+    RemotePrefill,
+    SendSpec,
+    build_remote_decode_params,
+    parse_remote_prefill,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+LEASE_ID_MODULUS = 2**64
+
+
+class HixlScheduler:
+    """Scheduler-role hooks of HixlConnector.
+
+    Protocol errors on D (params that cannot drive a pull, or P offering fewer blocks than
+    D allocated) are never turned into a silent local recompute: the request still parks
+    in WAITING_FOR_REMOTE_KVS and gets a RecvSpec with ``error`` set and no remote blocks,
+    which the worker reports as failed_recving, so vLLM's kv_load_failure_policy decides.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, config: HixlConfig, engine_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        kv_transfer_config = vllm_config.kv_transfer_config
+        if kv_transfer_config is None:
+            raise ValueError("HixlScheduler needs vllm_config.kv_transfer_config")
+        self._is_producer = kv_transfer_config.is_kv_producer
+        self._is_consumer = kv_transfer_config.is_kv_consumer
+        parallel = vllm_config.parallel_config
+        self._tp_size = parallel.tensor_parallel_size
+        dp_rank = parallel.data_parallel_index
+        # P announces rank 0's port and cluster id; D's rank r adds r.
+        self._endpoint = RemoteEndpoint(
+            engine_id=engine_id,
+            host=config.side_channel_host,
+            port=config.side_channel_port_for_rank(dp_rank, 0, self._tp_size),
+            tp_size=self._tp_size,
+            cluster_id=config.cluster_id_for_rank(dp_rank, 0, self._tp_size),
+        )
+        self._deliverable_statuses = (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+        # A random start keeps a restarted P engine from reissuing ids D still holds.
+        self._next_lease_id = secrets.randbits(32)
+
+        # Per-step output, reset by build_connector_meta.
+        self._to_recv: list[RecvSpec] = []
+        self._to_release: list[ReleaseSpec] = []
+        self._to_send: list[SendSpec] = []
+        # D: request_id -> heartbeat entry, from on_new_request until its KV arrived.
+        self._waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
+        # P: request_id -> lease id, until the worker reports it in finished_sending.
+        self._leased: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ D side
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        if not self._is_consumer:
+            logger.warning(
+                "request %s asks for a remote prefill but this engine is a kv_producer; "
+                "it will compute the prompt itself",
+                request.request_id,
+            )
+            return
+        try:
+            prefill = parse_remote_prefill(params)
+        except InvalidTransferParams as exc:
+            # The request fails when it is allocated (RecvSpec with an error), not here:
+            # the scheduler cannot fail a request on its own.
+            logger.error("request %s: %s", request.request_id, exc)
+            return
+        self._waiting[request.request_id] = (
+            prefill.remote,
+            prefill.remote_request_id,
+            prefill.lease_id,
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not self._is_consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not self._is_consumer or not params or not params.get("do_remote_prefill"):
+            return
+        # One transfer per request: a second call (after the load) must not pull again.
+        params["do_remote_prefill"] = False
+        request_id = request.request_id
+        try:
+            prefill = parse_remote_prefill(params)
+        except InvalidTransferParams as exc:
+            self._stop_heartbeat(request_id)
+            if num_external_tokens > 0:
+                self._refuse(request_id, None, _unhashed_block_ids(blocks), str(exc))
+            else:
+                logger.error("request %s: nothing to pull, P not notified: %s", request_id, exc)
+            return
+        if num_external_tokens <= 0:
+            self._release(request_id, prefill)
+            return
+        local = _unhashed_block_ids(blocks)
+        try:
+            remote = trim_remote_to_local(prefill.block_ids, local)
+        except ValueError as exc:
+            self._refuse(request_id, prefill, local, f"request {request_id}: {exc}")
+            return
+        self._to_recv.append(
+            RecvSpec(
+                request_id=request_id,
+                remote_request_id=prefill.remote_request_id,
+                lease_id=prefill.lease_id,
+                remote=prefill.remote,
+                local_block_ids=local,
+                remote_block_ids=remote,
+            )
+        )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_recving or ():
+            self._stop_heartbeat(request_id)
+        for request_id in connector_output.finished_sending or ():
+            self._leased.pop(request_id, None)
+
+    # ------------------------------------------------------------------ both sides
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        request_id = request.request_id
+        self._stop_heartbeat(request_id)
+        if not params:
+            return False, None
+        if self._is_consumer and params.get("do_remote_prefill"):
+            # Finished before its blocks were allocated (e.g. aborted): P still leases
+            # the blocks, so tell it to free them now rather than at lease expiry.
+            params["do_remote_prefill"] = False
+            try:
+                self._release(request_id, parse_remote_prefill(params))
+            except InvalidTransferParams as exc:
+                logger.error("request %s: cannot release its remote blocks: %s", request_id, exc)
+            return False, None
+        if not (self._is_producer and params.get("do_remote_decode")):
+            return False, None
+        if request.status not in self._deliverable_statuses or not block_ids:
+            return False, None
+        lease_id = self._new_lease_id()
+        self._leased[request_id] = lease_id
+        self._to_send.append(SendSpec(request_id, tuple(block_ids), lease_id))
+        return True, build_remote_decode_params(
+            self._endpoint, request_id, block_ids, request.num_computed_tokens, lease_id
+        )
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if len(block_ids) != 1:
+            raise ValueError(
+                f"HixlScheduler supports one KV cache group, request {request.request_id} "
+                f"has {len(block_ids)}"
+            )
+        return self.request_finished(request, block_ids[0])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HixlConnectorMetadata:
+        meta = HixlConnectorMetadata(
+            to_recv=self._to_recv,
+            to_release=self._to_release,
+            to_send=self._to_send,
+            heartbeats=list(self._waiting.values()),
+        )
+        self._to_recv, self._to_release, self._to_send = [], [], []
+        return meta
+
+    def get_finished_count(self) -> int | None:
+        # Every worker rank reports every request it took part in: the world size.
+        return None
+
+    @property
+    def num_leased(self) -> int:
+        """P: block sets handed out and not yet reported in finished_sending."""
+        return len(self._leased)
+
+    @property
+    def num_waiting(self) -> int:
+        """D: requests whose remote KV has not arrived yet (the heartbeat list)."""
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_lease_id(self) -> int:
+        lease_id = self._next_lease_id
+        self._next_lease_id = (lease_id + 1) % LEASE_ID_MODULUS
+        return lease_id
+
+    def _stop_heartbeat(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+
+    def _release(self, request_id: str, prefill: RemotePrefill) -> None:
+        self._stop_heartbeat(request_id)
+        self._to_release.append(
+            ReleaseSpec(request_id, prefill.remote_request_id, prefill.lease_id, prefill.remote)
+        )
+
+    def _refuse(
+        self,
+        request_id: str,
+        prefill: RemotePrefill | None,
+        local: tuple[int, ...],
+        error: str,
+    ) -> None:
+        """Hands the request to the worker to fail: vLLM applies kv_load_failure_policy."""
+        logger.error("refusing the remote prefill of request %s: %s", request_id, error)
+        self._stop_heartbeat(request_id)
+        self._to_recv.append(
+            RecvSpec(
+                request_id=request_id,
+                remote_request_id=prefill.remote_request_id if prefill else "",
+                lease_id=prefill.lease_id if prefill else 0,
+                remote=prefill.remote if prefill else UNKNOWN_ENDPOINT,
+                local_block_ids=local,
+                remote_block_ids=(),
+                error=error,
+            )
+        )
+
+
+def _unhashed_block_ids(blocks: KVCacheBlocks) -> tuple[int, ...]:
+    """Blocks allocated for this request that the local prefix cache did not fill."""
+    groups = blocks.get_unhashed_block_ids_all_groups()
+    if len(groups) != 1:
+        raise ValueError(f"HixlScheduler supports one KV cache group, got {len(groups)}")
+    return tuple(groups[0])

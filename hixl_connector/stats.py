@@ -1,0 +1,134 @@
+"""Transfer statistics: vLLM's KVConnectorStats (the periodic log line) and Prometheus.
+
+Workers record observations; vLLM ships `data` to the logger process, which rebuilds the
+object through `HixlConnector.build_kv_connector_stats` and aggregates across workers.
+`data` holds only lists of numbers so that it serialises anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+_SERIES = ("pull_seconds", "kv_ready_seconds", "pull_bytes", "pull_blocks")
+_COUNTS = ("failed_pulls", "failed_handshakes", "failed_notifications", "expired_leases")
+
+
+@dataclass
+class HixlKVConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data: dict[str, list[float]] = {name: [] for name in (*_SERIES, *_COUNTS)}
+
+    def record_pull(
+        self, seconds: float, kv_ready_seconds: float, nbytes: int, blocks: int
+    ) -> None:
+        self.data["pull_seconds"].append(seconds)
+        self.data["kv_ready_seconds"].append(kv_ready_seconds)
+        self.data["pull_bytes"].append(nbytes)
+        self.data["pull_blocks"].append(blocks)
+
+    def record(self, counter: str, n: int = 1) -> None:
+        if counter not in _COUNTS:
+            raise KeyError(f"unknown counter {counter!r}; known: {', '.join(_COUNTS)}")
+        self.data[counter].append(n)
+
+    def clone_and_reset(self) -> HixlKVConnectorStats:
+        snapshot = copy.deepcopy(self)
+        self.reset()
+        return snapshot
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in (*_SERIES, *_COUNTS))
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, values in other.data.items():
+            self.data.setdefault(name, []).extend(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        seconds = sorted(self.data["pull_seconds"])
+        ready = sorted(self.data["kv_ready_seconds"])
+        total_bytes = sum(self.data["pull_bytes"])
+        busy = sum(seconds)
+        return {
+            "Num pulls": len(seconds),
+            "Blocks pulled": int(sum(self.data["pull_blocks"])),
+            "MB pulled": round(total_bytes / 1e6, 3),
+            "Avg pull ms": round(1e3 * busy / len(seconds), 3) if seconds else 0,
+            "P90 pull ms": round(1e3 * _percentile(seconds, 0.9), 3),
+            "P90 KV-ready ms": round(1e3 * _percentile(ready, 0.9), 3),
+            "GB/s": round(total_bytes / busy / 1e9, 3) if busy > 0 else 0,
+            **{_label(name): int(sum(self.data[name])) for name in _COUNTS},
+        }
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _label(counter: str) -> str:
+    return "Num " + counter.replace("_", " ")
+
+
+class HixlPromMetrics(KVConnectorPromMetrics):
+    """Counters `vllm:hixl_*_total` and histograms of pull and KV-ready seconds."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+
+        def per_engine(metric: PromMetric) -> dict[int, PromMetric]:
+            return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+        self._histograms = {
+            name: per_engine(
+                self._histogram_cls(
+                    name=f"vllm:hixl_{name}",
+                    documentation=f"hixl_connector {name.replace('_', ' ')} per pull.",
+                    buckets=buckets,
+                    labelnames=labelnames,
+                )
+            )
+            for name in ("pull_seconds", "kv_ready_seconds")
+        }
+        self._counters = {
+            name: per_engine(
+                self._counter_cls(
+                    name=f"vllm:hixl_{name}",
+                    documentation=f"hixl_connector {name.replace('_', ' ')}.",
+                    labelnames=labelnames,
+                )
+            )
+            for name in ("pulls", "pull_bytes", "pull_blocks", *_COUNTS)
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, histogram in self._histograms.items():
+            for value in transfer_stats_data.get(name, ()):
+                histogram[engine_idx].observe(value)
+        self._counters["pulls"][engine_idx].inc(len(transfer_stats_data.get("pull_seconds", ())))
+        for name in ("pull_bytes", "pull_blocks", *_COUNTS):
+            total = sum(transfer_stats_data.get(name, ()))
+            if total:
+                self._counters[name][engine_idx].inc(total)

@@ -1,0 +1,319 @@
+"""The worker half: registers the KV caches, pulls on D, leases on P.
+
+D: every RecvSpec becomes one job on a small transfer pool (handshake + link on first use of
+a peer, one `pull_blocks`, then "done" to P), so vLLM's forward pass never waits on a
+transfer. Results are reported through `get_transfer_results` by every rank.
+P: a side-channel server answers handshakes and turns "done"/"release" notifications and
+lease expiry into `finished_sending`, so vLLM frees the blocks exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from hixl_connector.config import HixlConfig
+from hixl_connector.engine_setup import BLOCKS_MODEL_ID, Engine, open_engine
+from hixl_connector.kv_layout import KVLayout, describe_kv_caches
+from hixl_connector.leases import LeaseTable
+from hixl_connector.metadata import (
+    SCHEMA_VERSION,
+    HandshakePayload,
+    HixlConnectorMetadata,
+    LeaseNotice,
+    Notification,
+    RecvSpec,
+    ReleaseSpec,
+    RemoteEndpoint,
+    compatibility_hash,
+)
+from hixl_connector.peers import PeerRegistry
+from hixl_connector.side_channel import SideChannelError, SideChannelServer
+from hixl_connector.stats import HixlKVConnectorStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    request_id: str
+    ok: bool
+
+
+class HixlWorker:
+    def __init__(self, vllm_config: Any, config: HixlConfig, engine_id: str) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._vllm_config = vllm_config
+        self._config = config
+        self._engine_id = engine_id
+        kv_config = vllm_config.kv_transfer_config
+        self._is_producer = bool(kv_config.is_kv_producer)
+        self._is_consumer = bool(kv_config.is_kv_consumer)
+        parallel = vllm_config.parallel_config
+        self._tp_size = int(parallel.tensor_parallel_size)
+        self._tp_rank = int(get_tensor_model_parallel_rank())
+        self._dp_rank = int(parallel.data_parallel_rank)
+        self._cluster_id = config.cluster_id_for_rank(self._dp_rank, self._tp_rank, self._tp_size)
+        self._leases = LeaseTable(config.lease_s)
+        self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+        self._stats = HixlKVConnectorStats()
+        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-pull")
+        self._context = zmq.Context()
+        self._last_heartbeat: dict[tuple[str, str, int], float] = {}
+        self._engine: Engine | None = None
+        self._layout: KVLayout | None = None
+        self._payload: HandshakePayload | None = None
+        self._peers: PeerRegistry | None = None
+        self._server: SideChannelServer | None = None
+
+    # -- registration -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        num_blocks = int(self._vllm_config.cache_config.num_gpu_blocks or 0)
+        layout = describe_kv_caches(kv_caches, num_blocks)
+        engine = open_engine(
+            self._config, layout, self._cluster_id, self._is_producer, self._is_consumer
+        )
+        self._engine, self._layout = engine, layout
+        self._payload = self._handshake_payload(layout, engine.listen_port)
+        self._peers = PeerRegistry(
+            engine.api, engine.datadist, self._context, self._payload, self._config
+        )
+        if self._is_producer:
+            self._server = SideChannelServer(
+                self._context,
+                self._config.side_channel_host,
+                self._side_channel_port(),
+                {
+                    "handshake": self._on_handshake,
+                    "done": self._on_done,
+                    "release": self._on_done,
+                    "heartbeat": self._on_heartbeat,
+                },
+                self._config.auth_token,
+            )
+        logger.info(
+            "hixl: registered %d KV tensors x %d blocks of %d bytes (cluster %d, rank %d)",
+            layout.num_tensors,
+            layout.num_blocks,
+            layout.block_bytes,
+            self._cluster_id,
+            self._tp_rank,
+        )
+
+    def _side_channel_port(self) -> int:
+        return self._config.side_channel_port + self._dp_rank * self._tp_size + self._tp_rank
+
+    def _handshake_payload(self, layout: KVLayout, engine_port: int) -> HandshakePayload:
+        model = self._vllm_config.model_config
+        fields = {
+            "model": str(model.model),
+            "kv_layout": _kv_layout_name(layout),
+            "num_kv_heads": int(model.get_total_num_kv_heads()),
+            "head_size": int(model.get_head_size()),
+            "block_size": int(self._vllm_config.cache_config.block_size),
+            "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
+            **layout.compatibility_fields(),
+        }
+        return HandshakePayload(
+            schema_version=SCHEMA_VERSION,
+            compatibility_hash=compatibility_hash(fields),
+            compatibility=fields,
+            engine_id=self._engine_id,
+            tp_rank=self._tp_rank,
+            tp_size=self._tp_size,
+            cluster_id=self._cluster_id,
+            engine_host=self._config.engine_host,
+            engine_port=engine_port,
+            num_blocks=layout.num_blocks,
+        )
+
+    # -- per step -----------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: HixlConnectorMetadata) -> None:
+        now = time.monotonic()
+        for send in metadata.to_send:
+            self._leases.start(send.request_id, send.lease_id, send.block_ids, now)
+        for recv in metadata.to_recv:
+            self._pool.submit(self._receive, recv, now)
+        for release in metadata.to_release:
+            self._pool.submit(self._release, release)
+        self._send_heartbeats(metadata.heartbeats, now)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        recving: set[str] = set()
+        failed: set[str] = set()
+        while True:
+            try:
+                outcome = self._outcomes.get_nowait()
+            except queue.Empty:
+                break
+            recving.add(outcome.request_id)
+            if not outcome.ok:
+                failed.add(outcome.request_id)
+        expired = self._leases.expire(time.monotonic())
+        for request_id in expired:
+            logger.warning("hixl: lease of request %s expired; releasing its blocks", request_id)
+        if expired:
+            self._stats.record("expired_leases", len(expired))
+        return self._leases.take_finished(), recving, failed
+
+    def get_stats(self) -> HixlKVConnectorStats | None:
+        return None if self._stats.is_empty() else self._stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._server is not None:
+            self._server.close()
+        if self._peers is not None:
+            self._peers.close()
+        if self._engine is not None:
+            self._engine.datadist.finalize()
+            self._engine = None
+        self._context.term()
+
+    # -- D side jobs (transfer pool) ----------------------------------------------------
+
+    def _receive(self, spec: RecvSpec, queued_at: float) -> None:
+        assert self._peers is not None and self._layout is not None and self._engine is not None
+        peer = None
+        try:
+            if spec.error:
+                raise ValueError(spec.error)
+            peer = self._peers.get(spec.remote)
+            started = time.monotonic()
+            self._engine.datadist.cache_manager.pull_blocks(
+                self._engine.api.BlocksCacheKey(peer.cluster_id, BLOCKS_MODEL_ID),
+                self._engine.cache,
+                list(spec.remote_block_ids),
+                list(spec.local_block_ids),
+                tensor_num_per_layer=self._layout.tensors_per_layer,
+            )
+            finished = time.monotonic()
+        except Exception as e:
+            self._fail(spec, peer, e)
+            return
+        if self._config.test_corrupt_received_kv:
+            self._corrupt(spec.local_block_ids)
+        blocks = len(spec.local_block_ids)
+        self._stats.record_pull(
+            finished - started,
+            finished - queued_at,
+            blocks * self._layout.block_bytes * self._layout.num_tensors,
+            blocks,
+        )
+        self._outcomes.put(_Outcome(spec.request_id, True))
+        self._notify(spec.remote, "done", spec.remote_request_id, spec.lease_id, peer.client)
+
+    def _fail(self, spec: RecvSpec, peer: Any, error: Exception) -> None:
+        logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
+        self._stats.record("failed_pulls" if peer is not None else "failed_handshakes")
+        codes = self._engine.api.LLMStatusCode if self._engine is not None else None
+        status = getattr(error, "status_code", None)
+        if peer is not None and codes is not None and status != codes.LLM_PARAM_INVALID:
+            self._peers.mark_broken(peer)  # type: ignore[union-attr]
+        self._outcomes.put(_Outcome(spec.request_id, False))
+        if spec.remote.engine_id:
+            # Tell P at once so it frees instead of waiting for the lease to expire.
+            self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id, None)
+
+    def _release(self, spec: ReleaseSpec) -> None:
+        self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id, None)
+
+    def _notify(
+        self, remote: RemoteEndpoint, kind: str, remote_request_id: str, lease_id: int, client: Any
+    ) -> None:
+        assert self._peers is not None
+        consumers = max(1, self._tp_size // max(1, remote.tp_size))
+        try:
+            channel = client if client is not None else self._peers.client_for(remote)
+            notice = LeaseNotice(remote_request_id, lease_id, consumers)
+            channel.request(Notification(kind, (notice,)).to_dict())
+            if client is None:
+                channel.close()
+        except (SideChannelError, ValueError, RuntimeError) as e:
+            # P's lease expiry frees the blocks anyway; only promptness is lost.
+            self._stats.record("failed_notifications")
+            logger.warning("hixl: %s for %s not delivered: %s", kind, remote_request_id, e)
+
+    def _send_heartbeats(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> None:
+        by_peer: dict[tuple[str, str, int], list[LeaseNotice]] = {}
+        remotes: dict[tuple[str, str, int], RemoteEndpoint] = {}
+        for remote, remote_request_id, lease_id in beats:
+            key = (remote.engine_id, remote.host, remote.port)
+            if now - self._last_heartbeat.get(key, -1e9) < self._config.heartbeat_s:
+                continue
+            by_peer.setdefault(key, []).append(LeaseNotice(remote_request_id, lease_id))
+            remotes[key] = remote
+        for key, items in by_peer.items():
+            self._last_heartbeat[key] = now
+            self._pool.submit(self._heartbeat, remotes[key], items)
+
+    def _heartbeat(self, remote: RemoteEndpoint, items: list[LeaseNotice]) -> None:
+        assert self._peers is not None
+        client = self._peers.client_for(remote)
+        try:
+            client.request(Notification("heartbeat", tuple(items)).to_dict())
+        except SideChannelError as e:
+            logger.warning("hixl: heartbeat to %s failed: %s", remote.engine_id, e)
+        finally:
+            client.close()
+
+    def _corrupt(self, block_ids: tuple[int, ...]) -> None:
+        """TEST ONLY (test_corrupt_received_kv): replaces received blocks with noise."""
+        import torch
+
+        assert self._layout is not None
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for view in self._layout.views:
+            noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
+            view[index] = noise.to(view.dtype)
+
+    # -- P side handlers (side-channel thread) ------------------------------------------
+
+    def _on_handshake(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self._payload is not None
+        if message.get("schema") != SCHEMA_VERSION:
+            raise ValueError(
+                f"peer speaks schema {message.get('schema')!r}, this engine {SCHEMA_VERSION}"
+            )
+        if message.get("tp_rank") != self._tp_rank:
+            raise ValueError(f"this side channel serves rank {self._tp_rank}")
+        return {"payload": self._payload.to_dict()}
+
+    def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        notices = Notification.from_dict(message).items
+        return {
+            "results": [
+                self._leases.consumer_done(n.remote_request_id, n.lease_id, n.consumers, now)
+                for n in notices
+            ]
+        }
+
+    def _on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        notices = Notification.from_dict(message).items
+        return {
+            "alive": [self._leases.heartbeat(n.remote_request_id, n.lease_id, now) for n in notices]
+        }
+
+
+def _kv_layout_name(layout: KVLayout) -> str:
+    """Names what decides the bytes inside a block: the platform, its kernels, the shape."""
+    import torch
+    from vllm.platforms import current_platform
+
+    kernels = current_platform.device_type
+    if kernels == "cpu":  # the CPU attention kernels pack blocks per ISA
+        kernels += ":" + torch.backends.cpu.get_cpu_capability()
+    shape = "x".join(str(d) for d in layout.block_shape)
+    return f"{kernels}/{layout.tensors_per_layer}x[{shape}]"

@@ -1,0 +1,130 @@
+// Public facade of the native HIXL engine: caches, links, pulls, status codes.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hixl {
+
+// Values match CANN's LLMStatusCode so Python can pass them through unchanged.
+namespace status {
+constexpr int64_t kSuccess = 0;
+constexpr int64_t kPending = 1;  // async only: not finished yet
+constexpr int64_t kKvCacheNotExist = 1343270914;
+constexpr int64_t kParamInvalid = 1343270917;
+constexpr int64_t kEngineFinalized = 1343270918;
+constexpr int64_t kNotYetLink = 1343270919;
+constexpr int64_t kAlreadyLink = 1343270920;
+constexpr int64_t kLinkFailed = 1343270921;
+constexpr int64_t kUnlinkFailed = 1343270922;
+constexpr int64_t kFeatureNotEnabled = 1343270937;
+constexpr int64_t kTimeout = 1343270938;
+constexpr int64_t kLinkBusy = 1343270939;
+constexpr int64_t kFailed = 4294967295LL;
+}  // namespace status
+
+struct Status {
+  int64_t code = status::kSuccess;
+  std::string message;
+
+  bool ok() const { return code == status::kSuccess; }
+  static Status Ok() { return {}; }
+  static Status Error(int64_t c, std::string m) { return {c, std::move(m)}; }
+};
+
+struct EngineOptions {
+  int64_t cluster_id = 0;
+  std::string listen_host;
+  int listen_port = -1;  // -1: no listener, 0: ephemeral
+  std::string auth_token;
+  std::string transport = "auto";  // auto | cma | tcp
+  int tcp_connections = 2;
+  int transfer_threads = 2;
+};
+
+struct CacheKey {
+  int64_t req_id = -1;
+  int64_t prefix_id = -1;
+  int64_t model_id = -1;
+};
+
+struct CacheRegistration {
+  int64_t cache_id = 0;
+  std::vector<uint64_t> tensor_addrs;
+  uint64_t tensor_bytes = 0;
+  uint64_t num_blocks = 0;  // batch size for contiguous caches
+  bool is_blocks = true;
+  bool remote_accessible = true;
+  int64_t blocks_model_id = -1;
+  std::vector<CacheKey> cache_keys;
+};
+
+enum RemoteKind : int { kBlocksByModel = 0, kCacheById = 1, kCacheByKey = 2 };
+
+struct PullRequest {
+  int64_t remote_cluster_id = 0;
+  int remote_kind = kBlocksByModel;
+  int64_t model_id = -1;
+  int64_t cache_id = -1;
+  int64_t req_id = -1;
+  int64_t prefix_id = -1;
+  int64_t batch_index = 0;
+  int64_t dst_cache_id = 0;
+  std::vector<int64_t> src_blocks;
+  std::vector<int64_t> dst_blocks;
+  int64_t src_tensor_first = 0;
+  int64_t src_tensor_count = -1;
+  int64_t dst_tensor_first = 0;
+  int64_t dst_tensor_count = -1;
+  int64_t timeout_ms = 1000;
+};
+
+// Thread-safe engine. Constructor throws std::invalid_argument for bad options and
+// std::runtime_error when the listener cannot bind.
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int64_t cluster_id() const;
+  int listen_port() const;
+
+  Status register_cache(const CacheRegistration& reg);
+  Status unregister_cache(int64_t cache_id);
+
+  Status link(int64_t remote_cluster_id, const std::string& host, int port, int64_t timeout_ms);
+  Status unlink(int64_t remote_cluster_id, int64_t timeout_ms, bool force);
+  std::string peer_transport(int64_t remote_cluster_id) const;
+
+  Status pull(const PullRequest& request);
+  Status submit_pull(PullRequest request, uint64_t* handle);
+  Status wait(uint64_t handle, int64_t timeout_ms);
+  Status poll(uint64_t handle);
+
+  void close();
+  std::map<std::string, int64_t> stats() const;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Pure helpers exposed for tests and benchmarks.
+struct BlockRun {
+  uint64_t src_start;
+  uint64_t dst_start;
+  uint64_t length;
+};
+std::vector<BlockRun> plan_runs(const int64_t* src, const int64_t* dst, size_t count);
+double time_plan(const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                 int num_tensors, int iterations);
+double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
+                    const std::vector<uint64_t>& lengths, int threads);
+
+}  // namespace hixl

@@ -1,0 +1,43 @@
+#include "auth.h"
+
+#include <cstring>
+#include <vector>
+
+#include "wire.h"
+
+namespace hixl {
+namespace {
+
+Digest proof(const std::string& token, const char* label, const Nonce& first,
+             const Nonce& second) {
+  std::vector<uint8_t> msg(label, label + std::strlen(label));
+  msg.insert(msg.end(), first.begin(), first.end());
+  msg.insert(msg.end(), second.begin(), second.end());
+  return hmac_sha256(token, msg.data(), msg.size());
+}
+
+}  // namespace
+
+Nonce make_nonce() {
+  Nonce n{};
+  wire::fill_random(n.data(), n.size());
+  return n;
+}
+
+Digest server_proof(const std::string& token, const Nonce& client_nonce,
+                    const Nonce& server_nonce) {
+  return proof(token, "hixl-server-v1", client_nonce, server_nonce);
+}
+
+Digest client_proof(const std::string& token, const Nonce& client_nonce,
+                    const Nonce& server_nonce) {
+  return proof(token, "hixl-client-v1", server_nonce, client_nonce);
+}
+
+bool digests_equal(const Digest& a, const Digest& b) {
+  uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<uint8_t>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace hixl

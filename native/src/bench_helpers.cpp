@@ -1,0 +1,61 @@
+// Pure helpers for tests and benchmarks: planner timing and an in-process copy reference.
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "planner.h"
+#include "wire.h"
+
+namespace hixl {
+
+double time_plan(const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                 int num_tensors, int iterations) {
+  if (iterations < 1 || num_tensors < 1 || src.size() != dst.size() || src.empty()) return 0.0;
+  int64_t max_id = 0;
+  for (size_t i = 0; i < src.size(); ++i) max_id = std::max({max_id, src[i], dst[i]});
+  const uint64_t stride = 4096;
+  CacheInfo cache;
+  cache.num_blocks = static_cast<uint64_t>(max_id) + 1;
+  cache.tensor_bytes = cache.num_blocks * stride;
+  for (int t = 0; t < num_tensors; ++t) {
+    cache.addrs.push_back((uint64_t(t) + 1) << 40);  // never dereferenced
+  }
+  PullRequest req;
+  req.src_blocks = src;
+  req.dst_blocks = dst;
+  std::vector<Op> ops;
+  auto start = Clock::now();
+  for (int i = 0; i < iterations; ++i) {
+    ResolvedRange range;
+    uint64_t runs = 0;
+    if (!check_local(req, cache, &range).ok() ||
+        !build_ops(req, cache, range, cache, &ops, &runs).ok()) {
+      return -1.0;
+    }
+  }
+  std::chrono::duration<double> elapsed = Clock::now() - start;
+  return elapsed.count() / iterations;
+}
+
+double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
+                    const std::vector<uint64_t>& lengths, int threads) {
+  if (dst.size() != src.size() || dst.size() != lengths.size()) return -1.0;
+  std::vector<Op> ops(dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) ops[i] = {dst[i], src[i], lengths[i]};
+  auto start = Clock::now();
+  auto parts = split_ops(ops, static_cast<size_t>(std::max(1, threads)));
+  auto copy = [](const std::vector<Op>& part) {
+    for (const Op& op : part) {
+      std::memcpy(reinterpret_cast<void*>(op.local), reinterpret_cast<const void*>(op.remote),
+                  op.len);
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (size_t i = 1; i < parts.size(); ++i) helpers.emplace_back(copy, std::cref(parts[i]));
+  copy(parts[0]);
+  for (auto& t : helpers) t.join();
+  std::chrono::duration<double> elapsed = Clock::now() - start;
+  return elapsed.count();
+}
+
+}  // namespace hixl

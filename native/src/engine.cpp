@@ -1,0 +1,334 @@
+// The facade: owns the cache table, links, server, transfer pool and async handles.
+#include "hixl/engine.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <set>
+#include <stdexcept>
+
+#include "cache_table.h"
+#include "handshake.h"
+#include "link.h"
+#include "planner.h"
+#include "server.h"
+#include "stats.h"
+#include "thread_pool.h"
+
+namespace hixl {
+namespace {
+
+struct AsyncPull {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status result;
+};
+
+std::string cluster_name(int64_t id) { return "cluster " + std::to_string(id); }
+
+void validate(const EngineOptions& o) {
+  if (o.transport != "auto" && o.transport != "cma" && o.transport != "tcp") {
+    throw std::invalid_argument("transport must be auto, cma or tcp, not '" + o.transport + "'");
+  }
+  if (o.tcp_connections < 1 || o.tcp_connections > 64) {
+    throw std::invalid_argument("tcp_connections must be in [1, 64]");
+  }
+  if (o.transfer_threads < 1 || o.transfer_threads > 64) {
+    throw std::invalid_argument("transfer_threads must be in [1, 64]");
+  }
+  if (o.listen_port < -1 || o.listen_port > 65535) {
+    throw std::invalid_argument("listen_port must be -1 (no listener) or in [0, 65535]");
+  }
+  if (o.listen_port >= 0 && o.listen_host.empty()) {
+    throw std::invalid_argument("listen_host is required when listen_port >= 0");
+  }
+}
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  explicit Impl(const EngineOptions& o) : opts(o) {
+    validate(o);
+    wire::fill_random(probe, sizeof(probe));
+    identity = local_identity(o.cluster_id, probe);
+    pool = std::make_unique<ThreadPool>(o.transfer_threads);
+    if (o.listen_port >= 0) {
+      server = std::make_unique<Server>(o.listen_host, o.listen_port, identity, o.auth_token,
+                                        table, stats, meter);
+    }
+  }
+
+  Status pull(const PullRequest& r) {
+    stats.pulls++;
+    Status s = run_pull(r);
+    if (!s.ok()) {
+      stats.failures++;
+      if (s.code == status::kTimeout) stats.timeouts++;
+    }
+    return s;
+  }
+
+  Status run_pull(const PullRequest& r) {
+    if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+    if (r.remote_kind < kBlocksByModel || r.remote_kind > kCacheByKey) {
+      return Status::Error(status::kParamInvalid,
+                           "remote_kind " + std::to_string(r.remote_kind) + " is not 0, 1 or 2");
+    }
+    if (r.timeout_ms <= 0) {
+      return Status::Error(status::kParamInvalid,
+                           "timeout_ms must be > 0, got " + std::to_string(r.timeout_ms));
+    }
+    const Deadline deadline = deadline_after_ms(r.timeout_ms);
+    auto table_lock = table.read_lock();  // the dst cache stays registered during the pull
+    const CacheInfo* dst = table.find_locked(r.dst_cache_id);
+    if (dst == nullptr) {
+      return Status::Error(status::kKvCacheNotExist,
+                           "dst cache " + std::to_string(r.dst_cache_id) + " is not registered");
+    }
+    ResolvedRange dst_range;
+    Status s = check_local(r, *dst, &dst_range);
+    if (!s.ok()) return s;
+    std::shared_ptr<Link> link = find_link(r.remote_cluster_id);
+    if (!link) {
+      return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(r.remote_cluster_id));
+    }
+    s = link->begin_pull();
+    if (!s.ok()) return s;
+    struct EndPull {
+      Link& l;
+      ~EndPull() { l.end_pull(); }
+    } end_pull{*link};
+    const CacheInfo* src = find_remote(link->table(), r);
+    if (src == nullptr) return remote_missing(r);
+    std::vector<Op> ops;
+    uint64_t runs = 0;
+    s = build_ops(r, *dst, dst_range, *src, &ops, &runs);
+    if (!s.ok()) return s;
+    MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
+    s = link->transport().pull(ops, deadline);
+    if (!s.ok()) {
+      if (s.code == status::kTimeout || s.code == status::kFailed) link->mark_broken(s.message);
+      s.message = cluster_name(r.remote_cluster_id) + ": " + s.message;
+      return s;
+    }
+    stats.bytes += static_cast<int64_t>(total_bytes(ops));
+    stats.ops += static_cast<int64_t>(ops.size());
+    stats.runs += static_cast<int64_t>(runs);
+    return Status::Ok();
+  }
+
+  static const CacheInfo* find_remote(const RemoteTable& t, const PullRequest& r) {
+    switch (r.remote_kind) {
+      case kBlocksByModel:
+        return t.by_blocks_model(r.model_id);
+      case kCacheById:
+        return t.by_id(r.cache_id);
+      default:
+        return t.by_key(r.req_id, r.prefix_id, r.model_id);
+    }
+  }
+
+  static Status remote_missing(const PullRequest& r) {
+    std::string what;
+    if (r.remote_kind == kBlocksByModel) {
+      what = "no blocks cache with model_id " + std::to_string(r.model_id);
+    } else if (r.remote_kind == kCacheById) {
+      what = "no remote-accessible cache " + std::to_string(r.cache_id);
+    } else {
+      what = "no cache with key (req_id=" + std::to_string(r.req_id) +
+             ", prefix_id=" + std::to_string(r.prefix_id) +
+             ", model_id=" + std::to_string(r.model_id) + ")";
+    }
+    return Status::Error(status::kKvCacheNotExist,
+                         cluster_name(r.remote_cluster_id) + " has " + what);
+  }
+
+  std::shared_ptr<Link> find_link(int64_t cluster) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = links.find(cluster);
+    return it == links.end() ? nullptr : it->second;
+  }
+
+  Status link(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {
+    if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+    if (timeout_ms <= 0 || port <= 0 || port > 65535 || host.empty()) {
+      return Status::Error(status::kParamInvalid, "link to " + cluster_name(remote) +
+                                                      ": bad host/port/timeout " + host + ":" +
+                                                      std::to_string(port));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (links.count(remote) != 0 || linking.count(remote) != 0) {
+        return Status::Error(status::kAlreadyLink, "already linked to " + cluster_name(remote));
+      }
+      linking.insert(remote);
+    }
+    LinkOptions lo{opts.cluster_id, remote, host, port, opts.auth_token,
+                   opts.transport, opts.tcp_connections, opts.transfer_threads};
+    std::unique_ptr<Link> opened;
+    Status s = Link::open(lo, deadline_after_ms(timeout_ms), identity, *pool, meter, &opened);
+    std::lock_guard<std::mutex> lock(mu);
+    linking.erase(remote);
+    if (s.ok() && closed.load()) s = Status::Error(status::kEngineFinalized, "engine is closed");
+    if (!s.ok()) return s;
+    links[remote] = std::shared_ptr<Link>(std::move(opened));
+    stats.links++;
+    return Status::Ok();
+  }
+
+  Status unlink(int64_t remote, int64_t timeout_ms, bool force) {
+    std::shared_ptr<Link> link;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = links.find(remote);
+      if (it == links.end()) {
+        return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote));
+      }
+      link = std::move(it->second);
+      links.erase(it);
+    }
+    const Deadline deadline = deadline_after_ms(std::max<int64_t>(timeout_ms, 1));
+    if (!link->close_and_drain(deadline)) {
+      return Status::Error(status::kUnlinkFailed, "pulls on the link to " + cluster_name(remote) +
+                                                      " did not finish within " +
+                                                      std::to_string(timeout_ms) + " ms");
+    }
+    if (!force) {
+      std::string e = link->say_goodbye(deadline);
+      if (!e.empty()) {
+        return Status::Error(status::kUnlinkFailed,
+                             "unlinked locally but could not notify " + cluster_name(remote) +
+                                 " (" + e + "); use force=True for a dead peer");
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status submit(PullRequest r, uint64_t* handle) {
+    if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+    auto ap = std::make_shared<AsyncPull>();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      *handle = next_handle++;
+      handles[*handle] = ap;
+    }
+    bool posted = pool->post([this, ap, req = std::move(r)] {
+      Status s = pull(req);
+      std::lock_guard<std::mutex> lock(ap->mu);
+      ap->result = std::move(s);
+      ap->done = true;
+      ap->cv.notify_all();
+    });
+    if (!posted) {
+      std::lock_guard<std::mutex> lock(mu);
+      handles.erase(*handle);
+      return Status::Error(status::kEngineFinalized, "engine is closed");
+    }
+    return Status::Ok();
+  }
+
+  Status wait(uint64_t handle, int64_t timeout_ms) {
+    std::shared_ptr<AsyncPull> ap;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = handles.find(handle);
+      if (it == handles.end()) return Status::Error(status::kParamInvalid, "unknown handle");
+      ap = it->second;
+    }
+    {
+      std::unique_lock<std::mutex> lock(ap->mu);
+      auto done = [&] { return ap->done; };
+      if (timeout_ms < 0) {
+        ap->cv.wait(lock, done);
+      } else if (!ap->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), done)) {
+        return Status::Error(status::kPending, "pull still running");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    handles.erase(handle);
+    return ap->result;
+  }
+
+  void close() {
+    std::map<int64_t, std::shared_ptr<Link>> doomed;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (closed.exchange(true)) return;
+      doomed.swap(links);
+    }
+    if (server) server->stop();
+    for (auto& kv : doomed) kv.second->close_and_drain(deadline_after_ms(5000));
+    pool->shutdown();  // queued pulls run now and fail fast with ENGINE_FINALIZED
+    doomed.clear();
+  }
+
+  const EngineOptions opts;
+  EngineStats stats;
+  MemoryMeter meter;
+  CacheTable table;
+  uint8_t probe[kProbeBytes] = {};  // the cma probe reads these bytes from our memory
+  Identity identity;
+  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<Server> server;
+  std::atomic<bool> closed{false};
+  mutable std::mutex mu;
+  std::map<int64_t, std::shared_ptr<Link>> links;
+  std::set<int64_t> linking;
+  std::map<uint64_t, std::shared_ptr<AsyncPull>> handles;
+  uint64_t next_handle = 1;
+};
+
+Engine::Engine(const EngineOptions& options) : impl_(std::make_unique<Impl>(options)) {}
+Engine::~Engine() { close(); }
+
+int64_t Engine::cluster_id() const { return impl_->opts.cluster_id; }
+int Engine::listen_port() const { return impl_->server ? impl_->server->port() : -1; }
+
+Status Engine::register_cache(const CacheRegistration& reg) {
+  if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+  return impl_->table.add(reg);
+}
+
+Status Engine::unregister_cache(int64_t cache_id) {
+  if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+  return impl_->table.remove(cache_id);
+}
+
+Status Engine::link(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {
+  return impl_->link(remote, host, port, timeout_ms);
+}
+
+Status Engine::unlink(int64_t remote, int64_t timeout_ms, bool force) {
+  return impl_->unlink(remote, timeout_ms, force);
+}
+
+std::string Engine::peer_transport(int64_t remote) const {
+  std::shared_ptr<Link> link = impl_->find_link(remote);
+  return link ? link->transport_name() : "";
+}
+
+Status Engine::pull(const PullRequest& request) { return impl_->pull(request); }
+Status Engine::submit_pull(PullRequest request, uint64_t* handle) {
+  return impl_->submit(std::move(request), handle);
+}
+Status Engine::wait(uint64_t handle, int64_t timeout_ms) { return impl_->wait(handle, timeout_ms); }
+Status Engine::poll(uint64_t handle) { return impl_->wait(handle, 0); }
+void Engine::close() { impl_->close(); }
+
+std::map<std::string, int64_t> Engine::stats() const {
+  const EngineStats& s = impl_->stats;
+  return {{"pulls", s.pulls},
+          {"failures", s.failures},
+          {"bytes", s.bytes},
+          {"ops", s.ops},
+          {"runs", s.runs},
+          {"timeouts", s.timeouts},
+          {"links", s.links},
+          {"served_bytes", s.served_bytes},
+          {"served_requests", s.served_requests},
+          {"rejected_requests", s.rejected_requests},
+          {"peak_internal_bytes", impl_->meter.peak()}};
+}
+
+}  // namespace hixl

@@ -1,0 +1,36 @@
+// Connection handshake: HELLO -> CHALLENGE -> AUTH -> WELCOME (or ERROR and close).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "hixl/engine.h"
+#include "wire.h"
+
+namespace hixl {
+
+constexpr size_t kProbeBytes = 16;
+
+struct Identity {
+  int64_t cluster_id = 0;
+  int64_t pid = 0;
+  uint64_t pid_namespace = 0;
+  std::string boot_id;
+  std::string host;
+  uint64_t probe_addr = 0;
+  std::array<uint8_t, kProbeBytes> probe{};
+};
+
+Identity local_identity(int64_t cluster_id, const uint8_t* probe);
+
+// Client side. expected_cluster is the cluster id the caller wants to reach.
+Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
+                        const std::string& token, Deadline deadline, Identity* peer);
+
+// Server side: "" on success, else the reason; an error frame was already sent.
+// *auth_refused is set when the client failed authentication.
+std::string server_handshake(int fd, const Identity& me, const std::string& token,
+                             Deadline deadline, bool* auth_refused);
+
+}  // namespace hixl

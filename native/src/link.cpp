@@ -1,0 +1,143 @@
+#include "link.h"
+
+namespace hixl {
+namespace {
+
+Status fetch_table(int fd, Deadline deadline, RemoteTable* table, const std::string& peer) {
+  bool timed_out = false;
+  std::string e = wire::send_frame(fd, wire::kTableRequest, {}, deadline, &timed_out);
+  wire::Header h;
+  std::vector<uint8_t> payload;
+  if (e.empty()) {
+    e = wire::recv_frame(fd, &h, &payload, wire::kMaxTablePayload, deadline, &timed_out);
+  }
+  if (!e.empty()) {
+    return Status::Error(timed_out ? status::kTimeout : status::kLinkFailed,
+                         "fetching the cache table of " + peer + ": " + e);
+  }
+  if (h.type == wire::kError) return wire::decode_error(payload, "cache table of " + peer);
+  if (h.type != wire::kTable || !RemoteTable::decode(payload.data(), payload.size(), table, &e)) {
+    return Status::Error(status::kLinkFailed, "cache table of " + peer + ": " +
+                                                  (e.empty() ? "unexpected frame" : e));
+  }
+  return Status::Ok();
+}
+
+Status connect_and_greet(const LinkOptions& o, uint8_t channel, Deadline deadline,
+                         UniqueFd* fd, Identity* peer) {
+  std::string error;
+  *fd = wire::connect_to(o.host, o.port, deadline, &error);
+  if (!fd->valid()) {
+    return Status::Error(Clock::now() >= deadline ? status::kTimeout : status::kLinkFailed,
+                         "cluster " + std::to_string(o.remote_cluster) + ": " + error);
+  }
+  return client_handshake(fd->get(), o.my_cluster, o.remote_cluster, channel, o.token, deadline,
+                          peer);
+}
+
+}  // namespace
+
+Status Link::open(const LinkOptions& o, Deadline deadline, const Identity& me, ThreadPool& pool,
+                  MemoryMeter& meter, std::unique_ptr<Link>* out) {
+  const std::string peer = "cluster " + std::to_string(o.remote_cluster);
+  std::unique_ptr<Link> link(new Link());
+  link->cluster_ = o.remote_cluster;
+  Identity peer_id;
+  Status s = connect_and_greet(o, wire::kControlChannel, deadline, &link->control_, &peer_id);
+  if (!s.ok()) return s;
+  s = fetch_table(link->control_.get(), deadline, &link->table_, peer);
+  if (!s.ok()) return s;
+
+  Status cma_refusal;
+  if (o.transport != "tcp") {
+    UniqueFd pidfd;
+    if (peer_id.boot_id != me.boot_id || peer_id.boot_id.empty()) {
+      cma_refusal = Status::Error(status::kLinkFailed, peer + " runs on another host");
+    } else if (peer_id.pid_namespace != me.pid_namespace) {
+      cma_refusal = Status::Error(status::kLinkFailed, peer + " runs in another pid namespace");
+    } else {
+      cma_refusal = cma_probe(static_cast<int>(peer_id.pid), peer_id.probe_addr,
+                              peer_id.probe.data(), peer_id.probe.size(), &pidfd);
+    }
+    if (cma_refusal.ok()) {
+      link->transport_ = make_cma_transport(static_cast<int>(peer_id.pid), std::move(pidfd),
+                                            pool, o.transfer_threads, meter);
+    } else if (o.transport == "cma") {
+      cma_refusal.message = "cma transport unavailable: " + cma_refusal.message;
+      return cma_refusal;
+    }
+  }
+  if (!link->transport_) {
+    std::vector<UniqueFd> conns;
+    for (int i = 0; i < o.tcp_connections; ++i) {
+      UniqueFd fd;
+      Identity again;
+      s = connect_and_greet(o, wire::kDataChannel, deadline, &fd, &again);
+      if (!s.ok()) return s;
+      if (again.pid != peer_id.pid || again.boot_id != peer_id.boot_id) {
+        return Status::Error(status::kLinkFailed, peer + " changed process during link");
+      }
+      conns.push_back(std::move(fd));
+    }
+    link->transport_ = make_tcp_transport(std::move(conns), pool, meter);
+  }
+  *out = std::move(link);
+  return Status::Ok();
+}
+
+Link::~Link() {
+  if (transport_) transport_->abort();
+}
+
+Status Link::begin_pull() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closing_) {
+    return Status::Error(status::kLinkBusy,
+                         "link to cluster " + std::to_string(cluster_) + " is being unlinked");
+  }
+  if (broken_) {
+    return Status::Error(status::kNotYetLink, "link to cluster " + std::to_string(cluster_) +
+                                                  " is broken (" + broken_reason_ +
+                                                  "): unlink(force=True) and link again");
+  }
+  ++active_pulls_;
+  return Status::Ok();
+}
+
+void Link::end_pull() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--active_pulls_ == 0) idle_cv_.notify_all();
+}
+
+void Link::mark_broken(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_ || broken_) return;
+    broken_ = true;
+    broken_reason_ = reason;
+  }
+  transport_->abort();
+}
+
+bool Link::close_and_drain(Deadline deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+  }
+  transport_->abort();
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_until(lock, deadline, [this] { return active_pulls_ == 0; });
+}
+
+std::string Link::say_goodbye(Deadline deadline) {
+  bool timed_out = false;
+  std::string e = wire::send_frame(control_.get(), wire::kBye, {}, deadline, &timed_out);
+  if (!e.empty()) return e;
+  wire::Header h;
+  std::vector<uint8_t> payload;
+  e = wire::recv_frame(control_.get(), &h, &payload, 1024, deadline, &timed_out);
+  if (e.empty() && h.type != wire::kByeAck) e = "unexpected reply to BYE";
+  return e;
+}
+
+}  // namespace hixl

@@ -1,0 +1,220 @@
+#include "planner.h"
+
+#include <algorithm>
+#include <string>
+
+namespace hixl {
+namespace {
+
+Status invalid(const std::string& msg) { return Status::Error(status::kParamInvalid, msg); }
+
+std::string list_entry(const char* name, size_t i, int64_t v) {
+  return std::string(name) + "[" + std::to_string(i) + "]=" + std::to_string(v);
+}
+
+// The batch row a contiguous source is read from. A CacheKey selects its own row: a cache
+// registered under keys k0, k1, ... holds key i in batch row i (LLM-DataDist semantics).
+Status source_row(const PullRequest& req, const CacheInfo& src, uint64_t* row) {
+  const std::string sname = "remote cache " + std::to_string(src.id);
+  const std::string batch = " with batch size " + std::to_string(src.num_blocks);
+  if (req.remote_kind == kCacheById) {
+    if (req.batch_index < 0 || static_cast<uint64_t>(req.batch_index) >= src.num_blocks) {
+      return invalid("batch_index " + std::to_string(req.batch_index) + " is outside " + sname +
+                     batch);
+    }
+    *row = static_cast<uint64_t>(req.batch_index);
+    return Status::Ok();
+  }
+  if (req.batch_index != 0) {
+    return invalid("batch_index " + std::to_string(req.batch_index) +
+                   " must be 0 for a CacheKey: the key selects the row of " + sname);
+  }
+  const std::string key = "key (req_id=" + std::to_string(req.req_id) + ", prefix_id=" +
+                          std::to_string(req.prefix_id) + ", model_id=" +
+                          std::to_string(req.model_id) + ")";
+  for (size_t i = 0; i < src.keys.size(); ++i) {
+    const CacheKey& k = src.keys[i];
+    if (k.req_id != req.req_id || k.prefix_id != req.prefix_id || k.model_id != req.model_id) {
+      continue;
+    }
+    if (i >= src.num_blocks) {
+      return invalid(key + " is key " + std::to_string(i) + " of " + sname + batch +
+                     ": it has no batch row");
+    }
+    *row = i;
+    return Status::Ok();
+  }
+  return invalid(key + " is not a key of " + sname);
+}
+
+}  // namespace
+
+std::vector<BlockRun> plan_runs(const int64_t* src, const int64_t* dst, size_t count) {
+  std::vector<BlockRun> runs;
+  for (size_t i = 0; i < count; ++i) {
+    if (!runs.empty()) {
+      BlockRun& last = runs.back();
+      if (static_cast<uint64_t>(src[i]) == last.src_start + last.length &&
+          static_cast<uint64_t>(dst[i]) == last.dst_start + last.length) {
+        ++last.length;
+        continue;
+      }
+    }
+    runs.push_back({static_cast<uint64_t>(src[i]), static_cast<uint64_t>(dst[i]), 1});
+  }
+  return runs;
+}
+
+Status check_local(const PullRequest& req, const CacheInfo& dst, ResolvedRange* dst_range) {
+  const std::string dname = "dst cache " + std::to_string(dst.id);
+  if (!dst.is_blocks) return invalid(dname + " is not a blocks cache");
+  if (req.dst_blocks.empty()) return invalid("dst_blocks is empty");
+  if (req.remote_kind == kBlocksByModel) {
+    if (req.src_blocks.empty()) return invalid("src_blocks is empty for a blocks cache key");
+    if (req.src_blocks.size() != req.dst_blocks.size()) {
+      return invalid("len(src_blocks)=" + std::to_string(req.src_blocks.size()) +
+                     " != len(dst_blocks)=" + std::to_string(req.dst_blocks.size()));
+    }
+    for (size_t i = 0; i < req.src_blocks.size(); ++i) {
+      if (req.src_blocks[i] < 0) return invalid(list_entry("src_blocks", i, req.src_blocks[i]));
+    }
+  } else if (!req.src_blocks.empty()) {
+    return invalid("src_blocks must be empty unless the source is a blocks cache key");
+  }
+  for (size_t i = 0; i < req.dst_blocks.size(); ++i) {
+    int64_t b = req.dst_blocks[i];
+    if (b < 0 || static_cast<uint64_t>(b) >= dst.num_blocks) {
+      return invalid(list_entry("dst_blocks", i, b) + " is outside " + dname + " with " +
+                     std::to_string(dst.num_blocks) + " blocks");
+    }
+  }
+  const uint64_t n = dst.addrs.size();
+  if (req.dst_tensor_first < 0 || static_cast<uint64_t>(req.dst_tensor_first) >= n) {
+    return invalid("dst tensor first " + std::to_string(req.dst_tensor_first) + " outside " +
+                   dname + " with " + std::to_string(n) + " tensors");
+  }
+  uint64_t count = req.dst_tensor_count == -1 ? n - req.dst_tensor_first
+                                              : static_cast<uint64_t>(req.dst_tensor_count);
+  if (req.dst_tensor_count == 0 || req.dst_tensor_count < -1 ||
+      req.dst_tensor_first + count > n) {
+    return invalid("dst tensor range [" + std::to_string(req.dst_tensor_first) + ", +" +
+                   std::to_string(req.dst_tensor_count) + ") outside " + dname + " with " +
+                   std::to_string(n) + " tensors");
+  }
+  if (req.src_tensor_first < 0 || req.src_tensor_count == 0 || req.src_tensor_count < -1) {
+    return invalid("src tensor range [" + std::to_string(req.src_tensor_first) + ", +" +
+                   std::to_string(req.src_tensor_count) + ") is invalid");
+  }
+  if (req.src_tensor_count != -1 && static_cast<uint64_t>(req.src_tensor_count) != count) {
+    return invalid("src tensor count " + std::to_string(req.src_tensor_count) +
+                   " != dst tensor count " + std::to_string(count));
+  }
+  dst_range->first = static_cast<uint64_t>(req.dst_tensor_first);
+  dst_range->count = count;
+  return Status::Ok();
+}
+
+Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRange& dst_range,
+                 const CacheInfo& src, std::vector<Op>* ops, uint64_t* run_count) {
+  const std::string sname = "remote cache " + std::to_string(src.id);
+  const uint64_t ns = src.addrs.size();
+  const uint64_t src_first = static_cast<uint64_t>(req.src_tensor_first);
+  uint64_t src_count = req.src_tensor_count == -1 ? (src_first < ns ? ns - src_first : 0)
+                                                  : static_cast<uint64_t>(req.src_tensor_count);
+  if (src_first >= ns || src_first + src_count > ns) {
+    return invalid("src tensor range [" + std::to_string(req.src_tensor_first) + ", +" +
+                   std::to_string(req.src_tensor_count) + ") outside " + sname + " with " +
+                   std::to_string(ns) + " tensors");
+  }
+  if (src_count != dst_range.count) {
+    return invalid("src tensor count " + std::to_string(src_count) + " != dst tensor count " +
+                   std::to_string(dst_range.count));
+  }
+  const uint64_t dst_stride = dst.stride();
+  const uint64_t src_stride = src.stride();
+  uint64_t src_base = 0;       // byte offset of src "block" 0 inside a remote tensor
+  uint64_t src_unit = 0;       // bytes between consecutive src ids
+  std::vector<int64_t> slice_ids;
+  const std::vector<int64_t>* src_ids = &req.src_blocks;
+  if (req.remote_kind == kBlocksByModel) {
+    for (size_t i = 0; i < req.src_blocks.size(); ++i) {
+      if (static_cast<uint64_t>(req.src_blocks[i]) >= src.num_blocks) {
+        return invalid(list_entry("src_blocks", i, req.src_blocks[i]) + " is outside " + sname +
+                       " with " + std::to_string(src.num_blocks) + " blocks");
+      }
+    }
+    src_unit = src_stride;
+  } else {
+    uint64_t row = 0;
+    Status s = source_row(req, src, &row);
+    if (!s.ok()) return s;
+    uint64_t n = req.dst_blocks.size();
+    if (n * dst_stride > src_stride) {
+      return invalid(std::to_string(n) + " slices of " + std::to_string(dst_stride) +
+                     " bytes exceed the " + std::to_string(src_stride) + "-byte row of " + sname);
+    }
+    src_base = row * src_stride;
+    src_unit = dst_stride;
+    slice_ids.resize(n);
+    for (uint64_t i = 0; i < n; ++i) slice_ids[i] = static_cast<int64_t>(i);
+    src_ids = &slice_ids;
+  }
+  std::vector<BlockRun> runs = plan_runs(src_ids->data(), req.dst_blocks.data(), src_ids->size());
+  for (const auto& r : runs) {
+    uint64_t len = r.length * dst_stride;
+    uint64_t src_off = src_base + r.src_start * src_unit;
+    if (src_off + len > src.tensor_bytes) {
+      return invalid("run of " + std::to_string(r.length) + " blocks from src block " +
+                     std::to_string(r.src_start) + " (" + std::to_string(len) +
+                     " bytes) does not fit " + sname + " tensors of " +
+                     std::to_string(src.tensor_bytes) + " bytes");
+    }
+  }
+  ops->clear();
+  ops->reserve(runs.size() * dst_range.count);
+  for (uint64_t t = 0; t < dst_range.count; ++t) {
+    uint64_t local_base = dst.addrs[dst_range.first + t];
+    uint64_t remote_base = src.addrs[src_first + t];
+    for (const auto& r : runs) {
+      ops->push_back({local_base + r.dst_start * dst_stride,
+                      remote_base + src_base + r.src_start * src_unit, r.length * dst_stride});
+    }
+  }
+  *run_count = runs.size();
+  return Status::Ok();
+}
+
+uint64_t total_bytes(const std::vector<Op>& ops) {
+  uint64_t total = 0;
+  for (const auto& op : ops) total += op.len;
+  return total;
+}
+
+std::vector<std::vector<Op>> split_ops(const std::vector<Op>& ops, size_t shares) {
+  std::vector<std::vector<Op>> out;
+  uint64_t total = total_bytes(ops);
+  if (shares <= 1 || total == 0) {
+    out.push_back(ops);
+    return out;
+  }
+  uint64_t target = (total + shares - 1) / shares;
+  out.emplace_back();
+  uint64_t filled = 0;
+  for (Op op : ops) {
+    while (op.len > 0) {
+      if (filled == target && out.size() < shares) {
+        out.emplace_back();
+        filled = 0;
+      }
+      uint64_t take = out.size() < shares ? std::min(op.len, target - filled) : op.len;
+      out.back().push_back({op.local, op.remote, take});
+      op.local += take;
+      op.remote += take;
+      op.len -= take;
+      filled += take;
+    }
+  }
+  return out;
+}
+
+}  // namespace hixl

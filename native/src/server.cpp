@@ -1,0 +1,241 @@
+#include "server.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace hixl {
+namespace {
+
+std::runtime_error bind_error(const std::string& host, int port, const std::string& why) {
+  return std::runtime_error("cannot listen on " + host + ":" + std::to_string(port) + ": " + why);
+}
+
+}  // namespace
+
+Server::Server(const std::string& host, int port, Identity identity, std::string token,
+               CacheTable& table, EngineStats& stats, MemoryMeter& meter)
+    : identity_(std::move(identity)),
+      token_(std::move(token)),
+      table_(table),
+      stats_(stats),
+      meter_(meter) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  std::string port_text = std::to_string(port);
+  int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &res);
+  if (rc != 0) throw bind_error(host, port, ::gai_strerror(rc));
+  std::string why = "no usable address";
+  for (addrinfo* ai = res; ai != nullptr && !listen_fd_.valid(); ai = ai->ai_next) {
+    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd.valid()) continue;
+    int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), 128) != 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    listen_fd_ = std::move(fd);
+  }
+  ::freeaddrinfo(res);
+  if (!listen_fd_.valid()) throw bind_error(host, port, why);
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  ::getsockname(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  wake_fd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_.valid()) throw bind_error(host, port, std::string("eventfd: ") + std::strerror(errno));
+  wire::set_nonblocking(listen_fd_.get());
+  accept_thread_ = std::thread([this] { accept_loop(); });
+}
+
+Server::~Server() { stop(); }
+
+void Server::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  uint64_t one = 1;
+  ssize_t ignored = ::write(wake_fd_.get(), &one, sizeof(one));
+  (void)ignored;
+  if (accept_thread_.joinable()) accept_thread_.join();
+  std::list<std::unique_ptr<Connection>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conns.swap(connections_);
+  }
+  for (auto& c : conns) ::shutdown(c->fd.get(), SHUT_RDWR);
+  for (auto& c : conns) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+  listen_fd_.reset();
+}
+
+void Server::reap_finished_locked() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if ((*it)->done.load()) {
+      (*it)->thread.join();
+      it = connections_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Server::accept_loop() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
+    int r = ::poll(fds, 2, -1);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 || (fds[1].revents & POLLIN)) return;
+    if (!(fds[0].revents & POLLIN)) continue;
+    UniqueFd fd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!fd.valid()) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        pollfd wake{wake_fd_.get(), POLLIN, 0};
+        ::poll(&wake, 1, 100);  // out of descriptors: back off instead of spinning
+      }
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    reap_finished_locked();
+    if (active_.load() >= kMaxConnections) {
+      stats_.rejected_requests++;
+      continue;  // closing the socket is the refusal
+    }
+    wire::set_nodelay(fd.get());
+    auto conn = std::make_unique<Connection>();
+    conn->fd = std::move(fd);
+    Connection* raw = conn.get();
+    active_++;
+    conn->thread = std::thread([this, raw] { serve(raw); });
+    connections_.push_back(std::move(conn));
+  }
+}
+
+void Server::send_error(int fd, int64_t code, const std::string& msg) {
+  bool timed_out = false;
+  wire::send_frame(fd, wire::kError, wire::error_payload(code, msg),
+                   deadline_after_ms(wire::kFrameTimeoutMs), &timed_out);
+}
+
+void Server::serve(Connection* conn) {
+  const int fd = conn->fd.get();
+  bool auth_refused = false;
+  std::string e = server_handshake(fd, identity_, token_,
+                                   deadline_after_ms(wire::kHandshakeTimeoutMs), &auth_refused);
+  if (!e.empty()) stats_.rejected_requests++;
+  while (e.empty()) {
+    // Idle authenticated connections may wait indefinitely (stop() wakes them with shutdown);
+    // once a frame starts it must complete within kFrameTimeoutMs.
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, -1);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 || (p.revents & (POLLERR | POLLNVAL))) break;
+    wire::Header h;
+    bool timed_out = false;
+    Deadline deadline = deadline_after_ms(wire::kFrameTimeoutMs);
+    e = wire::recv_header(fd, &h, deadline, &timed_out);
+    if (!e.empty()) {
+      if (e != "connection closed by peer") {
+        stats_.rejected_requests++;
+        send_error(fd, status::kFailed, "bad frame: " + e);
+      }
+      break;
+    }
+    if (h.length > wire::kMaxControlPayload) {
+      stats_.rejected_requests++;
+      send_error(fd, status::kParamInvalid,
+                 "frame of " + std::to_string(h.length) + " bytes exceeds the limit");
+      break;
+    }
+    std::vector<uint8_t> payload(h.length);
+    MemoryCharge charge(meter_, static_cast<int64_t>(payload.size()));
+    e = wire::recv_all(fd, payload.data(), payload.size(), deadline, &timed_out);
+    if (!e.empty()) {
+      stats_.rejected_requests++;
+      break;
+    }
+    if (h.type == wire::kRead) {
+      if (!handle_read(fd, payload)) break;
+    } else if (h.type == wire::kTableRequest && payload.empty()) {
+      std::vector<uint8_t> table = table_.encode_remote_visible();
+      e = wire::send_frame(fd, wire::kTable, table, deadline_after_ms(wire::kSendStallTimeoutMs),
+                           &timed_out);
+    } else if (h.type == wire::kBye) {
+      wire::send_frame(fd, wire::kByeAck, {}, deadline, &timed_out);
+      break;
+    } else {
+      stats_.rejected_requests++;
+      send_error(fd, status::kParamInvalid, "unexpected frame type " + std::to_string(h.type));
+      break;
+    }
+  }
+  ::shutdown(fd, SHUT_RDWR);  // the peer sees the close now; the fd is closed when reaped
+  active_--;
+  conn->done.store(true);
+}
+
+bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
+  wire::Decoder dec(payload.data(), payload.size());
+  uint32_t n = 0;
+  if (!dec.u32(&n) || n == 0 || n > wire::kMaxReadOps || dec.remaining() != uint64_t(n) * 16) {
+    stats_.rejected_requests++;
+    send_error(fd, status::kParamInvalid, "malformed read request");
+    return false;
+  }
+  std::vector<iovec> iov(n);
+  MemoryCharge charge(meter_, static_cast<int64_t>(n * sizeof(iovec)));
+  uint64_t total = 0;
+  auto lock = table_.read_lock();  // registered memory cannot be unregistered while we send
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t addr = 0, len = 0;
+    dec.u64(&addr);
+    dec.u64(&len);
+    if (!table_.range_allowed_locked(addr, len)) {
+      stats_.rejected_requests++;
+      send_error(fd, status::kParamInvalid,
+                 "range [" + std::to_string(addr) + ", +" + std::to_string(len) +
+                     ") is outside the memory cluster " + std::to_string(identity_.cluster_id) +
+                     " registered as remote-accessible");
+      return true;  // the stream is still in sync: keep serving
+    }
+    iov[i] = {reinterpret_cast<void*>(addr), len};
+    total += len;
+  }
+  uint8_t header[wire::kHeaderBytes];
+  uint32_t magic = wire::kMagic;
+  uint16_t version = wire::kVersion, type = wire::kData;
+  std::memcpy(header, &magic, 4);
+  std::memcpy(header + 4, &version, 2);
+  std::memcpy(header + 6, &type, 2);
+  std::memcpy(header + 8, &total, 8);
+  bool timed_out = false;
+  std::string e = wire::send_all(fd, header, sizeof(header),
+                                 deadline_after_ms(wire::kSendStallTimeoutMs), &timed_out);
+  // A fresh stall deadline per batch: a slow but live reader is fine, a stuck one is not.
+  for (size_t base = 0; base < n && e.empty(); base += 1024) {
+    size_t count = std::min<size_t>(1024, n - base);
+    e = wire::sendv_all(fd, iov.data() + base, count,
+                        deadline_after_ms(wire::kSendStallTimeoutMs), &timed_out);
+  }
+  if (!e.empty()) return false;
+  stats_.served_requests++;
+  stats_.served_bytes += static_cast<int64_t>(total);
+  return true;
+}
+
+}  // namespace hixl

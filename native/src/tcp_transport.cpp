@@ -1,0 +1,157 @@
+// Socket transport: READ requests on several data connections; the server streams the bytes
+// straight from its registered memory and we readv them straight into the destination.
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+
+#include "transport.h"
+
+namespace hixl {
+namespace {
+
+constexpr size_t kOpsPerRequest = 8192;
+constexpr uint64_t kMinShareBytes = 256u << 10;
+
+class TcpTransport final : public Transport {
+ public:
+  TcpTransport(std::vector<UniqueFd> conns, ThreadPool& pool, MemoryMeter& meter)
+      : conns_(std::move(conns)), pool_(pool), meter_(meter) {
+    for (auto& c : conns_) idle_.push_back(c.get());
+  }
+
+  const char* name() const override { return "tcp"; }
+
+  void abort() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) return;
+    aborted_ = true;
+    // shutdown (not close) wakes blocked pollers while the descriptors stay valid.
+    for (auto& c : conns_) ::shutdown(c.get(), SHUT_RDWR);
+    cv_.notify_all();
+  }
+
+  Status pull(const std::vector<Op>& ops, Deadline deadline) override {
+    uint64_t total = total_bytes(ops);
+    size_t shares =
+        std::max<uint64_t>(1, std::min<uint64_t>(conns_.size(), total / kMinShareBytes));
+    Status result;
+    if (shares == 1) {
+      result = pull_share(ops, deadline);
+    } else {
+      MemoryCharge charge(meter_, static_cast<int64_t>((ops.size() + shares) * sizeof(Op)));
+      std::vector<std::vector<Op>> parts = split_ops(ops, shares);
+      std::vector<Status> results(parts.size());
+      run_shares(pool_, parts.size(), [&](size_t i) { results[i] = pull_share(parts[i], deadline); });
+      for (auto& s : results) {
+        // Report the root cause: a TIMEOUT or server error rather than the fallout of abort().
+        if (!s.ok() && (result.ok() || result.code == status::kLinkBusy)) result = s;
+      }
+    }
+    // A half-read stream cannot be resynchronised: close every connection of the link.
+    if (!result.ok()) abort();
+    return result;
+  }
+
+ private:
+  int checkout(Deadline deadline, Status* st) {
+    std::unique_lock<std::mutex> lock(mu_);
+    bool ready = cv_.wait_until(lock, deadline, [this] { return aborted_ || !idle_.empty(); });
+    if (aborted_) {
+      *st = Status::Error(status::kLinkBusy, "link is closing");
+      return -1;
+    }
+    if (!ready) {
+      *st = Status::Error(status::kTimeout, "timed out waiting for a free tcp connection");
+      return -1;
+    }
+    int fd = idle_.back();
+    idle_.pop_back();
+    return fd;
+  }
+
+  void checkin(int fd) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      idle_.push_back(fd);
+    }
+    cv_.notify_one();
+  }
+
+  Status pull_share(const std::vector<Op>& ops, Deadline deadline) {
+    Status st;
+    int fd = checkout(deadline, &st);
+    if (fd < 0) return st;
+    for (size_t base = 0; base < ops.size() && st.ok(); base += kOpsPerRequest) {
+      size_t count = std::min(kOpsPerRequest, ops.size() - base);
+      st = request(fd, ops.data() + base, count, deadline);
+    }
+    checkin(fd);
+    return st;
+  }
+
+  Status failure(const std::string& why, bool timed_out) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_ && !timed_out) return Status::Error(status::kLinkBusy, "link is closing");
+    }
+    if (timed_out) {
+      return Status::Error(status::kTimeout, "tcp pull did not finish before the deadline");
+    }
+    return Status::Error(status::kFailed, "tcp pull failed: " + why);
+  }
+
+  Status request(int fd, const Op* ops, size_t count, Deadline deadline) {
+    MemoryCharge charge(meter_, static_cast<int64_t>(count * (16 + sizeof(iovec))));
+    wire::Encoder enc;
+    enc.u32(static_cast<uint32_t>(count));
+    uint64_t expected = 0;
+    for (size_t i = 0; i < count; ++i) {
+      enc.u64(ops[i].remote);
+      enc.u64(ops[i].len);
+      expected += ops[i].len;
+    }
+    bool timed_out = false;
+    std::string e = wire::send_frame(fd, wire::kRead, enc.bytes(), deadline, &timed_out);
+    if (!e.empty()) return failure(e, timed_out);
+    wire::Header h;
+    e = wire::recv_header(fd, &h, deadline, &timed_out);
+    if (!e.empty()) return failure(e, timed_out);
+    if (h.type == wire::kError) {
+      std::vector<uint8_t> payload;
+      if (h.length > wire::kMaxControlPayload) return failure("oversized error frame", false);
+      payload.resize(h.length);
+      e = wire::recv_all(fd, payload.data(), payload.size(), deadline, &timed_out);
+      if (!e.empty()) return failure(e, timed_out);
+      return wire::decode_error(payload, "peer refused the read");
+    }
+    if (h.type != wire::kData || h.length != expected) {
+      return failure("unexpected reply frame type " + std::to_string(h.type), false);
+    }
+    std::vector<iovec> iov(count);
+    for (size_t i = 0; i < count; ++i) {
+      iov[i] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
+    }
+    e = wire::recvv_all(fd, iov.data(), count, deadline, &timed_out);
+    if (!e.empty()) return failure(e, timed_out);
+    return Status::Ok();
+  }
+
+  std::vector<UniqueFd> conns_;
+  ThreadPool& pool_;
+  MemoryMeter& meter_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int> idle_;
+  bool aborted_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_tcp_transport(std::vector<UniqueFd> conns, ThreadPool& pool,
+                                              MemoryMeter& meter) {
+  return std::make_unique<TcpTransport>(std::move(conns), pool, meter);
+}
+
+}  // namespace hixl

@@ -1,0 +1,87 @@
+#include "thread_pool.h"
+
+#include <atomic>
+#include <memory>
+
+namespace hixl {
+
+ThreadPool::ThreadPool(int threads) {
+  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() { shutdown(); }
+
+bool ThreadPool::post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return false;
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+  return true;
+}
+
+void ThreadPool::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+void ThreadPool::worker_loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+namespace {
+
+struct ShareState {
+  explicit ShareState(size_t n, const std::function<void(size_t)>& f) : total(n), fn(f) {}
+  const size_t total;
+  const std::function<void(size_t)>& fn;  // outlives the state's use: see run_shares
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t finished = 0;
+
+  // Claims and runs shares until none are left.
+  void drain() {
+    for (;;) {
+      size_t i = next.fetch_add(1);
+      if (i >= total) return;
+      fn(i);
+      std::lock_guard<std::mutex> lock(mu);
+      if (++finished == total) cv.notify_all();
+    }
+  }
+};
+
+}  // namespace
+
+void run_shares(ThreadPool& pool, size_t shares, const std::function<void(size_t)>& fn) {
+  if (shares == 0) return;
+  auto state = std::make_shared<ShareState>(shares, fn);
+  // A helper that starts after all shares were claimed touches only `next`, never fn,
+  // so fn may go out of scope once every share finished.
+  for (size_t i = 1; i < shares; ++i) {
+    if (!pool.post([state] { state->drain(); })) break;
+  }
+  state->drain();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->finished == state->total; });
+}
+
+}  // namespace hixl

@@ -1,0 +1,285 @@
+#include "wire.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace hixl {
+
+Deadline deadline_after_ms(int64_t ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+
+int remaining_ms(Deadline deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+  if (left.count() <= 0) return 0;
+  int64_t ms = (left.count() + 999) / 1000;
+  return static_cast<int>(std::min<int64_t>(ms, 1 << 30));
+}
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& o) noexcept {
+  if (this != &o) reset(o.release());
+  return *this;
+}
+
+int UniqueFd::release() {
+  int fd = fd_;
+  fd_ = -1;
+  return fd;
+}
+
+void UniqueFd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+namespace wire {
+
+void Encoder::str(const std::string& s) {
+  u32(static_cast<uint32_t>(s.size()));
+  raw(s.data(), s.size());
+}
+
+void Encoder::raw(const void* p, size_t n) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  buf_.insert(buf_.end(), b, b + n);
+}
+
+bool Decoder::raw(void* out, size_t n) {
+  if (n > n_ - pos_) return false;
+  std::memcpy(out, p_ + pos_, n);
+  pos_ += n;
+  return true;
+}
+
+bool Decoder::str(std::string* s) {
+  uint32_t len = 0;
+  if (!u32(&len) || len > kMaxStringBytes || len > remaining()) return false;
+  s->assign(reinterpret_cast<const char*>(p_ + pos_), len);
+  pos_ += len;
+  return true;
+}
+
+namespace {
+
+// Waits until fd is ready for `events`; "" when ready.
+std::string wait_ready(int fd, short events, Deadline deadline, bool* timed_out) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int ms = remaining_ms(deadline);
+    if (ms == 0) {
+      *timed_out = true;
+      return "timed out";
+    }
+    int r = ::poll(&p, 1, ms);
+    if (r > 0) return "";
+    if (r == 0) continue;  // re-check the deadline
+    if (errno != EINTR) return std::string("poll: ") + std::strerror(errno);
+  }
+}
+
+constexpr size_t kIovBatch = 1024;
+
+}  // namespace
+
+size_t advance_iov(iovec* iov, size_t count, size_t first, size_t n) {
+  while (n > 0 && first < count) {
+    if (n >= iov[first].iov_len) {
+      n -= iov[first].iov_len;
+      iov[first].iov_len = 0;
+      ++first;
+    } else {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + n;
+      iov[first].iov_len -= n;
+      n = 0;
+    }
+  }
+  while (first < count && iov[first].iov_len == 0) ++first;
+  return first;
+}
+
+std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
+  size_t first = advance_iov(iov, count, 0, 0);
+  while (first < count) {
+    msghdr msg{};
+    msg.msg_iov = iov + first;
+    msg.msg_iovlen = std::min(count - first, kIovBatch);
+    ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      first = advance_iov(iov, count, first, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      std::string e = wait_ready(fd, POLLOUT, deadline, timed_out);
+      if (!e.empty()) return e;
+      continue;
+    }
+    return std::string("send: ") + (n < 0 ? std::strerror(errno) : "connection closed");
+  }
+  return "";
+}
+
+std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
+  size_t first = advance_iov(iov, count, 0, 0);
+  while (first < count) {
+    ssize_t n = ::readv(fd, iov + first, static_cast<int>(std::min(count - first, kIovBatch)));
+    if (n > 0) {
+      first = advance_iov(iov, count, first, static_cast<size_t>(n));
+      continue;
+    }
+    if (n == 0) return "connection closed by peer";
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      std::string e = wait_ready(fd, POLLIN, deadline, timed_out);
+      if (!e.empty()) return e;
+      continue;
+    }
+    return std::string("recv: ") + std::strerror(errno);
+  }
+  return "";
+}
+
+std::string send_all(int fd, const void* data, size_t len, Deadline deadline, bool* timed_out) {
+  iovec iov{const_cast<void*>(data), len};
+  return sendv_all(fd, &iov, 1, deadline, timed_out);
+}
+
+std::string recv_all(int fd, void* data, size_t len, Deadline deadline, bool* timed_out) {
+  iovec iov{data, len};
+  return recvv_all(fd, &iov, 1, deadline, timed_out);
+}
+
+std::string send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
+                       Deadline deadline, bool* timed_out) {
+  uint8_t header[kHeaderBytes];
+  uint32_t magic = kMagic;
+  uint16_t version = kVersion;
+  uint64_t length = payload.size();
+  std::memcpy(header, &magic, 4);
+  std::memcpy(header + 4, &version, 2);
+  std::memcpy(header + 6, &type, 2);
+  std::memcpy(header + 8, &length, 8);
+  iovec iov[2] = {{header, kHeaderBytes},
+                  {const_cast<uint8_t*>(payload.data()), payload.size()}};
+  return sendv_all(fd, iov, payload.empty() ? 1 : 2, deadline, timed_out);
+}
+
+std::string recv_header(int fd, Header* header, Deadline deadline, bool* timed_out) {
+  uint8_t raw[kHeaderBytes];
+  std::string e = recv_all(fd, raw, kHeaderBytes, deadline, timed_out);
+  if (!e.empty()) return e;
+  uint32_t magic = 0;
+  uint16_t version = 0;
+  std::memcpy(&magic, raw, 4);
+  std::memcpy(&version, raw + 4, 2);
+  std::memcpy(&header->type, raw + 6, 2);
+  std::memcpy(&header->length, raw + 8, 8);
+  if (magic != kMagic) return "bad frame magic";
+  if (version != kVersion) return "unsupported protocol version " + std::to_string(version);
+  return "";
+}
+
+std::string recv_frame(int fd, Header* header, std::vector<uint8_t>* payload,
+                       uint64_t max_payload, Deadline deadline, bool* timed_out) {
+  std::string e = recv_header(fd, header, deadline, timed_out);
+  if (!e.empty()) return e;
+  if (header->length > max_payload) {
+    return "frame of " + std::to_string(header->length) + " bytes exceeds limit " +
+           std::to_string(max_payload);
+  }
+  payload->resize(header->length);
+  return recv_all(fd, payload->data(), payload->size(), deadline, timed_out);
+}
+
+std::vector<uint8_t> error_payload(int64_t code, const std::string& message) {
+  Encoder enc;
+  enc.u64(static_cast<uint64_t>(code));
+  enc.str(message.size() > kMaxStringBytes ? message.substr(0, kMaxStringBytes) : message);
+  return std::move(enc.bytes());
+}
+
+Status decode_error(const std::vector<uint8_t>& payload, const std::string& context) {
+  Decoder dec(payload.data(), payload.size());
+  uint64_t code = 0;
+  std::string msg;
+  if (!dec.u64(&code) || !dec.str(&msg)) {
+    return Status::Error(status::kFailed, context + ": malformed error frame");
+  }
+  int64_t c = static_cast<int64_t>(code);
+  if (c == status::kSuccess || c == status::kPending) c = status::kFailed;
+  return Status::Error(c, context + ": " + msg);
+}
+
+void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+void set_nodelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+void fill_random(void* out, size_t n) {
+  auto* p = static_cast<uint8_t*>(out);
+  while (n > 0) {
+    ssize_t r = ::getrandom(p, n, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::string* error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  std::string port_text = std::to_string(port);
+  int rc = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res);
+  if (rc != 0) {
+    *error = "cannot resolve " + host + ": " + ::gai_strerror(rc);
+    return UniqueFd();
+  }
+  std::string last = "no address";
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd.valid()) continue;
+    set_nonblocking(fd.get());
+    int r = ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
+    if (r != 0 && errno == EINPROGRESS) {
+      bool timed_out = false;
+      std::string e = wait_ready(fd.get(), POLLOUT, deadline, &timed_out);
+      if (!e.empty()) {
+        last = "connect " + e;
+        continue;
+      }
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      r = err == 0 ? 0 : -1;
+      errno = err;
+    }
+    if (r != 0) {
+      last = std::string("connect: ") + std::strerror(errno);
+      continue;
+    }
+    set_nodelay(fd.get());
+    ::freeaddrinfo(res);
+    return fd;
+  }
+  ::freeaddrinfo(res);
+  *error = "cannot connect to " + host + ":" + port_text + " (" + last + ")";
+  return UniqueFd();
+}
+
+}  // namespace wire
+}  // namespace hixl

@@ -1,0 +1,131 @@
+// Wire format (framing + little-endian encoding) and deadline-bounded socket I/O.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hixl/engine.h"
+
+namespace hixl {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+Deadline deadline_after_ms(int64_t ms);
+int remaining_ms(Deadline deadline);  // >= 0, rounded up
+
+// Owns a file descriptor; closes it once.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { reset(); }
+  UniqueFd(UniqueFd&& o) noexcept : fd_(o.release()) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release();
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+namespace wire {
+
+constexpr uint32_t kMagic = 0x4C584948;  // "HIXL" little-endian
+constexpr uint16_t kVersion = 1;
+constexpr size_t kHeaderBytes = 16;
+constexpr uint64_t kMaxControlPayload = 4u << 20;
+constexpr uint64_t kMaxTablePayload = 16u << 20;
+constexpr uint32_t kMaxReadOps = 65536;
+constexpr uint32_t kMaxStringBytes = 4096;
+constexpr size_t kNonceBytes = 32;
+constexpr int kHandshakeTimeoutMs = 5000;
+constexpr int kFrameTimeoutMs = 5000;
+constexpr int kSendStallTimeoutMs = 10000;
+
+enum FrameType : uint16_t {
+  kHello = 1,       // c->s: i64 client cluster, i64 expected server cluster, u8 channel, nonce
+  kChallenge = 2,   // s->c: u8 server has token, server nonce, server proof
+  kAuth = 3,        // c->s: client proof
+  kWelcome = 4,     // s->c: identity (cluster, pid, pidns, boot id, host, probe addr + nonce)
+  kTableRequest = 5,
+  kTable = 6,
+  kRead = 7,        // c->s: u32 n, n x (u64 addr, u64 len)
+  kData = 8,        // s->c: raw bytes follow, length = sum of the request's lengths
+  kBye = 9,
+  kByeAck = 10,
+  kError = 15,      // u64 status code, string message
+};
+
+enum Channel : uint8_t { kControlChannel = 0, kDataChannel = 1 };
+
+struct Header {
+  uint16_t type = 0;
+  uint64_t length = 0;
+};
+
+class Encoder {
+ public:
+  void u8(uint8_t v) { buf_.push_back(v); }
+  void u32(uint32_t v) { raw(&v, 4); }
+  void u64(uint64_t v) { raw(&v, 8); }
+  void i64(int64_t v) { raw(&v, 8); }
+  void str(const std::string& s);
+  void raw(const void* p, size_t n);
+  std::vector<uint8_t>& bytes() { return buf_; }
+
+ private:
+  std::vector<uint8_t> buf_;
+};
+
+// Every getter fails (returns false) instead of reading past the end.
+class Decoder {
+ public:
+  Decoder(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  bool u8(uint8_t* v) { return raw(v, 1); }
+  bool u32(uint32_t* v) { return raw(v, 4); }
+  bool u64(uint64_t* v) { return raw(v, 8); }
+  bool i64(int64_t* v) { return raw(v, 8); }
+  bool str(std::string* s);
+  bool raw(void* out, size_t n);
+  size_t remaining() const { return n_ - pos_; }
+
+ private:
+  const uint8_t* p_;
+  size_t n_;
+  size_t pos_ = 0;
+};
+
+// Deadline-bounded I/O on a non-blocking socket. Return "" on success, else a reason;
+// *timed_out is set when the deadline passed.
+std::string send_all(int fd, const void* data, size_t len, Deadline deadline, bool* timed_out);
+std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
+std::string recv_all(int fd, void* data, size_t len, Deadline deadline, bool* timed_out);
+std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
+
+std::string send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
+                       Deadline deadline, bool* timed_out);
+std::string recv_header(int fd, Header* header, Deadline deadline, bool* timed_out);
+// Reads a whole frame whose payload must not exceed max_payload.
+std::string recv_frame(int fd, Header* header, std::vector<uint8_t>* payload,
+                       uint64_t max_payload, Deadline deadline, bool* timed_out);
+std::vector<uint8_t> error_payload(int64_t code, const std::string& message);
+Status decode_error(const std::vector<uint8_t>& payload, const std::string& context);
+
+UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::string* error);
+// Advances an iovec array by n bytes from index `first`; returns the new first index.
+size_t advance_iov(iovec* iov, size_t count, size_t first, size_t n);
+void set_nonblocking(int fd);
+void set_nodelay(int fd);
+void fill_random(void* out, size_t n);
+
+}  // namespace wire
+}  // namespace hixl

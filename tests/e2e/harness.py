@@ -1,0 +1,210 @@
+"""Building blocks for end-to-end tests with real vLLM servers and the real vLLM router.
+
+The fixtures in ``conftest.py`` wrap these; tests may also call them directly.
+- ``ProcessRegistry`` remembers every process a session started, to print their logs on failure.
+- ``PDLauncher`` starts one prefill and one decode server (pinned to different cores) with the
+  given ``kv_transfer_config`` dicts, plus the router in PD mode, and stops them all.
+- ``e2e_prompts``/``CHAT_MESSAGES``: deterministic prompts spanning several 32-token blocks.
+- ``example_connector_config``/``hixl_connector_config``: ready ``kv_transfer_config`` dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hixl_connector.demo.client import metric_total, read_metrics
+from hixl_connector.demo.processes import ManagedProcess, free_port
+from hixl_connector.demo.servers import (
+    RouterProcess,
+    VllmServer,
+    start_router,
+    start_vllm_server,
+)
+from hixl_connector.demo.tiny_model import WORDS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "configs"
+BLOCK_SIZE = 32
+MAX_TOKENS = 32
+# Word counts give prompts of roughly 70-250 tokens: several full blocks each.
+PROMPT_WORD_COUNTS = (72, 120, 170, 230)
+CHAT_MESSAGES: tuple[dict[str, str], ...] = (
+    {"role": "system", "content": "answer with the cache block token layer of the model"},
+    {"role": "user", "content": " ".join(random.Random(7).choice(WORDS) for _ in range(90))},
+)
+
+
+def make_prompt(seed: int, n_words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def e2e_prompts() -> list[str]:
+    return [make_prompt(100 + i, n) for i, n in enumerate(PROMPT_WORD_COUNTS)]
+
+
+def risky_prompt_length(n_tokens: int, block_size: int = BLOCK_SIZE) -> bool:
+    """True for lengths where ExampleConnector's producer and consumer round differently.
+
+    The producer stores ``(n-1)//bs*bs`` tokens but the consumer looks up ``(n-2)//bs*bs``,
+    so at ``n % bs == 1`` the consumer misses and silently recomputes.
+    """
+    return n_tokens % block_size == 1
+
+
+def external_prompt_tokens(server_url: str) -> float:
+    """Prompt tokens a server has loaded through its KV connector instead of computing them.
+
+    vLLM counts them for any connector (from ``get_num_new_matched_tokens``), so a rise
+    across a request proves that D used transferred KV rather than silently recomputing.
+    """
+    samples = read_metrics(server_url)
+    return metric_total(
+        samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+
+
+def example_connector_config(storage_dir: str | Path) -> dict[str, Any]:
+    """vLLM's built-in disk connector: P writes KV files, D reads them (plumbing check only)."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+
+
+def hixl_connector_config(role: str, **extra: Any) -> dict[str, Any]:
+    """``configs/<role>.json`` ("prefill" or "decode") with a free side-channel port.
+
+    ``extra`` overrides keys of ``kv_connector_extra_config``.
+    """
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    config = json.loads((CONFIG_DIR / f"{role}.json").read_text())
+    extra_config = dict(config.get("kv_connector_extra_config", {}))
+    extra_config["side_channel_port"] = free_port()
+    extra_config.update(extra)
+    config["kv_connector_extra_config"] = extra_config
+    return dict(config)
+
+
+class ProcessRegistry:
+    """Every process started in a session, for log reports when a test fails."""
+
+    def __init__(self) -> None:
+        self._processes: list[ManagedProcess] = []
+        self._lock = threading.Lock()
+
+    def add(self, process: ManagedProcess) -> None:
+        with self._lock:
+            self._processes.append(process)
+
+    def log_report(self, lines: int = 40) -> str:
+        with self._lock:
+            processes = list(self._processes)
+        return "\n\n".join(
+            f"===== {p.name} (pid {p.pid}, alive {p.alive()}, log {p.log_path}) =====\n"
+            f"{p.log_tail(lines)}"
+            for p in processes
+        )
+
+
+@dataclass
+class PDDeployment:
+    """One prefill and one decode server, and the router in front of them (if started)."""
+
+    prefill: VllmServer
+    decode: VllmServer
+    router: RouterProcess | None
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        if self.router is None:
+            raise RuntimeError("this deployment was started without a router")
+        return self.router.url
+
+    def processes(self) -> list[ManagedProcess]:
+        found: list[ManagedProcess] = [self.prefill, self.decode]
+        if self.router is not None:
+            found.append(self.router)
+        return found
+
+
+class PDLauncher:
+    """Starts P/D deployments with given ``kv_transfer_config`` dicts; ``stop_all`` ends them."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_dir: Path,
+        registry: ProcessRegistry,
+        health_timeout_s: float = 300.0,
+    ) -> None:
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self.registry = registry
+        self.health_timeout_s = health_timeout_s
+        self._started: list[ManagedProcess] = []
+        self._count = 0
+
+    def _track(self, process: ManagedProcess) -> None:
+        self._started.append(process)
+        self.registry.add(process)
+
+    def start(
+        self,
+        prefill_config: Mapping[str, Any] | None,
+        decode_config: Mapping[str, Any] | None,
+        *,
+        with_router: bool = True,
+        prefill_env: Mapping[str, str] | None = None,
+        decode_env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> PDDeployment:
+        """Start P (core 0) and D (core 1) together, wait for both, then the router."""
+        self._count += 1
+        run_dir = self.log_dir / f"pd{self._count}"
+        prefill = start_vllm_server(
+            self.model_dir,
+            run_dir,
+            "prefill",
+            core=0,
+            kv_transfer_config=prefill_config,
+            extra_env=prefill_env,
+            extra_args=extra_args,
+        )
+        self._track(prefill)
+        decode = start_vllm_server(
+            self.model_dir,
+            run_dir,
+            "decode",
+            core=1,
+            kv_transfer_config=decode_config,
+            extra_env=decode_env,
+            extra_args=extra_args,
+        )
+        self._track(decode)
+        deployment = PDDeployment(prefill, decode, None)
+        deployment.timings_s["prefill_healthy"] = prefill.wait_healthy(self.health_timeout_s)
+        deployment.timings_s["decode_healthy"] = decode.wait_healthy(self.health_timeout_s)
+        if with_router:
+            router = start_router([prefill.url], [decode.url], run_dir)
+            self._track(router)
+            deployment.router = router
+            deployment.timings_s["router_healthy"] = router.wait_healthy(60.0)
+        return deployment
+
+    __call__ = start
+
+    def stop_all(self) -> None:
+        # Router first, so no request reaches a server that is going away.
+        for process in reversed(self._started):
+            process.stop()
+        self._started.clear()

@@ -1,0 +1,168 @@
+"""The e2e plumbing itself: a plain vLLM server, and the router in PD mode with vLLM's built-in
+ExampleConnector (KV through files). This proves servers, router and fixtures work; it does
+not exercise hixl_connector.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import pytest
+
+from hixl_connector.demo.client import Generation, chat, complete, metric_total, read_metrics
+from hixl_connector.demo.processes import ManagedProcess, ProcessFailed
+from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer, start_vllm_server
+from hixl_connector.demo.tiny_model import STAMP_NAME, build_tiny_model
+
+from .harness import (
+    CHAT_MESSAGES,
+    MAX_TOKENS,
+    PDLauncher,
+    e2e_prompts,
+    example_connector_config,
+    external_prompt_tokens,
+    risky_prompt_length,
+)
+
+
+def _prompt_length(generation: Generation) -> int:
+    assert generation.prompt_token_ids is not None, "server did not return prompt_token_ids"
+    return len(generation.prompt_token_ids)
+
+
+def test_plain_server_outputs_are_deterministic(
+    plain_server: VllmServer, reference_outputs: dict[str, Generation]
+) -> None:
+    print(f"plain server healthy after {plain_server.healthy_after_s:.1f} s")
+    for prompt in e2e_prompts():
+        first = reference_outputs[prompt]
+        n_prompt = _prompt_length(first)
+        assert 64 <= n_prompt <= 256, n_prompt
+        assert not risky_prompt_length(n_prompt), f"prompt of {n_prompt} tokens: pick another"
+        assert len(first.token_ids) == MAX_TOKENS
+        # Scaled-up random weights: greedy output must not collapse to one repeated token.
+        assert len(set(first.token_ids)) > 4, first.token_ids
+        again = complete(
+            plain_server.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=True
+        )
+        assert again.token_ids == first.token_ids
+        assert again.prompt_token_ids == first.prompt_token_ids
+        assert again.text == first.text
+
+    first_chat = reference_outputs["chat"]
+    assert not risky_prompt_length(_prompt_length(first_chat))
+    again_chat = chat(
+        plain_server.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=True
+    )
+    assert again_chat.token_ids == first_chat.token_ids
+    assert again_chat.text == first_chat.text
+    assert len(first_chat.token_ids) == MAX_TOKENS
+
+
+def test_router_pd_with_example_connector_matches_plain(
+    pd_factory: PDLauncher, reference_outputs: dict[str, Generation], tmp_path: Path
+) -> None:
+    storage = tmp_path / "kv_files"
+    storage.mkdir()
+    config = example_connector_config(storage)
+    pd = pd_factory(config, config)
+    print(f"P/D/router healthy after (s): {pd.timings_s}")
+    p_before, d_before = read_metrics(pd.prefill.url), read_metrics(pd.decode.url)
+    loaded_before = external_prompt_tokens(pd.decode.url)
+
+    prompts = e2e_prompts()
+    for index, prompt in enumerate(prompts):
+        # Alternate plain and streamed requests: the router must relay both.
+        got = complete(
+            pd.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=index % 2 == 1
+        )
+        assert got.token_ids == reference_outputs[prompt].token_ids, f"prompt {index}"
+        print(f"router completion {index}: {got.latency_s * 1000:.0f} ms")
+    for stream in (False, True):
+        got = chat(
+            pd.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=stream
+        )
+        assert got.token_ids == reference_outputs["chat"].token_ids, f"chat stream={stream}"
+        print(f"router chat stream={stream}: {got.latency_s * 1000:.0f} ms")
+
+    n_requests = len(prompts) + 2
+    p_after, d_after = read_metrics(pd.prefill.url), read_metrics(pd.decode.url)
+    # The router sends each request to P with max_tokens=1, then in full to D.
+    p_generated = metric_total(p_after, "vllm:generation_tokens_total") - metric_total(
+        p_before, "vllm:generation_tokens_total"
+    )
+    assert p_generated == n_requests
+    d_generated = metric_total(d_after, "vllm:generation_tokens_total") - metric_total(
+        d_before, "vllm:generation_tokens_total"
+    )
+    assert d_generated == n_requests * MAX_TOKENS
+    # D loaded prompt KV written by P (not a silent recompute): files exist and D counted
+    # externally transferred prompt tokens.
+    assert any(storage.rglob("*.safetensors")), "P stored no KV files"
+    loaded = external_prompt_tokens(pd.decode.url) - loaded_before
+    assert loaded > 0, "D transferred no prompt tokens from P"
+    print(f"D loaded {loaded:.0f} prompt tokens through the connector")
+
+
+def test_bad_kv_transfer_config_fails_fast_with_log(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_vllm_server(
+        tiny_model_dir,
+        tmp_path,
+        "bad",
+        core=1,
+        kv_transfer_config={"kv_connector": "NoSuchConnector", "kv_role": "kv_both"},
+    )
+    try:
+        with pytest.raises(ProcessFailed) as failure:
+            server.wait_healthy(120.0)
+    finally:
+        server.stop()
+    message = str(failure.value)
+    assert "exited while waiting" in message
+    assert "NoSuchConnector" in message  # the log tail explains why
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has already exited
+
+
+def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
+    child_pid_file = tmp_path / "child.pid"
+    process = ManagedProcess(
+        "group", ["bash", "-c", f"sleep 60 & echo $! > {child_pid_file}; wait"], tmp_path / "g.log"
+    )
+    with process.start():
+        process.wait_until(child_pid_file.exists, 10.0, "child pid file")
+        child_pid = int(child_pid_file.read_text())
+        assert _is_running(child_pid)
+    assert not process.alive()
+    deadline = time.monotonic() + 5.0
+    while _is_running(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _is_running(child_pid), "a grandchild outlived stop()"
+
+
+def _file_digests(directory: Path) -> dict[str, str]:
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+        if path.is_file()
+    }
+
+
+def test_tiny_model_builds_are_byte_identical_and_idempotent(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    second = build_tiny_model(tmp_path / "second")
+    first_digests = _file_digests(tiny_model_dir)
+    assert "model.safetensors" in first_digests and "tokenizer.json" in first_digests
+    assert _file_digests(second) == first_digests
+    stamp_mtime = (second / STAMP_NAME).stat().st_mtime_ns
+    assert build_tiny_model(second) == second  # already built: nothing rewritten
+    assert (second / STAMP_NAME).stat().st_mtime_ns == stamp_mtime

@@ -1,0 +1,179 @@
+"""HixlConnector with real vLLM CPU servers behind the real vllm-router.
+
+"Works" means: D's greedy output is token-identical to a plain single-instance run, D's own
+metrics show the blocks and bytes it pulled, and corrupting the pulled KV changes the output
+(so the identity cannot come from a silent local recompute).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hixl_connector.demo.client import Generation, chat, complete, metric_total, read_metrics
+from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer
+
+from .harness import (
+    BLOCK_SIZE,
+    CHAT_MESSAGES,
+    MAX_TOKENS,
+    PDDeployment,
+    PDLauncher,
+    ProcessRegistry,
+    external_prompt_tokens,
+    hixl_connector_config,
+)
+
+# Lengths in tokens: sub-block, exact multiples, k * block_size + 1, and several blocks.
+PROMPT_LENGTHS = (5, 32, 33, 64, 65, 97, 129, 160, 230, 300)
+# fp32 tiny model: per block and layer, 2 KV heads x 32 tokens x (2 x 32 head dims) x 4 bytes.
+BLOCK_BYTES_PER_LAYER = 2 * BLOCK_SIZE * 64 * 4
+NUM_LAYERS = 2
+
+
+def token_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 450) for _ in range(length)]  # 0..2 are special tokens
+
+
+PROMPTS = {n: token_prompt(n, seed=n) for n in PROMPT_LENGTHS}
+
+
+def pulled(server: VllmServer) -> tuple[float, float, float]:
+    samples = read_metrics(server.url)
+    return (
+        metric_total(samples, "vllm:hixl_pulls_total"),
+        metric_total(samples, "vllm:hixl_pull_blocks_total"),
+        metric_total(samples, "vllm:hixl_pull_bytes_total"),
+    )
+
+
+def wait_for_pulls(server: VllmServer, at_least: float, timeout_s: float = 10.0) -> tuple:
+    """Metrics reach the API server a step after the pull; wait for them, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = pulled(server)
+        if current[0] >= at_least or time.monotonic() > deadline:
+            return current
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_server: VllmServer) -> dict[Any, Generation]:
+    outputs: dict[Any, Generation] = {
+        n: complete(plain_server.url, p, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+        for n, p in PROMPTS.items()
+    }
+    outputs["chat"] = chat(
+        plain_server.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
+    )
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
+) -> Iterator[PDDeployment]:
+    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "hixl", process_registry)
+    try:
+        yield launcher.start(hixl_connector_config("prefill"), hixl_connector_config("decode"))
+    finally:
+        launcher.stop_all()
+
+
+def test_completions_token_identical_and_blocks_pulled(
+    deployment: PDDeployment, plain_outputs: dict[Any, Generation]
+) -> None:
+    pulls, blocks, nbytes = pulled(deployment.decode)
+    external = external_prompt_tokens(deployment.decode.url)
+    for n, prompt in PROMPTS.items():
+        out = complete(deployment.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+        assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
+        assert out.prompt_token_ids == prompt
+        expected_blocks = math.ceil(n / BLOCK_SIZE)
+        now = wait_for_pulls(deployment.decode, pulls + 1)
+        assert now[0] == pulls + 1, f"{n}-token prompt: D made {now[0] - pulls} pulls, not 1"
+        assert now[1] - blocks == expected_blocks, f"{n}-token prompt: wrong block count"
+        assert now[2] - nbytes == expected_blocks * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
+        pulls, blocks, nbytes = now
+    # vLLM's own count of prompt tokens that came from the connector, not local compute.
+    loaded = external_prompt_tokens(deployment.decode.url) - external
+    assert loaded == sum(PROMPT_LENGTHS)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_and_streaming_token_identical(
+    deployment: PDDeployment, plain_outputs: dict[Any, Generation], stream: bool
+) -> None:
+    before = pulled(deployment.decode)[0]
+    out = chat(
+        deployment.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=stream
+    )
+    assert out.token_ids == plain_outputs["chat"].token_ids
+    prompt = PROMPTS[230]
+    out = complete(
+        deployment.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=stream
+    )
+    assert out.token_ids == plain_outputs[230].token_ids
+    assert wait_for_pulls(deployment.decode, before + 2)[0] >= before + 2
+
+
+def test_repeated_prompt_hits_decode_prefix_cache(
+    deployment: PDDeployment, plain_outputs: dict[Any, Generation]
+) -> None:
+    prompt = PROMPTS[300] + PROMPTS[97][:20]  # extends a prompt D already holds
+    first = complete(deployment.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+    pulls, blocks, _ = wait_for_pulls(deployment.decode, pulled(deployment.decode)[0])
+    again = complete(deployment.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+    assert again.token_ids == first.token_ids
+    now = wait_for_pulls(deployment.decode, pulls + 1)
+    # D already holds every full block but the last one it must recompute into.
+    assert now[0] == pulls + 1
+    assert 0 < now[1] - blocks < math.ceil(len(prompt) / BLOCK_SIZE)
+
+
+def test_concurrent_requests(
+    deployment: PDDeployment, plain_outputs: dict[Any, Generation]
+) -> None:
+    lengths = (64, 97, 160, 230, 300, 129)
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        futures = {
+            n: pool.submit(
+                complete, deployment.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=64
+            )
+            for n in lengths
+        }
+        outputs = {n: f.result(timeout=120) for n, f in futures.items()}
+    for n in lengths:
+        assert outputs[n].token_ids[:MAX_TOKENS] == plain_outputs[n].token_ids
+
+
+def test_corrupted_kv_changes_the_output(
+    tiny_model_dir: Path,
+    e2e_log_dir: Path,
+    process_registry: ProcessRegistry,
+    plain_outputs: dict[Any, Generation],
+) -> None:
+    """The control: same P/D, but D overwrites the pulled blocks with noise before decoding.
+
+    Also loads the connector by its registered name alone (the vLLM plugin entry point).
+    """
+    decode = hixl_connector_config("decode", test_corrupt_received_kv=True)
+    del decode["kv_connector_module_path"]
+    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "corrupt", process_registry)
+    try:
+        pd = launcher.start(hixl_connector_config("prefill"), decode)
+        lengths = (64, 97, 160, 300)
+        for n in lengths:
+            out = complete(pd.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+            assert out.token_ids != plain_outputs[n].token_ids, f"{n}: corruption had no effect"
+        assert wait_for_pulls(pd.decode, len(lengths))[0] == len(lengths)
+    finally:
+        launcher.stop_all()

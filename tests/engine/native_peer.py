@@ -1,0 +1,177 @@
+"""A serving peer for the native engine tests: real memory, real listener, own process.
+
+Run as a script: allocates tensors with numpy, fills them with a known pattern, registers
+them, listens on 127.0.0.1 port 0, prints one JSON line (port, pid, tensor addresses) and
+serves until stdin closes. The line "stats" on stdin prints the engine's stats as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+BLOCKS_CACHE_ID = 1
+CONTIGUOUS_CACHE_ID = 2
+PRIVATE_CACHE_ID = 3
+MODEL_ID = 7
+# (req_id, prefix_id, model_id) of each batch row of the contiguous cache: key i <-> row i.
+CONTIGUOUS_KEYS = [(5, -1, 7), (6, -1, 7)]
+
+
+def pattern(cluster_id: int, cache_id: int, tensor: int, nbytes: int) -> np.ndarray:
+    """Every 8-byte word names its cluster, cache, tensor and position."""
+    words = np.arange(nbytes // 8, dtype=np.uint64)
+    tag = (cluster_id << 56) | (cache_id << 48) | (tensor << 40)
+    return (words | np.uint64(tag)).view(np.uint8)
+
+
+def _tensors(cluster_id: int, cache_id: int, count: int, nbytes: int) -> list[np.ndarray]:
+    return [pattern(cluster_id, cache_id, t, nbytes).copy() for t in range(count)]
+
+
+def _addrs(tensors: list[np.ndarray]) -> list[int]:
+    return [int(t.ctypes.data) for t in tensors]
+
+
+@dataclass
+class NativePeer:
+    """A running native_peer.py process."""
+
+    cluster_id: int
+    process: subprocess.Popen[str]
+    info: dict[str, Any]
+
+    @property
+    def port(self) -> int:
+        return int(self.info["port"])
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stats(self) -> dict[str, int]:
+        proc = self.process
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("stats\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
+        assert ready, "peer did not answer 'stats'"
+        stats: dict[str, int] = json.loads(proc.stdout.readline())
+        return stats
+
+    def stop(self) -> None:
+        proc = self.process
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGCONT)  # in case a test stopped it
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except (subprocess.TimeoutExpired, OSError):
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None and not stream.closed:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOPs pid and waits until every thread is really stopped (delivery is async)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [
+            Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            for tid in os.listdir(f"/proc/{pid}/task")
+        ]
+        if all(state == "T" for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s}s")
+
+
+def start_peer(cluster_id: int, token: str = "", **geometry: int) -> NativePeer:
+    """Starts a peer and waits (bounded) for its ready line."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--cluster-id", str(cluster_id)]
+    if token:
+        cmd += ["--token", token]
+    for name, value in geometry.items():
+        cmd += ["--" + name.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+        raise RuntimeError(f"peer {cluster_id} did not become ready in {READY_TIMEOUT_S}s")
+    return NativePeer(cluster_id, proc, json.loads(line))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cluster-id", type=int, required=True)
+    parser.add_argument("--token", default="")
+    parser.add_argument("--tensors", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--block-bytes", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--row-bytes", type=int, default=65536)
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(REPO_ROOT))
+    from hixl_connector import _native
+
+    engine = _native.Engine(
+        args.cluster_id, listen_host="127.0.0.1", listen_port=0, auth_token=args.token
+    )
+    blocks = _tensors(
+        args.cluster_id, BLOCKS_CACHE_ID, args.tensors, args.blocks * args.block_bytes
+    )
+    rows = _tensors(args.cluster_id, CONTIGUOUS_CACHE_ID, args.tensors, args.batch * args.row_bytes)
+    private = _tensors(args.cluster_id, PRIVATE_CACHE_ID, 1, args.block_bytes)
+    registrations = [
+        (BLOCKS_CACHE_ID, blocks, args.blocks, True, True, MODEL_ID, []),
+        (CONTIGUOUS_CACHE_ID, rows, args.batch, False, True, -1, CONTIGUOUS_KEYS),
+        (PRIVATE_CACHE_ID, private, 1, True, False, MODEL_ID + 1, []),
+    ]
+    for cache_id, tensors, count, is_blocks, remote, model, keys in registrations:
+        status, message = engine.register_cache(
+            cache_id, _addrs(tensors), tensors[0].nbytes, count, is_blocks, remote, model, keys
+        )
+        if status != _native.SUCCESS:
+            raise SystemExit(f"register_cache({cache_id}) failed: {status} {message}")
+    info = {
+        "port": engine.listen_port,
+        "pid": os.getpid(),
+        "blocks_addrs": _addrs(blocks),
+        "blocks_tensor_bytes": blocks[0].nbytes,
+        "private_addr": _addrs(private)[0],
+    }
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            print(json.dumps(engine.stats()), flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""LLMDataDist life cycle and links against real peer processes: one instance per process,
+link_clusters / unlink_clusters status codes, authentication, a pull timeout (peer stopped with
+SIGSTOP) and recovery with unlink(force=True) + link, and a finalized CacheManager."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from conftest import Client, Peer, wait_until
+
+TOKEN = "s3cret-token"
+
+
+def ok(api: Any) -> Any:
+    return api.LLMStatusCode.LLM_SUCCESS
+
+
+def test_one_instance_per_process(api: Any, client_factory: Any) -> None:
+    first = client_factory(cluster_id=3000)
+    first.dd.init({})  # a repeat init of the same object is a no-op
+    second = api.LLMDataDist(api.LLMRole.DECODER, 3001)
+    with pytest.raises(api.LLMException, match="Cannot init multiple LLMDataDists") as info:
+        second.init({"ge.exec.deviceId": "0", "llm.EnableCacheManager": "1"})
+    assert info.value.status_code == api.LLMStatusCode.LLM_FAILED
+
+
+def test_calls_before_init_raise(api: Any) -> None:
+    dd = api.LLMDataDist(api.LLMRole.DECODER, 1)
+    with pytest.raises(RuntimeError):
+        _ = dd.cache_manager
+    with pytest.raises(RuntimeError):
+        dd.link_clusters([], 1000)
+    with pytest.raises(TypeError):
+        api.LLMDataDist(1, 1)
+    with pytest.raises(ValueError):
+        api.LLMDataDist(api.LLMRole.PROMPT, -1)
+
+
+def test_link_argument_checks_and_codes(api: Any, peer_factory: Any, client_factory: Any) -> None:
+    peer = peer_factory(31)
+    client = client_factory(cluster_id=3100)
+    codes = api.LLMStatusCode
+    info = client.cluster_info(peer)
+    with pytest.raises(TypeError):
+        client.dd.link_clusters([info], "1000")
+    with pytest.raises(ValueError):
+        client.dd.link_clusters([info], 2**31)
+    with pytest.raises(api.LLMException) as exc:
+        client.dd.link_clusters([info], 0)
+    assert exc.value.status_code == codes.LLM_PARAM_INVALID
+    with pytest.raises(TypeError):
+        client.dd.link_clusters(info, 1000)
+    no_local = api.LLMClusterInfo()
+    no_local.remote_cluster_id = peer.cluster_id
+    no_local.append_remote_ip_info("127.0.0.1", peer.port)
+    with pytest.raises(api.LLMException, match="local_ip_info") as exc:
+        client.dd.link_clusters([no_local], 1000)
+    assert exc.value.status_code == codes.LLM_PARAM_INVALID
+    assert client.dd.link_clusters([], 1000) == (codes.LLM_PARAM_INVALID, [])
+    assert client.dd.link_clusters([info] * 17, 1000)[0] == codes.LLM_CLUSTER_NUM_EXCEED_LIMIT
+    assert client.dd.unlink_clusters([info], 1000) == (
+        codes.LLM_NOT_YET_LINK,
+        [codes.LLM_NOT_YET_LINK],
+    )
+    assert client.link(peer) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
+    assert client.link(peer) == (codes.LLM_ALREADY_LINK, [codes.LLM_ALREADY_LINK])
+    assert client.unlink(peer) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
+    dead = api.LLMClusterInfo()
+    dead.remote_cluster_id = 77
+    dead.append_local_ip_info("127.0.0.1", 0)
+    dead.append_remote_ip_info("127.0.0.1", 1)  # nothing listens on port 1
+    assert client.dd.link_clusters([dead], 1000) == (codes.LLM_LINK_FAILED, [codes.LLM_LINK_FAILED])
+    wrong_id = client.cluster_info(peer)
+    wrong_id.remote_cluster_id = peer.cluster_id + 1
+    assert client.dd.link_clusters([wrong_id], 2000)[0] == codes.LLM_LINK_FAILED
+
+
+@pytest.mark.parametrize("transport", ["cma", "tcp"])
+def test_unauthenticated_link_refused(
+    api: Any, peer_factory: Any, client_factory: Any, transport: str, monkeypatch: Any
+) -> None:
+    peer = peer_factory(40 if transport == "cma" else 41, auth_token=TOKEN)
+    monkeypatch.delenv("HIXL_AUTH_TOKEN", raising=False)
+    failed = (api.LLMStatusCode.LLM_LINK_FAILED, [api.LLMStatusCode.LLM_LINK_FAILED])
+    assert client_factory(4000, hixl_transport=transport).link(peer) == failed
+    assert (
+        client_factory(4001, hixl_transport=transport, hixl_auth_token="wrong").link(peer) == failed
+    )
+    monkeypatch.setenv("HIXL_AUTH_TOKEN", TOKEN)  # the token may come from the environment
+    client = client_factory(4002, hixl_transport=transport)
+    assert client.link(peer) == (ok(api), [ok(api)])
+    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1], [2])
+    client.unlink(peer)
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP and wait until the kernel reports it stopped (signal delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+    wait_until(stopped, 5.0, f"process {pid} to stop")
+
+
+def _pull_once(api: Any, client: Client, peer: Peer, cache: Any) -> None:
+    client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1, 2], [3, 4])
+
+
+def test_timeout_then_force_unlink_and_relink_recovers(
+    api: Any, peer_factory: Any, client_factory: Any
+) -> None:
+    peer = peer_factory(50)
+    timeout_ms = 500
+    client = client_factory(5000, hixl_transport="tcp", sync_kv_timeout=timeout_ms)
+    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    codes = api.LLMStatusCode
+    assert client.link(peer) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
+    _pull_once(api, client, peer, cache)
+    stop_process(peer.pid)
+    try:
+        start = time.monotonic()
+        with pytest.raises(api.LLMException) as exc:
+            _pull_once(api, client, peer, cache)
+        elapsed = time.monotonic() - start
+        assert exc.value.status_code == codes.LLM_TIMEOUT
+        assert elapsed < timeout_ms / 1000 + 1.0
+        with pytest.raises(api.LLMException) as exc:  # the link is unusable until rebuilt
+            _pull_once(api, client, peer, cache)
+        assert exc.value.status_code == codes.LLM_NOT_YET_LINK
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+    assert client.unlink(peer, force=True) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
+    assert client.link(peer) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
+    _pull_once(api, client, peer, cache)
+    client.unlink(peer)
+
+
+def test_cma_pull_needs_no_work_from_a_stopped_peer(
+    api: Any, peer_factory: Any, client_factory: Any
+) -> None:
+    """One-sided reads: a stopped peer's registered memory can still be pulled over cma."""
+    peer = peer_factory(51)
+    client = client_factory(5100, hixl_transport="cma", sync_kv_timeout=500)
+    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    assert client.link(peer)[0] == api.LLMStatusCode.LLM_SUCCESS
+    stop_process(peer.pid)
+    try:
+        _pull_once(api, client, peer, cache)
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+    client.unlink(peer)
+
+
+def test_finalized_cache_manager(api: Any, peer_factory: Any, client_factory: Any) -> None:
+    """Row 1 of table 6.3: a CacheManager outlived by its LLMDataDist."""
+    client = client_factory(6000)
+    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    cm = client.dd.cache_manager
+    client.dd.finalize()
+    with pytest.raises(api.LLMException) as exc:
+        cm.pull_blocks(api.BlocksCacheKey(1), cache, [1], [1], unknown_kwarg=1)
+    assert exc.value.status_code == api.LLMStatusCode.LLM_ENGINE_FINALIZED
+    with pytest.raises(api.LLMException) as exc:
+        cm.register_blocks_cache(cache.cache_desc, [1])
+    assert exc.value.status_code == api.LLMStatusCode.LLM_ENGINE_FINALIZED
+    again = client_factory(6001)  # after finalize a new instance may init
+    assert again.dd.cache_manager is not cm
+
+
+def test_unlink_during_a_pull_fails_the_pull_fast(
+    api: Any, peer_factory: Any, client_factory: Any
+) -> None:
+    """Row 28: a concurrent unlink ends a running pull (CANN: LLM_LINK_BUSY)."""
+    peer = peer_factory(52)
+    client = client_factory(5200, hixl_transport="tcp", sync_kv_timeout=20000)
+    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    codes = api.LLMStatusCode
+    assert client.link(peer)[0] == codes.LLM_SUCCESS
+    stop_process(peer.pid)  # the pull cannot finish while the peer is stopped
+    try:
+        key = api.BlocksCacheKey(peer.cluster_id)
+        handle = api.pull_blocks_async(client.dd.cache_manager, key, cache, [1], [2])
+        assert handle.wait(0.3) is False
+        start = time.monotonic()
+        assert client.unlink(peer, force=True, timeout=3000)[0] == codes.LLM_SUCCESS
+        with pytest.raises(api.LLMException) as exc:
+            handle.wait(5.0)
+        assert exc.value.status_code in (codes.LLM_LINK_BUSY, codes.LLM_FAILED)
+        assert time.monotonic() - start < 5.0
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)

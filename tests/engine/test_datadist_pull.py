@@ -1,0 +1,165 @@
+"""pull_blocks between real processes, byte for byte, over both transports.
+
+The peer (datadist_peer.py) serves deterministic caches; this process is the decode side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import datadist_peer as layout
+import numpy as np
+import pytest
+from conftest import Client, Peer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+NB = layout.NUM_BLOCKS
+KV = layout.make_tensors("kv", layout.NUM_TENSORS, NB * layout.BLOCK_BYTES)
+CONTIG = layout.make_tensors(
+    "contig", layout.NUM_TENSORS, layout.CONTIG_ROWS * layout.CONTIG_ROW_BYTES
+)
+BB = layout.BLOCK_BYTES
+
+
+class Setup:
+    def __init__(self, client: Client, peer: Peer, transport: str) -> None:
+        self.client, self.peer, self.transport = client, peer, transport
+        self.api = client.api
+        self.cache, self.dst = client.blocks_cache(layout.NUM_TENSORS, NB, layout.BLOCK_SHAPE)
+        self.key = self.api.BlocksCacheKey(peer.cluster_id, 0)
+
+    def reset(self) -> None:
+        for tensor in self.dst:
+            tensor[:] = 0
+
+    def pull(self, src: Any, dst: Any, key: Any = None, **kwargs: Any) -> None:
+        self.reset()
+        self.client.dd.cache_manager.pull_blocks(key or self.key, self.cache, src, dst, **kwargs)
+
+    def expect(self, pairs: list[tuple[int, int]], tensors: range, dst_tensors: range) -> None:
+        """dst tensor dst_tensors[i] holds src tensor tensors[i]'s blocks at the paired ids,
+        and nothing else was written."""
+        written: dict[int, set[int]] = {t: set() for t in range(layout.NUM_TENSORS)}
+        for s_t, d_t in zip(tensors, dst_tensors, strict=True):
+            for src_block, dst_block in pairs:
+                got = self.dst[d_t][dst_block * BB : (dst_block + 1) * BB]
+                want = KV[s_t][src_block * BB : (src_block + 1) * BB]
+                assert np.array_equal(got, want), (s_t, d_t, src_block, dst_block)
+                written[d_t].add(dst_block)
+        for t, tensor in enumerate(self.dst):
+            untouched = [b for b in range(NB) if b not in written[t]]
+            view = tensor.reshape(NB, BB)[untouched]
+            assert not view.any(), f"tensor {t}: bytes written outside the requested blocks"
+
+
+@pytest.fixture(scope="module")
+def peer(peer_factory: Any) -> Peer:
+    return peer_factory(11)
+
+
+@pytest.fixture(scope="module", params=["cma", "tcp"])
+def setup(request: pytest.FixtureRequest, peer: Peer, client_factory: Any) -> Iterator[Setup]:
+    client = client_factory(hixl_transport=request.param)
+    s = Setup(client, peer, request.param)
+    assert client.link(peer) == (s.api.LLMStatusCode.LLM_SUCCESS, [s.api.LLMStatusCode.LLM_SUCCESS])
+    if hasattr(client.dd, "peer_transport"):
+        assert client.dd.peer_transport(peer.cluster_id) == request.param
+    yield s
+    client.unlink(peer)
+
+
+@st.composite
+def block_pairs(draw: st.DrawFn) -> list[tuple[int, int]]:
+    count = draw(st.integers(1, 24))
+    dst = draw(st.permutations(range(NB)))[:count]
+    if draw(st.booleans()):
+        src = draw(st.lists(st.integers(0, NB - 1), min_size=count, max_size=count))
+    else:  # runs that are contiguous on both sides, so the planner merges them
+        start = draw(st.integers(0, NB - count))
+        src = list(range(start, start + count))
+        dst_start = draw(st.integers(0, NB - count))
+        dst = list(range(dst_start, dst_start + count))
+    return list(zip(src, dst, strict=True))
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(pairs=block_pairs())
+def test_random_block_lists_byte_for_byte(setup: Setup, pairs: list[tuple[int, int]]) -> None:
+    src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
+    setup.pull(src, tuple(dst))
+    everything = range(layout.NUM_TENSORS)
+    setup.expect(pairs, everything, everything)
+
+
+def _tensors(layers: range | None, n: int) -> range:
+    return range(layout.NUM_TENSORS) if layers is None else range(layers.start * n, layers.stop * n)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize(
+    ("src_layers", "dst_layers"),
+    [
+        (range(1, 3), range(0, 2)),
+        (range(0, 1), range(3, 4)),
+        (range(0, 4), None),
+        (None, range(0, 4)),
+        (range(3, 4), None),
+        (None, None),
+    ],
+)
+def test_layer_ranges(setup: Setup, n: int, src_layers: Any, dst_layers: Any) -> None:
+    """Layer l is tensors [l*n, (l+1)*n); a missing range means every tensor of that side."""
+    pairs = [(5, 9), (6, 10), (40, 2)]
+    kwargs: dict[str, Any] = {"tensor_num_per_layer": n}
+    if src_layers is not None:
+        kwargs["src_layer_range"] = src_layers
+    if dst_layers is not None:
+        kwargs["dst_layer_range"] = dst_layers
+    src_t, dst_t = _tensors(src_layers, n), _tensors(dst_layers, n)
+    args = ([p[0] for p in pairs], [p[1] for p in pairs])
+    if len(src_t) != len(dst_t):
+        with pytest.raises(setup.api.LLMException) as info:
+            setup.pull(*args, **kwargs)
+        assert info.value.status_code == setup.api.LLMStatusCode.LLM_PARAM_INVALID
+        return
+    setup.pull(*args, **kwargs)
+    setup.expect(pairs, src_t, dst_t)
+
+
+@pytest.mark.parametrize("req_id", layout.CONTIG_REQ_IDS)
+def test_cache_key_into_blocks(setup: Setup, req_id: int) -> None:
+    """A contiguous row is cut into destination-block-sized slices, slice i -> dst_blocks[i]."""
+    row = layout.CONTIG_REQ_IDS.index(req_id)
+    dst = [30, 3, 17]
+    setup.pull((), dst, key=setup.api.CacheKey(setup.peer.cluster_id, req_id))
+    for t in range(layout.NUM_TENSORS):
+        base = row * layout.CONTIG_ROW_BYTES
+        for i, block in enumerate(dst):
+            want = CONTIG[t][base + i * BB : base + (i + 1) * BB]
+            assert np.array_equal(setup.dst[t][block * BB : (block + 1) * BB], want)
+
+
+def test_cache_key_by_id_and_index_into_blocks(setup: Setup) -> None:
+    key = setup.api.CacheKeyByIdAndIndex(setup.peer.cluster_id, setup.peer.caches["contig"], 1)
+    dst = list(range(8))  # the whole row
+    setup.pull([], dst, key=key)
+    for t in range(layout.NUM_TENSORS):
+        row = CONTIG[t][layout.CONTIG_ROW_BYTES : 2 * layout.CONTIG_ROW_BYTES]
+        assert np.array_equal(setup.dst[t][: 8 * BB], row)
+
+
+def test_async_pull_extension(setup: Setup) -> None:
+    pull_async = setup.api.pull_blocks_async
+    setup.reset()
+    pairs = [(1, 60), (2, 61), (50, 0)]
+    handle = pull_async(
+        setup.client.dd.cache_manager, setup.key, setup.cache, [1, 2, 50], [60, 61, 0]
+    )
+    assert handle.wait(10.0) is True
+    assert handle.poll() is True  # the result is kept
+    everything = range(layout.NUM_TENSORS)
+    setup.expect(pairs, everything, everything)

@@ -1,0 +1,136 @@
+"""Properties of the pure block-mapping functions, checked with hypothesis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hixl_connector.blocks import (
+    blocks_for_tokens,
+    chunk_pairs,
+    group_runs,
+    pair_blocks,
+    trim_remote_to_local,
+)
+
+block_ids = st.lists(st.integers(min_value=0, max_value=200), max_size=60)
+
+
+@st.composite
+def paired_lists(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """Equal-length src/dst lists, biased towards long contiguous stretches."""
+    src: list[int] = []
+    dst: list[int] = []
+    for _ in range(draw(st.integers(0, 8))):
+        length = draw(st.integers(1, 8))
+        s0 = draw(st.integers(0, 500))
+        d0 = draw(st.integers(0, 500))
+        src += range(s0, s0 + length)
+        dst += range(d0, d0 + length)
+    return src, dst
+
+
+@st.composite
+def any_pairs(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """Either structured runs or arbitrary ids (duplicates, descending, gaps)."""
+    if draw(st.booleans()):
+        return draw(paired_lists())
+    src = draw(block_ids)
+    dst = draw(st.lists(st.integers(0, 200), min_size=len(src), max_size=len(src)))
+    return src, dst
+
+
+def expand(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    return [(s + i, d + i) for s, d, length in runs for i in range(length)]
+
+
+@given(any_pairs())
+def test_runs_reassemble_exactly_to_the_pairs(lists: tuple[list[int], list[int]]) -> None:
+    src, dst = lists
+    assert expand(group_runs(src, dst)) == pair_blocks(src, dst)
+
+
+@given(any_pairs())
+def test_runs_are_maximal_and_non_empty(lists: tuple[list[int], list[int]]) -> None:
+    runs = group_runs(*lists)
+    assert all(length >= 1 for _, _, length in runs)
+    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:], strict=False):
+        # Two neighbouring runs could have been one run iff both sides continue.
+        assert not (s2 == s1 + n1 and d2 == d1 + n1)
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 300))
+def test_fully_contiguous_lists_make_one_run(s0: int, d0: int, n: int) -> None:
+    assert group_runs(range(s0, s0 + n), range(d0, d0 + n)) == [(s0, d0, n)]
+
+
+@given(block_ids)
+def test_runs_break_when_only_one_side_is_contiguous(src: list[int]) -> None:
+    dst = [2 * i for i in range(len(src))]  # never contiguous
+    assert [length for _, _, length in group_runs(src, dst)] == [1] * len(src)
+
+
+@given(any_pairs(), st.integers(1, 20))
+def test_chunks_preserve_order_and_respect_the_limit(
+    lists: tuple[list[int], list[int]], max_pairs: int
+) -> None:
+    src, dst = lists
+    chunks = chunk_pairs(src, dst, max_pairs)
+    assert all(1 <= len(s) == len(d) <= max_pairs for s, d in chunks)
+    assert [x for s, _ in chunks for x in s] == src
+    assert [x for _, d in chunks for x in d] == dst
+    # Only the last chunk may be short, so the number of calls is minimal.
+    assert all(len(s) == max_pairs for s, _ in chunks[:-1])
+    assert len(chunks) == -(-len(src) // max_pairs)
+
+
+@given(block_ids, st.data())
+def test_trimming_keeps_the_suffix(remote: list[int], data: st.DataObject) -> None:
+    num_local = data.draw(st.integers(0, len(remote)))
+    local = list(range(1000, 1000 + num_local))
+    trimmed = trim_remote_to_local(remote, local)
+    assert len(trimmed) == num_local
+    assert list(trimmed) == remote[len(remote) - num_local :]
+    assert remote[: len(remote) - num_local] + list(trimmed) == remote
+
+
+def test_trimming_nothing_pulls_nothing() -> None:
+    assert trim_remote_to_local([4, 5, 6], []) == ()
+
+
+@given(block_ids)
+def test_local_longer_than_remote_is_an_error(remote: list[int]) -> None:
+    with pytest.raises(ValueError, match="offers only"):
+        trim_remote_to_local(remote, list(range(len(remote) + 1)))
+
+
+@given(st.integers(0, 10**6), st.integers(1, 512))
+def test_blocks_for_tokens_is_the_ceiling(num_tokens: int, block_size: int) -> None:
+    blocks = blocks_for_tokens(num_tokens, block_size)
+    assert blocks * block_size >= num_tokens
+    assert (blocks - 1) * block_size < num_tokens or blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: pair_blocks([1, 2], [3]), "differ in length"),
+        (lambda: group_runs([1], []), "differ in length"),
+        (lambda: chunk_pairs([1], [2], 0), "max_pairs"),
+        (lambda: chunk_pairs([1, 2], [2], 4), "differ in length"),
+        (lambda: blocks_for_tokens(5, 0), "block_size"),
+        (lambda: blocks_for_tokens(-1, 16), "num_tokens"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call: Callable[[], object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_empty_inputs() -> None:
+    assert group_runs([], []) == []
+    assert chunk_pairs([], [], 3) == []
+    assert pair_blocks([], []) == []

@@ -1,0 +1,136 @@
+"""HixlConfig: defaults, validation messages, derived ids and ports."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from hixl_connector.config import (
+    CLUSTER_ID_SPACE,
+    CLUSTER_ID_STEP,
+    HixlConfig,
+    cluster_id_for_rank,
+    derived_cluster_id_base,
+)
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HIXL_AUTH_TOKEN", raising=False)
+    config = HixlConfig.from_dict({}, "engine-a")
+    assert (config.side_channel_host, config.side_channel_port) == ("127.0.0.1", 5701)
+    assert (config.engine_host, config.engine_port) == ("127.0.0.1", 0)
+    assert (config.backend, config.transport) == ("auto", "auto")
+    assert (config.pull_timeout_s, config.handshake_timeout_s) == (30.0, 5.0)
+    assert (config.transfer_threads, config.tcp_connections) == (2, 2)
+    assert (config.lease_s, config.heartbeat_s) == (30.0, 5.0)
+    assert config.auth_token == ""
+    assert config.cluster_id_base == derived_cluster_id_base("engine-a")
+    assert config.test_corrupt_received_kv is False
+    assert {f.name for f in dataclasses.fields(HixlConfig)} == {
+        "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
+        "transport", "pull_timeout_s", "handshake_timeout_s", "transfer_threads",
+        "tcp_connections", "lease_s", "heartbeat_s", "auth_token", "cluster_id_base",
+        "test_corrupt_received_kv",
+    }  # fmt: skip
+
+
+def test_explicit_values_and_derived_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIXL_AUTH_TOKEN", "from-env")
+    config = HixlConfig.from_dict(
+        {"side_channel_host": "10.1.2.3", "lease_s": 12, "transport": "tcp", "engine_port": 0},
+        "engine-a",
+    )
+    assert config.engine_host == "10.1.2.3"  # follows side_channel_host
+    assert config.heartbeat_s == 2.0  # lease_s / 6
+    assert config.auth_token == "from-env"
+    assert HixlConfig.from_dict({"auth_token": "explicit"}, "e").auth_token == "explicit"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lease_s = 1.0  # type: ignore[misc]
+
+
+def test_unknown_key_is_named_with_the_valid_ones() -> None:
+    with pytest.raises(ValueError) as info:
+        HixlConfig.from_dict({"lease_seconds": 3}, "e")
+    message = str(info.value)
+    assert "'lease_seconds'" in message
+    assert "lease_s" in message and "side_channel_port" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("side_channel_port", 0),
+        ("side_channel_port", 70000),
+        ("side_channel_port", "5701"),
+        ("side_channel_port", True),
+        ("engine_port", -1),
+        ("side_channel_host", ""),
+        ("side_channel_host", 5),
+        ("backend", "cuda"),
+        ("transport", "rdma"),
+        ("pull_timeout_s", 0),
+        ("pull_timeout_s", float("nan")),
+        ("handshake_timeout_s", -1.0),
+        ("transfer_threads", 0),
+        ("tcp_connections", 1.5),
+        ("lease_s", "30"),
+        ("heartbeat_s", 0),
+        ("auth_token", None),
+        ("cluster_id_base", -1),
+        ("test_corrupt_received_kv", "yes"),
+    ],
+)
+def test_bad_value_names_key_and_value(key: str, value: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        HixlConfig.from_dict({key: value}, "e")
+    assert repr(key) in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+def test_heartbeat_must_be_shorter_than_lease() -> None:
+    with pytest.raises(ValueError, match="heartbeat_s.*lease_s"):
+        HixlConfig.from_dict({"lease_s": 6, "heartbeat_s": 6}, "e")
+
+
+def test_engine_id_required() -> None:
+    with pytest.raises(ValueError, match="engine_id"):
+        HixlConfig.from_dict({}, "")
+
+
+def test_derived_cluster_id_base_is_stable_and_aligned() -> None:
+    bases = {derived_cluster_id_base(f"engine-{i}") for i in range(200)}
+    assert len(bases) > 190  # distinct engines rarely share a window
+    for base in bases:
+        assert base % CLUSTER_ID_STEP == 0 and 0 <= base < CLUSTER_ID_SPACE
+    assert derived_cluster_id_base("x") == derived_cluster_id_base("x")
+
+
+def test_rank_ids_and_ports() -> None:
+    config = HixlConfig.from_dict({"cluster_id_base": 2048, "side_channel_port": 6000}, "e")
+    assert config.cluster_id_for_rank(0, 0, 2) == 2048
+    assert config.cluster_id_for_rank(1, 1, 2) == 2048 + 3
+    assert cluster_id_for_rank(config, 2, 0, 4) == 2048 + 8
+    assert config.side_channel_port_for_rank(1, 1, 2) == 6003
+    with pytest.raises(ValueError, match="tp_rank 2 is out of range"):
+        config.cluster_id_for_rank(0, 2, 2)
+    with pytest.raises(ValueError, match="65535"):
+        HixlConfig.from_dict({"side_channel_port": 65535}, "e").side_channel_port_for_rank(0, 1, 2)
+
+
+def test_from_vllm_config_reads_extra_config() -> None:
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    kv = KVTransferConfig(
+        kv_connector="HixlConnector",
+        kv_connector_module_path="hixl_unit_connector",  # VllmConfig resolves the class
+        kv_role="kv_consumer",
+        engine_id="engine-z",
+        kv_connector_extra_config={"side_channel_port": 6200},
+    )
+    config = HixlConfig.from_vllm_config(VllmConfig(kv_transfer_config=kv))
+    assert config.side_channel_port == 6200
+    assert config.cluster_id_base == derived_cluster_id_base("engine-z")
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        HixlConfig.from_vllm_config(VllmConfig())

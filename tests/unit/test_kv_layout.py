@@ -1,0 +1,58 @@
+"""describe_kv_caches on the tensor forms vLLM hands over, and the layouts it must refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hixl_connector.kv_layout import describe_kv_caches
+
+
+def test_cpu_layout_layers_are_views_of_one_buffer() -> None:
+    num_blocks, heads, block, head2 = 6, 2, 32, 64
+    buffer = torch.zeros(3, num_blocks, heads, block, head2)
+    caches = {f"layer.{i}": buffer[i] for i in range(3)}
+    layout = describe_kv_caches(caches, num_blocks)
+    block_bytes = heads * block * head2 * 4
+    assert layout.block_bytes == block_bytes
+    assert layout.tensors_per_layer == 1 and layout.num_layers == 3
+    assert layout.tensor_addrs == tuple(
+        buffer.data_ptr() + i * num_blocks * block_bytes for i in range(3)
+    )
+    assert layout.dtype == "float32" and layout.block_shape == (heads, block, head2)
+
+
+def test_kv_split_and_tuple_forms_give_k_v_order() -> None:
+    num_blocks = 4
+    split = {f"l{i}": torch.zeros(2, num_blocks, 16, 8, dtype=torch.bfloat16) for i in range(2)}
+    layout = describe_kv_caches(split, num_blocks)
+    assert layout.tensors_per_layer == 2 and layout.num_tensors == 4
+    assert layout.tensor_addrs[1] == split["l0"][1].data_ptr()
+    pairs = {f"l{i}": (torch.zeros(num_blocks, 5), torch.zeros(num_blocks, 5)) for i in range(2)}
+    layout = describe_kv_caches(pairs, num_blocks)
+    assert layout.tensor_addrs == tuple(t.data_ptr() for p in pairs.values() for t in p)
+    assert layout.block_bytes == 20
+
+
+@pytest.mark.parametrize(
+    ("caches", "message"),
+    [
+        ({}, "no KV-cache tensors"),
+        ({"l": torch.zeros(3, 4)}, "no block dimension of size 5"),
+        ({"l": torch.zeros(10, 5).t()}, "not block-major"),
+        ({"a": torch.zeros(5, 4), "b": torch.zeros(5, 8)}, "KV tensors differ"),
+        (
+            {"a": torch.zeros(5, 4), "b": (torch.zeros(5, 4), torch.zeros(5, 4))},
+            "different numbers",
+        ),
+    ],
+)
+def test_refused_layouts(caches: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        describe_kv_caches(caches, 5)
+
+
+def test_the_same_bytes_are_never_registered_twice() -> None:
+    buffer = torch.zeros(5, 4)
+    with pytest.raises(ValueError, match="overlap"):
+        describe_kv_caches({"a": buffer, "b": buffer}, 5)

@@ -1,0 +1,108 @@
+"""The side channel over real ZMQ sockets on loopback: replies, refusals, timeouts, auth."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def _echo(message: dict[str, Any]) -> dict[str, Any]:
+    return {"echo": message["value"]}
+
+
+def _serve(context: zmq.Context, token: str = "") -> SideChannelServer:
+    return SideChannelServer(context, "127.0.0.1", 0, {"echo": _echo}, token)
+
+
+def test_request_reply_and_handler_errors(context: zmq.Context) -> None:
+    server = _serve(context)
+    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    try:
+        assert client.request({"type": "echo", "value": [1, "a"]})["echo"] == [1, "a"]
+        with pytest.raises(SideChannelError, match="unknown type 'nope'"):
+            client.request({"type": "nope"})
+        with pytest.raises(SideChannelError, match="bad echo"):
+            client.request({"type": "echo"})  # KeyError in the handler
+        assert client.request({"type": "echo", "value": 3})["echo"] == 3
+    finally:
+        client.close()
+        server.close()
+
+
+def test_timeout_is_bounded_and_client_recovers(context: zmq.Context) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    port = silent.getsockname()[1]
+    client = SideChannelClient(context, "127.0.0.1", port, timeout_s=0.2)
+    try:
+        with pytest.raises(SideChannelError, match="no reply"):
+            client.request({"type": "echo", "value": 1})
+    finally:
+        client.close()
+        silent.close()
+
+
+def test_hostile_frames_are_answered_and_server_keeps_serving(context: zmq.Context) -> None:
+    server = _serve(context)
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://127.0.0.1:{server.port}")
+    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    try:
+        bad_frames = [
+            [b"", b"\xc1\xff garbage"],
+            [b"", msgpack.packb([1, 2, 3])],
+            [b"", msgpack.packb({"type": "echo"})],  # no seq
+            [b"", msgpack.packb({"seq": "x", "type": "echo"})],
+        ]
+        for frames in bad_frames:
+            raw.send_multipart(frames)
+            assert raw.poll(2000), "server did not answer a malformed frame"
+            reply = msgpack.unpackb(raw.recv_multipart()[-1])
+            assert reply["ok"] is False and reply["error"]
+        raw.send_multipart([b"a", b"b", b"c", b"d"])  # wrong frame count: dropped
+        assert client.request({"type": "echo", "value": "still"})["echo"] == "still"
+    finally:
+        raw.close(linger=0)
+        client.close()
+        server.close()
+
+
+def test_auth_token_required(context: zmq.Context) -> None:
+    server = _serve(context, token="s3cret")
+    good = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token="s3cret")
+    bad = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token="wrong")
+    none = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    try:
+        assert good.request({"type": "echo", "value": 1})["echo"] == 1
+        for client in (bad, none):
+            with pytest.raises(SideChannelError, match="authentication failed"):
+                client.request({"type": "echo", "value": 1})
+    finally:
+        for client in (good, bad, none):
+            client.close()
+        server.close()
+
+
+def test_bind_failure_names_the_address(context: zmq.Context) -> None:
+    server = _serve(context)
+    try:
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{server.port}"):
+            SideChannelServer(context, "127.0.0.1", server.port, {})
+    finally:
+        server.close()

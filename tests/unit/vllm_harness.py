@@ -1,0 +1,190 @@
+"""A real vLLM Scheduler with the HIXL scheduler half, and the worker side played by hand.
+
+Everything is vLLM's own code except the model runner: tests build ModelRunnerOutput and
+KVConnectorOutput objects the way the worker would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from hixl_connector.metadata import HixlConnectorMetadata
+from hixl_connector.scheduler import HixlScheduler
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 512
+EXTRA_CONFIG = {"side_channel_host": "10.0.0.7", "side_channel_port": 6100, "cluster_id_base": 4096}
+
+init_none_hash(sha256)
+_block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+
+def make_scheduler(
+    model_dir: Path,
+    kv_role: str,
+    *,
+    policy: str = "fail",
+    num_blocks: int = 64,
+    engine_id: str = "engine-under-test",
+) -> Scheduler:
+    kv_transfer = KVTransferConfig(
+        kv_connector="HixlConnector",
+        kv_connector_module_path="hixl_unit_connector",
+        kv_role=kv_role,
+        engine_id=engine_id,
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config=dict(EXTRA_CONFIG),
+    )
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            seed=0,
+            enforce_eager=True,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=MAX_MODEL_LEN,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        ),
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.0", "layers.1"], spec)],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+def hixl(scheduler: Scheduler) -> HixlScheduler:
+    connector: Any = scheduler.connector
+    return connector.hixl
+
+
+def free_blocks(scheduler: Scheduler) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def block_ids(scheduler: Scheduler, request_id: str) -> list[int]:
+    (group,) = scheduler.kv_cache_manager.get_block_ids(request_id)
+    return list(group)
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    *,
+    max_tokens: int = 4,
+    params: dict[str, Any] | None = None,
+    **sampling: Any,
+) -> Request:
+    extra_args = {"kv_transfer_params": params} if params is not None else None
+    sampling_params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args, **sampling
+    )
+    return Request(request_id, list(prompt), sampling_params, None, block_hasher=_block_hasher)
+
+
+def prefill_params(num_blocks: int, *, first_block: int = 100, **overrides: Any) -> dict:
+    """kv_transfer_params as P returns them (see build_remote_decode_params)."""
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(range(first_block, first_block + num_blocks))],
+        "remote_engine_id": "prefill-engine",
+        "remote_request_id": "p-req",
+        "remote_host": "10.0.0.9",
+        "remote_port": 7100,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": num_blocks * BLOCK_SIZE,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+        "remote_cluster_id": 8192,
+        "remote_lease_id": 77,
+    }
+    params.update(overrides)
+    return params
+
+
+def metadata(output: SchedulerOutput) -> HixlConnectorMetadata:
+    meta = output.kv_connector_metadata
+    assert isinstance(meta, HixlConnectorMetadata)
+    return meta
+
+
+def runner_output(
+    output: SchedulerOutput,
+    *,
+    finished_sending: set[str] | None = None,
+    finished_recving: set[str] | None = None,
+    failed_recving: set[str] | None = None,
+    token_id: int = 5,
+) -> ModelRunnerOutput:
+    """What the worker returns for ``output``: one sampled token per scheduled request."""
+    req_ids = list(output.num_scheduled_tokens)
+    kv_output = KVConnectorOutput(
+        finished_sending=finished_sending or set(),
+        finished_recving=(finished_recving or set()) | (failed_recving or set()),
+        failed_recving=failed_recving or set(),
+    )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
+        sampled_token_ids=[[token_id] for _ in req_ids],
+        kv_connector_output=kv_output,
+    )
+
+
+def step(scheduler: Scheduler, **worker: Any) -> tuple[SchedulerOutput, dict[int, Any]]:
+    """One engine step: schedule, then feed back the worker's (hand-made) output."""
+    output = scheduler.schedule()
+    engine_outputs = scheduler.update_from_output(output, runner_output(output, **worker))
+    return output, engine_outputs
+
+
+def finished_outputs(engine_outputs: dict[int, Any]) -> dict[str, Any]:
+    return {
+        out.request_id: out
+        for client in engine_outputs.values()
+        for out in client.outputs
+        if out.finish_reason is not None
+    }
