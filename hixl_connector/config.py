@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -45,7 +46,13 @@ class HixlConfig:
     heartbeat_s: float = 5.0
     auth_token: str = ""
     cluster_id_base: int = 0
+    # Ascend (backend "ascend"): LLMConfig.local_comm_res ("" or '{"version":"1.3"}' for
+    # HixlCS), and whether P and D may be linked over HCCS (then KV bases must be 2 MB aligned).
+    ascend_local_comm_res: str = ""
+    ascend_hccs: bool = True
+    # TEST ONLY: the corrupted-KV control, and a delay before each pull (lease-expiry races).
     test_corrupt_received_kv: bool = False
+    test_pull_delay_s: float = 0.0
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any] | None, engine_id: str) -> HixlConfig:
@@ -89,7 +96,10 @@ class HixlConfig:
                 low=0,
                 high=MAX_CLUSTER_ID - CLUSTER_ID_STEP,
             ),
+            ascend_local_comm_res=_json_object_or_empty(extra, "ascend_local_comm_res"),
+            ascend_hccs=_bool(extra, "ascend_hccs", True),
             test_corrupt_received_kv=_bool(extra, "test_corrupt_received_kv", False),
+            test_pull_delay_s=_non_negative_float(extra, "test_pull_delay_s", 0.0),
         )
 
     @classmethod
@@ -164,14 +174,23 @@ def _int(
 
 
 def _positive_float(extra: Mapping[str, Any], key: str, default: float) -> float:
+    return _float(extra, key, default, zero_allowed=False)
+
+
+def _non_negative_float(extra: Mapping[str, Any], key: str, default: float) -> float:
+    return _float(extra, key, default, zero_allowed=True)
+
+
+def _float(extra: Mapping[str, Any], key: str, default: float, zero_allowed: bool) -> float:
     value = extra.get(key, default)
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
-        or value <= 0
+        or value < 0
+        or (value == 0 and not zero_allowed)
     ):
-        raise _bad(key, value, "a finite number > 0")
+        raise _bad(key, value, "a finite number >= 0" if zero_allowed else "a finite number > 0")
     return float(value)
 
 
@@ -200,4 +219,16 @@ def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
     value = extra.get(key, default)
     if not isinstance(value, bool):
         raise _bad(key, value, "a bool (true or false)")
+    return value
+
+
+def _json_object_or_empty(extra: Mapping[str, Any], key: str) -> str:
+    value = _str(extra, key, "")
+    if value:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise _bad(key, value, 'empty or a JSON object string such as \'{"version":"1.3"}\'')
     return value

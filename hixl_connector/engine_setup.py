@@ -1,63 +1,183 @@
 """Opens the LLM-DataDist engine for a worker and registers its KV caches, once.
 
-The only place that knows how a back-end wants to be configured; the worker afterwards
-uses nothing but the datadist API (`link_clusters`, `pull_blocks`, ...).
+The only place that knows how a back-end wants to be configured: it reads the back-end's
+``BackendProfile`` (placement, LLMConfig fields, device id, alignment, request-size limit).
+The worker afterwards uses nothing but the datadist API, through ``Engine.pull_blocks``.
+
+Rules of LLM-DataDist this module keeps (reference section 8): one LLMDataDist per process
+(one Engine per worker process); every cache registered before the first link (all of them
+here, before ``open_engine`` returns); one model_id per registered cache under the cluster id.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hixl_connector.blocks import chunk_pairs
 from hixl_connector.config import HixlConfig
 from hixl_connector.datadist import load_backend
 from hixl_connector.kv_layout import KVLayout
 
-# Every rank registers one blocks cache holding all layers' tensors (K,V,... order).
+# Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
+# follow as BLOCKS_MODEL_ID + 1, + 2, ...
 BLOCKS_MODEL_ID = 0
 
 
 @dataclass(frozen=True)
+class CacheGroup:
+    """Tensors registered as one blocks cache under one model_id."""
+
+    model_id: int
+    addrs: tuple[int, ...]
+    block_bytes: int
+    tensors_per_layer: int
+
+
+@dataclass(frozen=True)
+class RegisteredCache:
+    model_id: int
+    cache: Any
+    tensors_per_layer: int
+
+
+@dataclass(frozen=True)
 class Engine:
-    api: Any  # the back-end module: LLMDataDist, BlocksCacheKey, LLMStatusCode, ...
+    api: Any  # the back-end module: LLMDataDist, BlocksCacheKey, LLMStatusCode, PROFILE, ...
     datadist: Any
-    cache: Any  # the registered blocks cache, destination of D's pulls
-    listen_port: int  # where peers link to (P); the configured port when not listening
+    caches: tuple[RegisteredCache, ...]  # destinations of D's pulls, one per model_id
+    listen_port: int  # where peers link to; the configured port when not listening
+    max_pairs_per_pull: int | None  # chunk size of long block lists; None: no limit
+
+    @property
+    def cache(self) -> Any:
+        return self.caches[0].cache
+
+    def pull_blocks(self, remote_cluster_id: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Pulls ``src[i]`` of the peer into ``dst[i]`` here, for every registered cache.
+
+        Each call of the synchronous ``pull_blocks`` stays under the back-end's request-size
+        limit; the first failure raises (LLMException) and stops the rest.
+        """
+        manager = self.datadist.cache_manager
+        chunks = (
+            chunk_pairs(src, dst, self.max_pairs_per_pull)
+            if self.max_pairs_per_pull is not None
+            else [(tuple(src), tuple(dst))]
+        )
+        for part in self.caches:
+            key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
+            for src_chunk, dst_chunk in chunks:
+                manager.pull_blocks(
+                    key,
+                    part.cache,
+                    list(src_chunk),
+                    list(dst_chunk),
+                    tensor_num_per_layer=part.tensors_per_layer,
+                )
+
+
+def cache_groups(layout: KVLayout) -> list[CacheGroup]:
+    """MHA/GQA: one blocks cache of all tensors in K0,V0,K1,V1,... order. Layers of unlike
+    parts (MLA: latent and rope) register one cache per part, each under its own model_id."""
+    if not layout.part_block_bytes:
+        return [
+            CacheGroup(
+                BLOCKS_MODEL_ID, layout.tensor_addrs, layout.block_bytes, layout.tensors_per_layer
+            )
+        ]
+    per_layer = len(layout.part_block_bytes)
+    return [
+        CacheGroup(BLOCKS_MODEL_ID + part, layout.tensor_addrs[part::per_layer], nbytes, 1)
+        for part, nbytes in enumerate(layout.part_block_bytes)
+    ]
+
+
+def _kv_device(layout: KVLayout) -> Any:
+    return layout.views[0].device if layout.views else None
+
+
+def _configure(api: Any, config: HixlConfig, layout: KVLayout, cluster_id: int) -> tuple[Any, int]:
+    profile = api.PROFILE
+    llm_config = api.LLMConfig()
+    device = _kv_device(layout)
+    llm_config.device_id = profile.device_id_of(layout.views[0]) if device is not None else 0
+    llm_config.enable_cache_manager = True
+    # Remote-accessible on both sides: P is read by D, and LLM-DataDist requires it of D's
+    # destination cache too. The hixl transfer back-end needs it anyway.
+    llm_config.enable_remote_cache_accessible = True
+    llm_config.sync_kv_timeout = int(config.pull_timeout_s * 1000)
+    port = config.engine_port
+    if port:  # one listener per rank: a rank's position in the engine's window of ports
+        port += cluster_id - config.cluster_id_base
+    if profile.transfer_backend:
+        llm_config.transfer_backend = profile.transfer_backend
+    if profile.name == "ascend" and config.ascend_local_comm_res:
+        llm_config.local_comm_res = config.ascend_local_comm_res
+    if profile.native_options:
+        llm_config.hixl_transport = config.transport
+        llm_config.hixl_tcp_connections = config.tcp_connections
+        if config.auth_token:
+            llm_config.hixl_auth_token = config.auth_token
+    return llm_config, port
 
 
 def open_engine(
     config: HixlConfig, layout: KVLayout, cluster_id: int, producer: bool, consumer: bool
 ) -> Engine:
-    api = load_backend(config.backend)
+    device = _kv_device(layout)
+    api = load_backend(config.backend, getattr(device, "type", None))
+    profile = api.PROFILE
+    on_device = device is not None and device.type != "cpu"
+    if on_device and not profile.device_memory:
+        raise ValueError(
+            f"the {profile.name!r} datadist back-end moves host memory only, but the KV cache "
+            f"lives on {device}; use kv_connector_extra_config 'backend': 'ascend' on Ascend"
+        )
+    placement = api.Placement.DEVICE if on_device else api.Placement.HOST
+    groups = cache_groups(layout)
+    if on_device and config.ascend_hccs:
+        for group in groups:
+            profile.check_device_alignment(list(group.addrs), f"cache model_id {group.model_id}")
     role = {(True, False): api.LLMRole.PROMPT, (False, True): api.LLMRole.DECODER}.get(
         (producer, consumer), api.LLMRole.MIX
     )
+    llm_config, port = _configure(api, config, layout, cluster_id)
+    # The hixl transfer back-end listens on both sides; the native engine only where served.
+    if producer or profile.transfer_backend:
+        llm_config.listen_ip_info = f"{config.engine_host}:{port}"
     datadist = api.LLMDataDist(role, cluster_id)
-    llm_config = api.LLMConfig()
-    llm_config.device_id = 0
-    llm_config.enable_cache_manager = True
-    llm_config.enable_remote_cache_accessible = True
-    llm_config.sync_kv_timeout = int(config.pull_timeout_s * 1000)
-    if producer:
-        llm_config.listen_ip_info = f"{config.engine_host}:{config.engine_port}"
     datadist.init(llm_config.generate_options())
     try:
-        desc = api.CacheDesc(
-            layout.num_tensors,
-            [layout.num_blocks, layout.block_bytes],
-            api.DataType.DT_UINT8,  # block bytes are opaque to the engine
-            api.Placement.HOST,
-        )
-        # Remote-accessible on both sides: P is read by D, and LLM-DataDist requires it of
-        # D's destination cache too when enable_remote_cache_accessible is on.
-        cache = datadist.cache_manager.register_blocks_cache(
-            desc,
-            list(layout.tensor_addrs),
-            api.BlocksCacheKey(cluster_id, BLOCKS_MODEL_ID),
-            remote_accessible=True,
+        caches = tuple(
+            _register(api, datadist, cluster_id, group, layout, placement) for group in groups
         )
     except Exception:
         datadist.finalize()
         raise
-    bound = getattr(datadist, "listen_port", None)
-    return Engine(api, datadist, cache, int(bound) if bound else config.engine_port)
+    bound = getattr(datadist, "listen_port", None)  # native extension; CANN binds `port`
+    limits = [
+        profile.max_pairs_per_pull(len(g.addrs)) for g in groups if profile.max_pairs_per_pull
+    ]
+    return Engine(
+        api, datadist, caches, int(bound) if bound else port, min(limits) if limits else None
+    )
+
+
+def _register(
+    api: Any, datadist: Any, cluster_id: int, group: CacheGroup, layout: KVLayout, placement: Any
+) -> RegisteredCache:
+    desc = api.CacheDesc(
+        len(group.addrs),
+        [layout.num_blocks, group.block_bytes],
+        api.DataType.DT_UINT8,  # block bytes are opaque to the engine
+        placement,
+    )
+    cache = datadist.cache_manager.register_blocks_cache(
+        desc,
+        list(group.addrs),
+        api.BlocksCacheKey(cluster_id, group.model_id),
+        remote_accessible=True,
+    )
+    return RegisteredCache(group.model_id, cache, group.tensors_per_layer)

@@ -4,7 +4,8 @@
 - CPU: one tensor per layer, `[num_blocks, kv_heads, block_size, 2 * head_size]`, every layer
   a view into one buffer;
 - GPU-style K/V split: one tensor per layer, `[2, num_blocks, ...]`;
-- Ascend: a tuple `(k_cache, v_cache)` per layer (MLA: more parts).
+- Ascend: a tuple `(k_cache, v_cache)` per layer; MLA: `(latent, rope)` parts of different
+  block shapes (each part is registered as a cache of its own).
 Whatever the form, each registered tensor must be block-major: block b of tensor t starts at
 `addr[t] + b * block_bytes` and is `block_bytes` contiguous bytes. The block's interior is
 opaque: only peers with an identical layout may exchange blocks (the handshake checks it).
@@ -29,6 +30,9 @@ class KVLayout:
     # Block-major views ([num_blocks, ...]) in registration order, for the test-only
     # corruption control; never serialised.
     views: tuple[Any, ...]
+    # Layers of unlike parts (MLA: latent and rope): bytes per block of each part, in layer
+    # order; empty when every tensor has the same block shape.
+    part_block_bytes: tuple[int, ...] = ()
 
     @property
     def num_tensors(self) -> int:
@@ -68,26 +72,37 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> KVLayou
     if len(counts) != 1:
         raise ValueError(f"layers have different numbers of KV tensors: {sorted(counts)}")
     views: list[Any] = [view for layer_views in per_layer for view in layer_views]
+    first_layer = per_layer[0]
+    part_bytes = [_check_block_major(part) for part in first_layer]
+    for layer_views in per_layer[1:]:
+        for view, like in zip(layer_views, first_layer, strict=True):
+            if view.dtype != like.dtype or tuple(view.shape[1:]) != tuple(like.shape[1:]):
+                raise ValueError(
+                    f"KV tensors differ: {view.dtype} {list(view.shape)} vs "
+                    f"{like.dtype} {list(like.shape)}"
+                )
+            _check_block_major(view)
     first = views[0]
-    block_bytes = _check_block_major(first)
-    for view in views[1:]:
-        if view.dtype != first.dtype or tuple(view.shape[1:]) != tuple(first.shape[1:]):
-            raise ValueError(
-                f"KV tensors differ: {view.dtype} {list(view.shape)} vs "
-                f"{first.dtype} {list(first.shape)}"
-            )
-        _check_block_major(view)
+    # MLA-style layers hold unlike parts (latent, rope): each part becomes its own cache.
+    unlike = any(
+        part.dtype != first.dtype or tuple(part.shape[1:]) != tuple(first.shape[1:])
+        for part in first_layer
+    )
     addrs = tuple(int(view.data_ptr()) for view in views)
-    _check_disjoint(addrs, block_bytes * num_blocks)
+    sizes = [part_bytes[i % len(part_bytes)] * num_blocks for i in range(len(views))]
+    _check_disjoint(addrs, sizes)
     return KVLayout(
         tensor_addrs=addrs,
-        block_bytes=block_bytes,
+        # With unlike parts: the mean over the parts, so blocks x block_bytes x num_tensors
+        # stays the bytes a pull moves.
+        block_bytes=sum(part_bytes) // len(part_bytes) if unlike else part_bytes[0],
         num_blocks=num_blocks,
         tensors_per_layer=counts.pop(),
         num_layers=len(per_layer),
         dtype=str(first.dtype).removeprefix("torch."),
         block_shape=tuple(int(d) for d in first.shape[1:]),
         views=tuple(views),
+        part_block_bytes=tuple(part_bytes) if unlike else (),
     )
 
 
@@ -103,10 +118,10 @@ def _check_block_major(view: Any) -> int:
     return block_elems * int(view.element_size())
 
 
-def _check_disjoint(addrs: Sequence[int], tensor_bytes: int) -> None:
-    ordered = sorted(addrs)
-    for lower, upper in zip(ordered, ordered[1:], strict=False):
-        if lower + tensor_bytes > upper:
+def _check_disjoint(addrs: Sequence[int], sizes: Sequence[int]) -> None:
+    ordered = sorted(zip(addrs, sizes, strict=True))
+    for (lower, size), (upper, _) in zip(ordered, ordered[1:], strict=False):
+        if lower + size > upper:
             raise ValueError(
                 f"KV tensors at {lower:#x} and {upper:#x} overlap; the same bytes must not "
                 "be registered twice"

@@ -67,6 +67,21 @@ class LeaseTable:
             lease.expires_at = max(lease.expires_at, now + self.lease_s)
             return True
 
+    def check(self, request_id: str, lease_id: int, block_ids: tuple[int, ...], now: float) -> str:
+        """Before D reads: "held" (and extended) when these blocks belong to this live lease;
+        "foreign" when some do not; "early" when the lease has not started yet (D retries);
+        "unknown" when it ended or never existed under that id."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.lease_id != lease_id:
+                parked = self._early.get(request_id)
+                ended = self._ended.get(request_id) == lease_id
+                return "early" if lease is None and not ended and parked is None else "unknown"
+            if not set(block_ids) <= set(lease.block_ids):
+                return "foreign"
+            lease.expires_at = max(lease.expires_at, now + self.lease_s)
+            return "held"
+
     def is_held(self, request_id: str, lease_id: int) -> bool:
         with self._lock:
             lease = self._leases.get(request_id)

@@ -294,67 +294,6 @@ class HandshakePayload:
         )
 
 
-# --- notifications (D -> P)
-
-NOTIFICATION_KINDS = ("done", "heartbeat", "release")
-MAX_NOTIFICATION_ITEMS = 4096
-
-
-@dataclass(frozen=True)
-class LeaseNotice:
-    remote_request_id: str  # P's request id
-    lease_id: int
-    consumers: int = 1  # notices P waits for before it frees (one per D rank reading it)
-
-
-@dataclass(frozen=True)
-class Notification:
-    """D -> P about leased block sets.
-
-    done: pulled; release: nothing will be pulled (P frees once ``consumers`` notices of
-    either kind arrived for a lease); heartbeat: still waiting, extend the leases.
-    Wire form: {"type": kind, "items": [[request_id, lease_id, consumers], ...]}, with
-    [request_id, lease_id] items for heartbeats.
-    """
-
-    kind: str
-    items: tuple[LeaseNotice, ...]
-
-    def __post_init__(self) -> None:
-        where = "notification"
-        if self.kind not in NOTIFICATION_KINDS:
-            raise ValueError(f"{where} type must be one of {NOTIFICATION_KINDS}, got {self.kind!r}")
-        if len(self.items) > MAX_NOTIFICATION_ITEMS:
-            raise ValueError(f"{where} carries {len(self.items)} > {MAX_NOTIFICATION_ITEMS} items")
-        for item in self.items:
-            _check(where, "request_id", item.remote_request_id, str)
-            _check(where, "lease_id", item.lease_id, int, 0, MAX_U64)
-            _check(where, "consumers", item.consumers, int, 1, 65535)
-
-    def to_dict(self) -> dict[str, Any]:
-        width = 2 if self.kind == "heartbeat" else 3
-        rows = [[i.remote_request_id, i.lease_id, i.consumers][:width] for i in self.items]
-        return {"type": self.kind, "items": rows}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Notification:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"notification must be a dict, got {type(data).__name__}")
-        kind = data.get("type")
-        rows = data.get("items")
-        width = 2 if kind == "heartbeat" else 3
-        if not isinstance(rows, list) or len(rows) > MAX_NOTIFICATION_ITEMS:
-            raise ValueError(
-                f"notification items must be a list of at most "
-                f"{MAX_NOTIFICATION_ITEMS} entries, got {rows!r:.200}"
-            )
-        for row in rows:
-            if not isinstance(row, (list, tuple)) or len(row) != width:
-                fields = "request_id, lease_id" + (", consumers" if width == 3 else "")
-                raise ValueError(f"{kind!r} notification item {row!r} is not [{fields}]")
-        return cls(kind=str(kind), items=tuple(LeaseNotice(*row) for row in rows))
-
-
 # --- validation helpers
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

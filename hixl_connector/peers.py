@@ -67,8 +67,17 @@ class PeerRegistry:
             peer = self._peers.get(key)
             if peer is not None and not peer.broken:
                 return peer
-            if peer is not None:
-                self._unlink(peer, force=True)
+            # A broken link, or an engine that another one replaced at the same address
+            # (P restarted), is torn down before linking again: cluster ids may repeat.
+            with self._guard:
+                stale = [self._peers.pop(k) for k in list(self._peers) if k[1:] == key[1:]]
+            for old in stale:
+                if old.engine_id != remote.engine_id:
+                    logger.info(
+                        "hixl: prefill engine %s replaced by %s", old.engine_id, remote.engine_id
+                    )
+                self._unlink(old, force=True)
+                old.client.close()
             peer = self._connect(remote)
             with self._guard:
                 self._peers[key] = peer

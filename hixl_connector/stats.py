@@ -20,7 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _SERIES = ("pull_seconds", "kv_ready_seconds", "pull_bytes", "pull_blocks")
-_COUNTS = ("failed_pulls", "failed_handshakes", "failed_notifications", "expired_leases")
+_COUNTS = (
+    "failed_pulls",
+    "failed_handshakes",
+    "failed_notifications",
+    "expired_leases",
+    "refused_pulls",  # P would not vouch for the blocks before the read
+    "stale_pulls",  # the lease ended during the read: the data was thrown away
+)
 
 
 @dataclass

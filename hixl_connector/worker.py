@@ -19,25 +19,28 @@ from typing import Any
 import zmq
 
 from hixl_connector.config import HixlConfig
-from hixl_connector.engine_setup import BLOCKS_MODEL_ID, Engine, open_engine
+from hixl_connector.engine_setup import Engine, open_engine
 from hixl_connector.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.leases import LeaseTable
 from hixl_connector.metadata import (
     SCHEMA_VERSION,
     HandshakePayload,
     HixlConnectorMetadata,
-    LeaseNotice,
-    Notification,
     RecvSpec,
     ReleaseSpec,
     RemoteEndpoint,
     compatibility_hash,
 )
-from hixl_connector.peers import PeerRegistry
-from hixl_connector.side_channel import SideChannelError, SideChannelServer
+from hixl_connector.notifications import LeaseNotice, Notification
+from hixl_connector.peers import Peer, PeerRegistry
+from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from hixl_connector.stats import HixlKVConnectorStats
 
 logger = logging.getLogger(__name__)
+
+
+class LeaseError(RuntimeError):
+    """P did not (or could no longer) vouch for the blocks of a pull."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class HixlWorker:
                 self._side_channel_port(),
                 {
                     "handshake": self._on_handshake,
+                    "check": self._on_check,
                     "done": self._on_done,
                     "release": self._on_done,
                     "heartbeat": self._on_heartbeat,
@@ -187,17 +191,24 @@ class HixlWorker:
         peer = None
         try:
             if spec.error:
-                raise ValueError(spec.error)
+                raise LeaseError(spec.error)
             peer = self._peers.get(spec.remote)
+            self._confirm_lease(peer.client, spec)
+            if self._config.test_pull_delay_s:
+                time.sleep(self._config.test_pull_delay_s)
             started = time.monotonic()
-            self._engine.datadist.cache_manager.pull_blocks(
-                self._engine.api.BlocksCacheKey(peer.cluster_id, BLOCKS_MODEL_ID),
-                self._engine.cache,
-                list(spec.remote_block_ids),
-                list(spec.local_block_ids),
-                tensor_num_per_layer=self._layout.tensors_per_layer,
-            )
+            # One or more pull_blocks calls: every cache, chunked under the request limit.
+            self._engine.pull_blocks(peer.cluster_id, spec.remote_block_ids, spec.local_block_ids)
             finished = time.monotonic()
+            # The read is good only if P still held the lease after it: P never reuses
+            # leased blocks, and a lease that ended never comes back.
+            answer = self._lease_request(peer.client, "done", spec)
+            if answer not in ("held", "finished"):
+                self._stats.record("stale_pulls")
+                raise LeaseError(
+                    f"lease {spec.lease_id} of prefill request {spec.remote_request_id} ended "
+                    f"during the pull ({answer}); its blocks may have been reused"
+                )
         except Exception as e:
             self._fail(spec, peer, e)
             return
@@ -211,38 +222,73 @@ class HixlWorker:
             blocks,
         )
         self._outcomes.put(_Outcome(spec.request_id, True))
-        self._notify(spec.remote, "done", spec.remote_request_id, spec.lease_id, peer.client)
 
-    def _fail(self, spec: RecvSpec, peer: Any, error: Exception) -> None:
+    def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec) -> None:
+        """Reads nothing unless P confirms these blocks are leased to this request now."""
+        deadline = time.monotonic() + self._config.handshake_timeout_s
+        while True:
+            answer = self._lease_request(client, "check", spec)
+            if answer == "held":
+                return
+            if answer != "early" or time.monotonic() > deadline:
+                self._stats.record("refused_pulls")
+                raise LeaseError(
+                    f"prefill refused to lend blocks {list(spec.remote_block_ids)[:8]}... of "
+                    f"request {spec.remote_request_id} under lease {spec.lease_id}: {answer}"
+                )
+            time.sleep(0.002)  # P has not yet started the lease: its next step will
+
+    def _lease_request(self, client: SideChannelClient, kind: str, spec: RecvSpec) -> str:
+        consumers = max(1, self._tp_size // max(1, spec.remote.tp_size))
+        notice = LeaseNotice(
+            spec.remote_request_id, spec.lease_id, consumers, spec.remote_block_ids
+        )
+        reply = client.request(Notification(kind, (notice,)).to_dict())
+        results = reply.get("results")
+        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], str):
+            raise SideChannelError(f"malformed {kind} reply: {reply!r:.200}")
+        return results[0]
+
+    def _fail(self, spec: RecvSpec, peer: Peer | None, error: Exception) -> None:
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
         self._stats.record("failed_pulls" if peer is not None else "failed_handshakes")
-        codes = self._engine.api.LLMStatusCode if self._engine is not None else None
-        status = getattr(error, "status_code", None)
-        if peer is not None and codes is not None and status != codes.LLM_PARAM_INVALID:
+        if peer is not None and self._link_suspect(error):
             self._peers.mark_broken(peer)  # type: ignore[union-attr]
         self._outcomes.put(_Outcome(spec.request_id, False))
         if spec.remote.engine_id:
             # Tell P at once so it frees instead of waiting for the lease to expire.
-            self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id, None)
+            self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id)
+
+    def _link_suspect(self, error: Exception) -> bool:
+        """Timeouts, dead peers and lost replies call for a fresh handshake and link."""
+        if isinstance(error, LeaseError):
+            return False
+        status = getattr(error, "status_code", None)
+        codes = self._engine.api.LLMStatusCode if self._engine is not None else None
+        return codes is None or status != codes.LLM_PARAM_INVALID
 
     def _release(self, spec: ReleaseSpec) -> None:
-        self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id, None)
+        self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id)
 
     def _notify(
-        self, remote: RemoteEndpoint, kind: str, remote_request_id: str, lease_id: int, client: Any
+        self, remote: RemoteEndpoint, kind: str, remote_request_id: str, lease_id: int
     ) -> None:
+        """Best effort: P's lease expiry frees the blocks anyway; only promptness is lost."""
         assert self._peers is not None
         consumers = max(1, self._tp_size // max(1, remote.tp_size))
+        notice = LeaseNotice(remote_request_id, lease_id, consumers)
         try:
-            channel = client if client is not None else self._peers.client_for(remote)
-            notice = LeaseNotice(remote_request_id, lease_id, consumers)
-            channel.request(Notification(kind, (notice,)).to_dict())
-            if client is None:
-                channel.close()
-        except (SideChannelError, ValueError, RuntimeError) as e:
-            # P's lease expiry frees the blocks anyway; only promptness is lost.
+            client = self._peers.client_for(remote)
+        except (ValueError, RuntimeError) as e:
+            logger.warning("hixl: %s for %s not sent: %s", kind, remote_request_id, e)
+            return
+        try:
+            client.request(Notification(kind, (notice,)).to_dict())
+        except SideChannelError as e:
             self._stats.record("failed_notifications")
             logger.warning("hixl: %s for %s not delivered: %s", kind, remote_request_id, e)
+        finally:
+            client.close()
 
     def _send_heartbeats(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> None:
         by_peer: dict[tuple[str, str, int], list[LeaseNotice]] = {}
@@ -288,6 +334,16 @@ class HixlWorker:
         if message.get("tp_rank") != self._tp_rank:
             raise ValueError(f"this side channel serves rank {self._tp_rank}")
         return {"payload": self._payload.to_dict()}
+
+    def _on_check(self, message: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        notices = Notification.from_dict(message).items
+        return {
+            "results": [
+                self._leases.check(n.remote_request_id, n.lease_id, n.block_ids, now)
+                for n in notices
+            ]
+        }
 
     def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()

@@ -1,8 +1,14 @@
-"""The "ascend" backend: CANN's own ``llm_datadist`` package (needs torch_npu on Atlas A2/A3).
+"""The "ascend" backend: CANN's own ``llm_datadist`` package with its HIXL transfer back-end.
 
-Everything is CANN's, except two project adaptations: ``LLMDataDist.init`` drops the native
-engine's ``hixl.*`` option keys, and ``pull_blocks_async`` is emulated by running
-``pull_blocks`` on a thread (CANN has no asynchronous pull).
+The only module that imports ``llm_datadist`` and ``torch_npu``. Everything the API offers is
+CANN's, except two project adaptations: ``LLMDataDist.init`` drops the native engine's
+``hixl.*`` option keys, and ``pull_blocks_async`` is emulated by running ``pull_blocks`` on a
+thread (CANN has no asynchronous pull).
+
+It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
+``hixl_connector.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``, the device id
+is the one holding them, HCCS wants 2 MB-aligned bases, and one ``pull_blocks`` request must fit
+CANN's request buffer (reference section 6.2), so long block lists are pulled in chunks.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import importlib
 import types
 from typing import Any
 
+from hixl_connector.datadist.profile import BackendProfile
 from hixl_connector.datadist.pull_handle import ThreadPullHandle
 
 API_NAMES = (
@@ -33,6 +40,15 @@ API_NAMES = (
     "RegisterMemStatus",
 )
 
+# CANN's pull_blocks request: ~header + 16 B x (dst tensors + 2 x runs), at most 2 MiB with
+# enable_remote_cache_accessible (which the hixl back-end forces), 112 KiB without it.
+REQUEST_LIMIT_BYTES = 2 * 1024 * 1024
+REQUEST_LIMIT_BYTES_NOT_ACCESSIBLE = 112 * 1024
+REQUEST_ENTRY_BYTES = 16
+# The header's exact size is not published; this leaves a wide margin for it.
+REQUEST_HEADER_RESERVE_BYTES = 4096
+HCCS_ALIGNMENT_BYTES = 2 * 1024 * 1024
+
 
 class BackendUnavailableError(ImportError):
     """The requested backend's packages cannot be imported here."""
@@ -46,6 +62,72 @@ def import_cann() -> Any:
             "the 'ascend' datadist backend needs CANN's `llm_datadist` package (shipped with the "
             f"CANN toolkit, used with torch_npu); it cannot be imported here: {exc}"
         ) from exc
+
+
+def _torch_npu() -> Any | None:
+    try:
+        return importlib.import_module("torch_npu")
+    except Exception:  # any failure to import means "no NPU runtime here"
+        return None
+
+
+def ascend_available() -> bool:
+    """True when both torch_npu and llm_datadist import."""
+    if _torch_npu() is None:
+        return False
+    try:
+        importlib.import_module("llm_datadist")
+    except Exception:
+        return False
+    return True
+
+
+def max_pairs_per_pull(num_tensors: int, limit_bytes: int = REQUEST_LIMIT_BYTES) -> int:
+    """Most (src, dst) pairs one pull_blocks request may carry, assuming no pair merges with
+    its neighbour (every pair its own run): the worst case, so any list of that length fits."""
+    room = limit_bytes - REQUEST_HEADER_RESERVE_BYTES - REQUEST_ENTRY_BYTES * num_tensors
+    pairs = room // (2 * REQUEST_ENTRY_BYTES)
+    if pairs < 1:
+        raise ValueError(
+            f"{num_tensors} KV tensors leave no room for block pairs in a pull_blocks request "
+            f"of {limit_bytes} bytes"
+        )
+    return pairs
+
+
+def device_id_of(tensor: Any) -> int:
+    """The device that holds ``tensor``; for host tensors, the process's current NPU (0 when
+    no NPU runtime is present, as with host memory only)."""
+    index = getattr(tensor.device, "index", None)
+    if tensor.device.type != "cpu" and index is not None:
+        return int(index)
+    torch_npu = _torch_npu()
+    if torch_npu is not None:
+        return int(torch_npu.npu.current_device())
+    return 0
+
+
+def check_hccs_alignment(addrs: list[int], what: str) -> None:
+    """HCCS reads device memory only from 2 MB-aligned bases (reference section 8, rule 5)."""
+    misaligned = [addr for addr in addrs if addr % HCCS_ALIGNMENT_BYTES]
+    if misaligned:
+        raise ValueError(
+            f"{what}: {len(misaligned)} of {len(addrs)} KV tensor bases are not 2 MB aligned "
+            f"(first: {misaligned[0]:#x}); HCCS transfers need 2 MB-aligned device memory. "
+            "Allocate the KV cache 2 MB aligned, or set kv_connector_extra_config "
+            "'ascend_hccs': false when P and D are linked over RoCE only"
+        )
+
+
+ASCEND_PROFILE = BackendProfile(
+    name="ascend",
+    device_memory=True,
+    transfer_backend="hixl",
+    native_options=False,
+    device_id_of=device_id_of,
+    check_device_alignment=check_hccs_alignment,
+    max_pairs_per_pull=max_pairs_per_pull,
+)
 
 
 def pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> ThreadPullHandle:
@@ -68,4 +150,5 @@ def load() -> types.ModuleType:
     module.LLMDataDist = LLMDataDist  # type: ignore[attr-defined]
     module.pull_blocks_async = pull_blocks_async  # type: ignore[attr-defined]
     module.BACKEND_NAME = "ascend"  # type: ignore[attr-defined]
+    module.PROFILE = ASCEND_PROFILE  # type: ignore[attr-defined]
     return module

@@ -2,11 +2,12 @@
 
 - "native": the project's C++ engine (host memory, any Linux host);
 - "ascend": CANN ``llm_datadist`` (Atlas A2/A3 with torch_npu);
-- "auto": ascend when both ``torch_npu`` and ``llm_datadist`` import, else native.
+- "auto": ascend when both ``torch_npu`` and ``llm_datadist`` import and the KV tensors live on
+  an NPU (``kv_device="npu"``; without a device, importability alone decides), else native.
 
 Each returns a module-like object with the same API names plus ``pull_blocks_async(cache_manager,
-...)`` and ``BACKEND_NAME``. Loading "native" does not import the engine; ``LLMDataDist.init``
-does.
+...)``, ``BACKEND_NAME`` and ``PROFILE`` (a ``BackendProfile``). Loading "native" does not
+import the engine; ``LLMDataDist.init`` does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from hixl_connector.datadist import ascend
 from hixl_connector.datadist.ascend import API_NAMES, BackendUnavailableError
+from hixl_connector.datadist.profile import NATIVE_PROFILE
 
 BACKENDS = ("native", "ascend", "auto")
 
@@ -32,24 +34,26 @@ def _load_native() -> types.ModuleType:
         setattr(module, name, getattr(api, name))
     module.pull_blocks_async = _native_pull_blocks_async  # type: ignore[attr-defined]
     module.BACKEND_NAME = "native"  # type: ignore[attr-defined]
+    module.PROFILE = NATIVE_PROFILE  # type: ignore[attr-defined]
     return module
 
 
-def _ascend_available() -> bool:
-    try:
-        importlib.import_module("torch_npu")
-        importlib.import_module("llm_datadist")
-    except Exception:  # any failure to import means "not usable here"
-        return False
-    return True
-
-
-def load_backend(name: str = "auto") -> types.ModuleType:
+def resolve_backend(name: str = "auto", kv_device: str | None = None) -> str:
+    """The concrete backend ("native" or "ascend") that ``name`` selects here."""
     if name not in BACKENDS:
         raise ValueError(f"unknown datadist backend {name!r}; choose one of {BACKENDS}")
-    if name == "native" or (name == "auto" and not _ascend_available()):
+    if name != "auto":
+        return name
+    if kv_device is not None and kv_device != "npu":
+        return "native"
+    return "ascend" if ascend.ascend_available() else "native"
+
+
+def load_backend(name: str = "auto", kv_device: str | None = None) -> types.ModuleType:
+    """``kv_device``: the device type of the KV tensors ("cpu", "npu", ...), for "auto"."""
+    if resolve_backend(name, kv_device) == "native":
         return _load_native()
     return ascend.load()
 
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "load_backend"]
+__all__ = ["BACKENDS", "BackendUnavailableError", "load_backend", "resolve_backend"]

@@ -28,11 +28,12 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.auth_token == ""
     assert config.cluster_id_base == derived_cluster_id_base("engine-a")
     assert config.test_corrupt_received_kv is False
+    assert config.test_pull_delay_s == 0.0
     assert {f.name for f in dataclasses.fields(HixlConfig)} == {
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
         "transport", "pull_timeout_s", "handshake_timeout_s", "transfer_threads",
         "tcp_connections", "lease_s", "heartbeat_s", "auth_token", "cluster_id_base",
-        "test_corrupt_received_kv",
+        "test_corrupt_received_kv", "test_pull_delay_s", "ascend_local_comm_res", "ascend_hccs",
     }  # fmt: skip
 
 
@@ -80,6 +81,7 @@ def test_unknown_key_is_named_with_the_valid_ones() -> None:
         ("auth_token", None),
         ("cluster_id_base", -1),
         ("test_corrupt_received_kv", "yes"),
+        ("test_pull_delay_s", -0.5),
     ],
 )
 def test_bad_value_names_key_and_value(key: str, value: Any) -> None:

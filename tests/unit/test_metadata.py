@@ -13,8 +13,6 @@ from hixl_connector.metadata import (
     HandshakePayload,
     HixlConnectorMetadata,
     InvalidTransferParams,
-    LeaseNotice,
-    Notification,
     RecvSpec,
     ReleaseSpec,
     RemoteEndpoint,
@@ -207,38 +205,3 @@ def test_describe_mismatch_names_each_field_with_both_values() -> None:
 def test_compatibility_hash_refuses_non_plain_values() -> None:
     with pytest.raises(ValueError, match="plain values"):
         compatibility_hash({"blob": b"raw"})
-
-
-# --- notifications
-
-
-@pytest.mark.parametrize("kind", ["done", "release", "heartbeat"])
-def test_notification_round_trips(kind: str) -> None:
-    consumers = 1 if kind == "heartbeat" else 2
-    note = Notification(
-        kind, (LeaseNotice("a", 1, consumers), LeaseNotice("b", 2**64 - 1, consumers))
-    )
-    data = wire(note.to_dict())
-    assert data["type"] == kind
-    assert len(data["items"][0]) == (2 if kind == "heartbeat" else 3)
-    assert Notification.from_dict(data) == note
-
-
-@pytest.mark.parametrize(
-    ("data", "message"),
-    [
-        ({"type": "free", "items": []}, "type must be one of"),
-        ({"type": "done", "items": [["a", 1]]}, r"is not \[request_id, lease_id, consumers\]"),
-        ({"type": "heartbeat", "items": [["a", 1, 2]]}, r"is not \[request_id, lease_id\]"),
-        ({"type": "done", "items": [["a", -1, 1]]}, "lease_id"),
-        ({"type": "done", "items": [["a", 1, 0]]}, "consumers"),
-        ({"type": "done", "items": [["", 1, 1]]}, "request_id"),
-        ({"type": "done", "items": [[1, 1, 1]]}, "request_id"),
-        ({"type": "done", "items": "a"}, "must be a list"),
-        ({"type": "done", "items": [["a", 1, 1]] * 4097}, "at most 4096"),
-        (["done"], "must be a dict"),
-    ],
-)
-def test_bad_notifications_raise_clear_errors(data: Any, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        Notification.from_dict(data)

@@ -1,0 +1,42 @@
+"""BackendProfile: what a backend needs from the code that opens it, in one small record.
+
+The connector's worker uses nothing but the LLM-DataDist API. The few facts in which the
+backends differ (which memory they move, LLMConfig fields, alignment, request-size limits)
+live here, one profile per backend, and only ``hixl_connector.engine_setup`` reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _no_alignment_rule(addrs: list[int], what: str) -> None:
+    return None
+
+
+def _device_zero(tensor: Any) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    name: str
+    # True: tensors on an accelerator register as Placement.DEVICE; False: host memory only.
+    device_memory: bool
+    # LLMConfig.transfer_backend ("" leaves the engine's default).
+    transfer_backend: str
+    # Whether LLMConfig's hixl_* extension properties (native engine options) apply.
+    native_options: bool
+    # LLMConfig.device_id for the worker whose KV cache holds this tensor.
+    device_id_of: Callable[[Any], int] = _device_zero
+    # Raises ValueError when device addresses break the transport's alignment rule.
+    check_device_alignment: Callable[[list[int], str], None] = _no_alignment_rule
+    # (num_tensors of a cache) -> most block pairs per pull_blocks call; None: no limit.
+    max_pairs_per_pull: Callable[[int], int] | None = None
+
+
+NATIVE_PROFILE = BackendProfile(
+    name="native", device_memory=False, transfer_backend="", native_options=True
+)

@@ -1,0 +1,44 @@
+"""The prefill side of the ascend contract test: a real HixlWorker (kv_producer) in its own
+process, on the "ascend" back-end over the llm_datadist STAND-IN, serving filled KV caches.
+
+Run: python prefill_worker.py SPEC_FILE   (JSON: {"model_dir", "engine_id", "extra",
+"tp_port", "leases": [[request_id, lease_id, [block ids]], ...]}).
+Prints {"pid"} once registered and leasing; on EOF shuts down and prints the stand-in's
+recorded calls as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the stand-in first, then the checkout
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    import llm_datadist
+    from worker_harness import kv_caches, tp_group, vllm_config
+
+    from hixl_connector.config import HixlConfig
+    from hixl_connector.metadata import HixlConnectorMetadata, SendSpec
+    from hixl_connector.worker import HixlWorker
+
+    config = vllm_config(Path(spec["model_dir"]), "kv_producer", spec["engine_id"], spec["extra"])
+    with tp_group(config, spec["tp_port"]):
+        worker = HixlWorker(config, HixlConfig.from_vllm_config(config), spec["engine_id"])
+        caches = kv_caches(fill=True)
+        worker.register_kv_caches(dict(caches))
+        sends = [SendSpec(r, tuple(blocks), lease) for r, lease, blocks in spec["leases"]]
+        worker.start_load_kv(HixlConnectorMetadata(to_send=sends))
+        print(json.dumps({"pid": os.getpid()}), flush=True)
+        sys.stdin.read()
+        worker.shutdown()
+    print(json.dumps(llm_datadist.calls()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""A prefill-side peer for the ascend stand-in tests: a real process that serves one blocks
+cache through the connector's "ascend" back-end on the llm_datadist STAND-IN.
+
+Run: python standin_peer.py --cluster-id N --port P
+Prints {"pid"} once it serves BlocksCacheKey(N, 0) (Placement.DEVICE, played by host memory;
+tensor t, block b holds bytes equal to (t * 31 + b) % 251). A stdin line "late" registers a
+second cache under model_id 1 (after the test has linked) and answers "ok". EOF: finalize, exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the stand-in first, then the checkout
+
+NUM_TENSORS = 4
+NUM_BLOCKS = 32
+BLOCK_BYTES = 256
+
+
+def block_value(tensor: int, block: int) -> int:
+    return (tensor * 31 + block) % 251
+
+
+def make_tensors() -> list[np.ndarray]:
+    values = np.repeat(np.arange(NUM_BLOCKS), BLOCK_BYTES)
+    return [((t * 31 + values) % 251).astype(np.uint8) for t in range(NUM_TENSORS)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cluster-id", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    from hixl_connector.datadist import load_backend
+
+    api = load_backend("ascend")
+    config = api.LLMConfig()
+    config.device_id = 0
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
+    config.transfer_backend = "hixl"
+    config.listen_ip_info = f"127.0.0.1:{args.port}"
+    dd = api.LLMDataDist(api.LLMRole.PROMPT, args.cluster_id)
+    dd.init(config.generate_options())
+    desc = api.CacheDesc(
+        NUM_TENSORS, [NUM_BLOCKS, BLOCK_BYTES], api.DataType.DT_UINT8, api.Placement.DEVICE
+    )
+    keep = make_tensors()
+    dd.cache_manager.register_blocks_cache(
+        desc, [t.ctypes.data for t in keep], api.BlocksCacheKey(args.cluster_id, 0)
+    )
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "late":
+            late = make_tensors()
+            keep += late
+            dd.cache_manager.register_blocks_cache(
+                desc, [t.ctypes.data for t in late], api.BlocksCacheKey(args.cluster_id, 1)
+            )
+            print("ok", flush=True)
+    dd.finalize()  # before the memory it serves is released
+    del keep
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Builds a real HixlWorker the way vLLM would on Ascend, with torch CPU tensors standing in
+for the NPU KV tensors: a VllmConfig of the tiny test model, a one-rank TP group (gloo), and
+KV caches in vllm-ascend's form, one ``(k_cache, v_cache)`` tuple per attention layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NUM_LAYERS = 2
+NUM_BLOCKS = 64
+BLOCK_SIZE = 16
+KV_HEADS = 2  # the tiny model's
+HEAD_SIZE = 16
+
+
+def vllm_config(model_dir: Path, kv_role: str, engine_id: str, extra: dict[str, Any]) -> Any:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    kv_transfer = KVTransferConfig(
+        kv_connector="HixlConnector",
+        kv_connector_module_path="hixl_connector",
+        kv_role=kv_role,
+        engine_id=engine_id,
+        kv_connector_extra_config=extra,
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype="float32",
+            max_model_len=256,
+            enforce_eager=True,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+@contextmanager
+def tp_group(config: Any, port: int) -> Iterator[None]:
+    """A real one-rank tensor-parallel group, as every vLLM worker has."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+
+
+def kv_caches(fill: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """K and V per layer, [num_blocks, block_size, kv_heads, head_size]; with ``fill``, element
+    values encode (tensor, block) so a test can recompute any block's content."""
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    caches = {}
+    for layer in range(NUM_LAYERS):
+        parts = []
+        for part in range(2):
+            tensor = torch.zeros(shape, dtype=torch.float32)
+            if fill:
+                tensor += expected_block(2 * layer + part, torch.arange(NUM_BLOCKS)).view(
+                    NUM_BLOCKS, 1, 1, 1
+                )
+            parts.append(tensor)
+        caches[f"model.layers.{layer}.self_attn.attn"] = (parts[0], parts[1])
+    return caches
+
+
+def expected_block(tensor: int, block: Any) -> Any:
+    """The value every element of block ``block`` of KV tensor ``tensor`` holds on P."""
+    return 1000.0 * (tensor + 1) + block

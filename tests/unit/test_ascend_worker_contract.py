@@ -1,0 +1,183 @@
+"""Contract test of the "ascend" back-end: the connector's real HixlWorker on both sides (P in
+its own process, D here), backend "ascend", over the llm_datadist STAND-IN
+(tests/ascend_standin/), with torch CPU tensors in vllm-ascend's (k_cache, v_cache) form
+standing in for NPU tensors.
+
+It proves the connector drives only the documented LLM-DataDist API, in the documented order
+(init, every cache registered, link_clusters, pull_blocks; unlink with force and relink after a
+timed-out pull), and chunks long block lists under CANN's request limit. It does not prove the
+NPU, HCCS or RoCE path: that needs Atlas hardware (configs/ascend/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
+sys.path.insert(0, str(STANDIN_DIR))
+from harness import free_port, launch, ready, standin_on_path, stop  # noqa: E402
+from worker_harness import expected_block, kv_caches, tp_group, vllm_config  # noqa: E402
+
+sys.path.remove(str(STANDIN_DIR))
+P_BASE, D_BASE = 100_000, 200_000
+RESULT_TIMEOUT_S = 30.0
+# Pairs: more than the back-end puts in one pull_blocks request (65,406 for 4 tensors), within
+# the 65,536 blocks one lease notification may name.
+LONG = 65_500
+LEASES: list[tuple[str, int, list[int]]] = [
+    ("r-basic", 1, [5, 6, 7, 20]),
+    ("r-long", 2, [5, 6] * (LONG // 2)),
+    ("r-timeout", 3, [8]),
+    ("r-relink", 4, [9, 10]),
+]
+
+
+@pytest.fixture(scope="module")
+def prefill(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    side_port, engine_port = free_port(), free_port()
+    extra = {
+        "backend": "ascend",
+        "side_channel_port": side_port,
+        "engine_port": engine_port,
+        "cluster_id_base": P_BASE,
+        "ascend_local_comm_res": '{"version":"1.3"}',
+    }
+    spec = {
+        "model_dir": str(tiny_model_dir),
+        "engine_id": "p-engine",
+        "extra": extra,
+        "tp_port": free_port(),
+        "leases": LEASES,
+    }
+    script = str(STANDIN_DIR / "prefill_worker.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    spec_file = tmp_path_factory.mktemp("prefill") / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    # Not waited for here: P imports vLLM while D does the same in this process.
+    proc = launch([sys.executable, script, str(spec_file)], env)
+    result: dict[str, Any] = {"proc": proc, "pid": proc.pid, "side_port": side_port}
+    yield result
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    from hixl_connector.config import HixlConfig
+    from hixl_connector.worker import HixlWorker
+
+    extra = {
+        "backend": "ascend",
+        "cluster_id_base": D_BASE,
+        "pull_timeout_s": 1.0,
+        "handshake_timeout_s": 2.0,
+        "test_pull_delay_s": 0.4,  # a window to stop P between the lease check and the pull
+    }
+    config = vllm_config(tiny_model_dir, "kv_consumer", "d-engine", extra)
+    os.environ["HIXL_STANDIN_TRANSPORT"] = "tcp"  # a stopped peer then times a pull out
+    try:
+        with standin_on_path() as standin, tp_group(config, free_port()):
+            worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-engine")
+            caches = kv_caches(fill=False)
+            worker.register_kv_caches(dict(caches))
+            state = {"worker": worker, "caches": caches, "standin": standin}
+            ready(prefill["proc"])  # P registered and leasing
+            yield state
+            if not state.get("shut"):
+                worker.shutdown()
+    finally:
+        del os.environ["HIXL_STANDIN_TRANSPORT"]
+
+
+def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local: list[int]) -> bool:
+    from hixl_connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
+
+    request, lease_id, remote_blocks = LEASES[lease]
+    remote = RemoteEndpoint("p-engine", "127.0.0.1", prefill["side_port"], 1, P_BASE)
+    spec = RecvSpec(f"d-{request}", request, lease_id, remote, tuple(local), tuple(remote_blocks))
+    worker = decode["worker"]
+    worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.get_transfer_results()
+        if spec.request_id in recving:
+            return spec.request_id not in failed
+        time.sleep(0.02)
+    raise AssertionError(f"no result for {spec.request_id} within {RESULT_TIMEOUT_S}s")
+
+
+def _block(decode: dict[str, Any], tensor: int, block: int) -> set[float]:
+    k_or_v = decode["caches"][f"model.layers.{tensor // 2}.self_attn.attn"][tensor % 2]
+    return set(k_or_v[block].flatten().tolist())
+
+
+def test_pull_lands_through_the_documented_calls(decode: Any, prefill: Any) -> None:
+    assert _receive(decode, prefill, 0, [0, 1, 2, 3])
+    for tensor in range(4):
+        for local, remote in zip([0, 1, 2, 3], [5, 6, 7, 20], strict=True):
+            assert _block(decode, tensor, local) == {expected_block(tensor, remote)}
+    assert _block(decode, 0, 4) == {0.0}
+    calls = decode["standin"].calls()
+    assert calls == ["LLMDataDist", "init", "register_blocks_cache", "link_clusters", "pull_blocks"]
+
+
+def test_long_block_list_is_chunked_under_the_request_limit(decode: Any, prefill: Any) -> None:
+    before = decode["standin"].calls().count("pull_blocks")
+    assert _receive(decode, prefill, 1, [30, 41] * (LONG // 2))
+    assert decode["standin"].calls().count("pull_blocks") == before + 2
+    assert _block(decode, 3, 30) == {expected_block(3, 5)}
+    assert _block(decode, 3, 41) == {expected_block(3, 6)}
+
+
+def test_timed_out_pull_fails_then_the_link_is_rebuilt(
+    decode: Any, prefill: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    start_calls = len(decode["standin"].calls())
+    request = _submit_and_stop(decode, prefill)
+    try:
+        assert request is False  # reported in failed_recving, not stranded
+    finally:
+        os.kill(prefill["pid"], signal.SIGCONT)
+    assert "LLM_TIMEOUT" in caplog.text  # the pull itself timed out (P stopped mid-pull)
+    assert _receive(decode, prefill, 3, [50, 51])
+    assert _block(decode, 1, 51) == {expected_block(1, 10)}
+    calls = decode["standin"].calls()[start_calls:]
+    relink = calls.index("unlink_clusters(force)")
+    assert calls[relink : relink + 3] == ["unlink_clusters(force)", "link_clusters", "pull_blocks"]
+
+
+def _submit_and_stop(decode: Any, prefill: Any) -> bool:
+    """Starts the r-timeout pull and stops P inside the pull delay, after its lease check."""
+    import threading
+
+    outcome: list[bool] = []
+    thread = threading.Thread(target=lambda: outcome.append(_receive(decode, prefill, 2, [60])))
+    thread.start()
+    time.sleep(0.2)
+    os.kill(prefill["pid"], signal.SIGSTOP)
+    thread.join(RESULT_TIMEOUT_S)
+    assert outcome, "the timed-out pull produced no result"
+    return outcome[0]
+
+
+def test_shutdown_unlinks_and_prefill_only_registers(decode: Any, prefill: Any) -> None:
+    decode["worker"].shutdown()
+    decode["shut"] = True
+    calls = decode["standin"].calls()
+    assert calls[-2:] == ["unlink_clusters", "finalize"]
+    assert "register_blocks_cache" not in calls[3:]  # nothing registered after the first link
+    out = stop(prefill["proc"])
+    p_calls = json.loads(out.strip().splitlines()[-1])
+    assert p_calls == ["LLMDataDist", "init", "register_blocks_cache", "finalize"]
