@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import re
 import shutil
 import signal
 import sys
@@ -46,8 +48,12 @@ from hixl_connector.demo.tiny_model import build_tiny_model, is_built
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_WORK_DIR = "artifacts/demo"
 HEALTH_TIMEOUT_S = 300.0
+PREFILL_CORE, DECODE_CORE = 0, 1  # indices into the CPUs this process may use
 HEARTBEAT_S = 10.0
+STOP_GRACE_S = 5.0  # a healthy vLLM server exits within about 1 s of SIGTERM
 LOG_TAIL_LINES = 30
+# A raised exception, bare or in a vLLM "(Proc pid=N) ERROR ... [file:line]" log line.
+_ERROR_LINE = re.compile(r"^(?:\(.*?\) ERROR .*?\] )?[\w.]*(?:Error|Exception): .*$", re.MULTILINE)
 EXIT_MISMATCH, EXIT_ERROR, EXIT_INTERRUPTED = 1, 2, 130
 
 
@@ -74,6 +80,7 @@ class DemoStack:
     decode: VllmServer | None = None
     router: RouterProcess | None = None
     processes: list[ManagedProcess] = field(default_factory=list)
+    exited_early: set[str] = field(default_factory=set)
 
     def urls(self) -> tuple[str, str, str]:
         """(router, plain, decode) URLs; only valid once everything is healthy."""
@@ -82,9 +89,10 @@ class DemoStack:
         return self.router.url, self.plain.url, self.decode.url
 
     def stop(self) -> None:
+        self.exited_early = {p.name for p in self.processes if not p.alive()}
         # In parallel: each stop may wait out a grace period.
         with ThreadPoolExecutor(max(1, len(self.processes))) as pool:
-            list(pool.map(lambda process: process.stop(), self.processes))
+            list(pool.map(lambda process: process.stop(grace_s=STOP_GRACE_S), self.processes))
 
     def log_report(self) -> list[str]:
         lines = []
@@ -94,7 +102,20 @@ class DemoStack:
                 f"last {LOG_TAIL_LINES} lines -----"
             )
             lines.append(process.log_tail(LOG_TAIL_LINES))
+            # The tail is often a long chain of re-raises; the first error names the cause.
+            first = _first_error(process.log_path) if process.name in self.exited_early else None
+            if first:
+                lines.append(f"----- {process.name}: first error in the log -----\n{first}")
         return lines
+
+
+def _first_error(log_path: Path) -> str | None:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    match = _ERROR_LINE.search(text)
+    return match.group(0).strip() if match else None
 
 
 def check_environment() -> None:
@@ -122,6 +143,26 @@ def connector_config(role: str) -> dict[str, Any]:
     return config
 
 
+def pin_to_core(process: ManagedProcess, core_index: int) -> None:
+    """Move every thread of ``process``'s group onto one core, as ``taskset`` would at start.
+
+    The plain server starts unpinned, so the three start-ups share both cores, then joins D's
+    core: its latencies are then measured on the same core as D's, like for like.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[core_index % len(allowed)]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != process.pid:
+                continue
+            for task in (entry / "task").iterdir():
+                os.sched_setaffinity(int(task.name), {core})
+        except OSError:  # the process or thread is gone, or /proc is unreadable
+            continue
+
+
 def prepare_model(model_dir: Path, say: Progress) -> Path:
     if is_built(model_dir):
         say(f"tiny model: cached in {model_dir}")
@@ -135,19 +176,30 @@ def prepare_model(model_dir: Path, say: Progress) -> Path:
 
 def start_stack(stack: DemoStack, model_dir: Path, log_dir: Path, say: Progress) -> None:
     """Start plain, P and D together and the router once P and D answer; wait for all four."""
-    say("starting the plain server, prefill server (P) and decode server (D) together ...")
+    say(
+        "starting the plain server, prefill server (P) and decode server (D), one core each for "
+        "P and D, all together ..."
+    )
     stack.plain = start_vllm_server(model_dir, log_dir, "plain")
     stack.processes.append(stack.plain)
     stack.prefill = start_vllm_server(
-        model_dir, log_dir, "prefill", core=0, kv_transfer_config=connector_config("prefill")
+        model_dir,
+        log_dir,
+        "prefill",
+        core=PREFILL_CORE,
+        kv_transfer_config=connector_config("prefill"),
     )
     stack.processes.append(stack.prefill)
     stack.decode = start_vllm_server(
-        model_dir, log_dir, "decode", core=1, kv_transfer_config=connector_config("decode")
+        model_dir,
+        log_dir,
+        "decode",
+        core=DECODE_CORE,
+        kv_transfer_config=connector_config("decode"),
     )
     stack.processes.append(stack.decode)
     labels: dict[ManagedProcess, str] = {
-        stack.plain: "plain reference server",
+        stack.plain: "plain reference server (now on D's core)",
         stack.prefill: "prefill server (P, kv_producer)",
         stack.decode: "decode server (D, kv_consumer)",
     }
@@ -162,6 +214,8 @@ def start_stack(stack: DemoStack, model_dir: Path, log_dir: Path, say: Progress)
                 process.healthy_after_s = time.monotonic() - process.started_at
                 say(f"{labels[process]} healthy in {process.healthy_after_s:.1f} s, {process.url}")
                 pending.remove(process)
+                if process is stack.plain:
+                    pin_to_core(process, DECODE_CORE)
         if stack.router is None and stack.prefill not in pending and stack.decode not in pending:
             say("starting vllm-router (PD mode) in front of P and D ...")
             stack.router = start_router([stack.prefill.url], [stack.decode.url], log_dir)
@@ -194,7 +248,8 @@ def exercise(stack: DemoStack, prompts: int, max_tokens: int, say: Progress) -> 
     specs = build_requests(prompts)
     say(
         f"{len(specs)} requests, each to the plain server and through the router, greedy, "
-        f"max_tokens={max_tokens}:"
+        f"max_tokens={max_tokens} (random weights: the text is gibberish; what counts is that "
+        "both agree token for token):"
     )
     results = []
     for index, spec in enumerate(specs, start=1):
@@ -274,7 +329,10 @@ def _shut_down(
 
 def _bounded_int(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
         return value

@@ -13,8 +13,12 @@ BLOCK_SIZE = 32
 
 
 def shorten(text: str, width: int = TEXT_WIDTH) -> str:
-    """One line, at most ``width`` characters, quoted so that leading spaces show."""
-    flat = " ".join(text.split())
+    """One line, at most ``width`` characters, quoted so that leading spaces show.
+
+    The tiny model's byte-level tokens often end mid-character; such bytes decode to U+FFFD,
+    shown here as "?" like any other unprintable character.
+    """
+    flat = "".join(c if c.isprintable() and c != "\ufffd" else "?" for c in " ".join(text.split()))
     if len(flat) > width:
         flat = flat[: width - 3] + "..."
     return f'"{flat}"'
@@ -36,10 +40,12 @@ def transfer_line(delta: TransferDelta, prompt_tokens: int) -> str:
         failed = f", {delta.failed} failed" if delta.failed else ""
         return f"transfer: NOTHING PULLED (D recomputed the prompt{failed})"
     pulls = f" in {delta.pulls} pulls" if delta.pulls > 1 else ""
+    plural = "" if delta.blocks == 1 else "s"
     failed = f", {delta.failed} FAILED" if delta.failed else ""
+    ready = ms(delta.kv_ready_s / delta.pulls)
     return (
-        f"transfer: {delta.blocks} blocks, {size(delta.bytes)}{pulls}, pull {ms(delta.pull_s)} "
-        f"({delta.gbps:.2f} GB/s), KV ready on D {ms(delta.kv_ready_s / delta.pulls)}, "
+        f"transfer: {delta.blocks} block{plural}, {size(delta.bytes)}{pulls}, "
+        f"pull {ms(delta.pull_s)} ({delta.gbps:.2f} GB/s), KV ready on D {ready}, "
         f"{delta.external_tokens}/{prompt_tokens} prompt tokens from P{failed}"
     )
 
@@ -47,9 +53,10 @@ def transfer_line(delta: TransferDelta, prompt_tokens: int) -> str:
 def request_lines(index: int, total: int, result: RequestResult) -> list[str]:
     n = result.prompt_tokens
     blocks = -(-n // BLOCK_SIZE)
+    plural = "" if blocks == 1 else "s"
     mark = "match" if result.identical else "MISMATCH"
     lines = [
-        f"[{index}/{total}] {result.spec.label}: {n} prompt tokens ({blocks} blocks), "
+        f"[{index}/{total}] {result.spec.label}: {n} prompt tokens ({blocks} block{plural}), "
         f"{len(result.plain.token_ids)} generated",
         f"    P/D   {shorten(result.routed.text)}",
         f"    plain {shorten(result.plain.text)}   {mark}",

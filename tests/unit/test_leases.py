@@ -89,3 +89,22 @@ def test_each_started_lease_finishes_at_most_once(ops: list[tuple[str, int, floa
     finished.extend(table.take_finished())
     assert sorted(finished) == sorted(started)
     assert len(table) == 0
+
+
+def test_check_vouches_only_for_the_leased_blocks_of_a_live_lease() -> None:
+    table = LeaseTable(lease_s=10)
+    assert table.check("r1", 5, (1, 2), now=0) == "early"  # SendSpec not yet delivered
+    table.start("r1", 5, (1, 2, 3), now=0)
+    assert table.check("r1", 5, (2, 3), now=9) == "held"
+    assert table.expire(now=18) == []  # the check renewed the lease to 9 + 10
+    assert table.check("r1", 5, (3, 4), now=9) == "foreign"
+    assert table.check("r1", 6, (1,), now=9) == "unknown"
+    assert table.expire(now=19) == ["r1"]
+    assert table.check("r1", 5, (1,), now=20) == "unknown"  # ended: never vouched for again
+
+
+def test_done_after_expiry_is_not_a_good_read() -> None:
+    table = LeaseTable(lease_s=1)
+    table.start("r1", 5, (1,), now=0)
+    table.expire(now=2)
+    assert table.consumer_done("r1", 5, consumers=1, now=2) == "unknown"
