@@ -3,8 +3,12 @@
 Layout: Llama-8B KV cache (32 layers, K and V as separate tensors = 64 tensors, 8 KV heads,
 head_dim 128, bf16), blocks of 16 and 128 tokens, a 1 GiB pool per side. Measured per transport:
 a 2048-token request with fresh random block ids each iteration, 1-block and 8-block latency,
-and, in the same run, an in-process scatter memcpy of the same ops with the same thread count
-(the physical limit) and the planning time of 128 blocks x 64 tensors.
+and the planning time of 128 blocks x 64 tensors. Each request is paired with an in-process
+scatter memcpy of a request of the same shape (same chunking, same thread count), run back to
+back in alternating order; "ratio" is the median of the per-pair ratios, so load from other
+processes that changes during the run affects both sides of a pair alike. Every pool (server
+source, client destination, the memcpy's source) is the same kind of memory: anonymous,
+advised MADV_HUGEPAGE, tensors 2 MiB aligned.
 
     python -m hixl_connector bench [--quick] [--json PATH] [--plot PATH]
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import select
 import statistics
 import subprocess
@@ -27,6 +32,7 @@ LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 32, 8, 128, 2
 NUM_TENSORS = 2 * LAYERS
 SERVER_CLUSTER, CLIENT_CLUSTER = 1, 2
 READY_TIMEOUT_S = 120.0
+HUGE_PAGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -50,9 +56,22 @@ def _api() -> Any:
 
 
 def _alloc_pool(layout: Layout, fill: bool) -> list[np.ndarray]:
+    """One pool as NUM_TENSORS tensors, each starting on a 2 MiB boundary of one anonymous
+    mapping advised MADV_HUGEPAGE, so every pool (server source, client destination and the
+    memcpy reference's source) is the same kind of memory whatever numpy's own policy is."""
     nbytes = layout.num_blocks * layout.block_bytes
+    stride = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    size = NUM_TENSORS * stride + HUGE_PAGE
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    whole = np.frombuffer(region, np.uint8)
+    first = -whole.ctypes.data % HUGE_PAGE
     # Filled pages: an untouched pool would be served from the shared zero page.
-    return [np.full(nbytes, (t + 1) & 0xFF if fill else 0, np.uint8) for t in range(NUM_TENSORS)]
+    tensors = [whole[first + t * stride :][:nbytes] for t in range(NUM_TENSORS)]
+    for t, tensor in enumerate(tensors):
+        tensor.fill((t + 1) & 0xFF if fill else 0)
+    return tensors
 
 
 def _register(dd: Any, layout: Layout, tensors: list[np.ndarray], key: Any) -> Any:
@@ -98,18 +117,9 @@ def serve(layout: Layout, threads: int) -> None:
 
 class Server:
     def __init__(self, layout: Layout, threads: int) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "hixl_connector.bench",
-            "--serve",
-            "--block-tokens",
-            str(layout.block_tokens),
-            "--pool-bytes",
-            str(layout.pool_bytes),
-            "--threads",
-            str(threads),
-        ]
+        cmd = [sys.executable, "-m", "hixl_connector.bench", "--serve"]
+        cmd += ["--block-tokens", str(layout.block_tokens), "--pool-bytes", str(layout.pool_bytes)]
+        cmd += ["--threads", str(threads)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
@@ -157,30 +167,64 @@ def _ops(
     return dst_addrs, src_addrs, lengths
 
 
-def measure_memcpy(
-    native: Any, layout: Layout, pool: list[np.ndarray], tokens: int, iters: int, threads: int
-) -> float:
-    """GB/s of an in-process scatter copy of a request's ops, between disjoint blocks of a pool."""
-    rng = np.random.default_rng(7)
-    count = tokens // layout.block_tokens
-    seconds, total = [], 0
-    for _ in range(iters):
-        ids = rng.choice(layout.num_blocks, 2 * count, replace=False).tolist()
-        ops = _ops(native, ids[:count], ids[count:], pool, pool, layout.block_bytes)
-        total = sum(ops[2])
-        seconds.append(native.scatter_copy(*ops, threads))
-    return total / statistics.median(seconds) / 1e9
+class Measurement:
+    """Pulls of a linked client, each paired with an in-process scatter memcpy of a request of
+    the same shape between pools of the same memory kind, run back to back in alternating
+    order so that both see the same load on a shared machine."""
+
+    def __init__(self, native: Any, dd: Any, layout: Layout, threads: int) -> None:
+        self.native, self.dd, self.layout, self.threads = native, dd, layout, threads
+        self.key = _api().BlocksCacheKey(SERVER_CLUSTER, 0)
+        self.pool = _alloc_pool(layout, fill=False)
+        self.cache = _register(dd, layout, self.pool, None)
+        # The same bytes as the server's pool, so a copy from it is the pull's physical limit.
+        self.replica = _alloc_pool(layout, fill=True)
+        self.rng = np.random.default_rng(11)
+
+    def pull(self, count: int) -> float:
+        src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
+        probe = self.pool[NUM_TENSORS - 1]
+        offset = dst[0] * self.layout.block_bytes
+        probe[offset] = 0  # a stale copy of the same bytes must not pass the check below
+        start = time.perf_counter()
+        self.dd.cache_manager.pull_blocks(self.key, self.cache, src, dst)
+        elapsed = time.perf_counter() - start
+        if int(probe[offset]) != NUM_TENSORS & 0xFF:
+            raise RuntimeError("pulled bytes do not match the server's pool")
+        return elapsed
+
+    def copy(self, count: int) -> float:
+        src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
+        ops = _ops(self.native, src, dst, self.replica, self.pool, self.layout.block_bytes)
+        return float(self.native.scatter_copy(*ops, self.threads))
+
+    def paired(self, count: int, iters: int) -> tuple[list[float], list[float]]:
+        self.pull(count)  # warm-up: first touch of pages and of the engine's paths
+        self.copy(count)
+        pulls, copies = [], []
+        for i in range(iters):
+            copy_first = i % 2 == 1
+            copied = self.copy(count) if copy_first else 0.0
+            pulls.append(self.pull(count))
+            copies.append(copied if copy_first else self.copy(count))
+        return pulls, copies
 
 
 def measure_transport(
-    transport: str, layout: Layout, port: int, tokens: int, iters: int, lat_iters: int, threads: int
+    native: Any,
+    transport: str,
+    layout: Layout,
+    port: int,
+    tokens: int,
+    iters: int,
+    lat_iters: int,
+    threads: int,
 ) -> dict[str, Any]:
     api = _api()
     dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
     dd.init(_options(transport, threads, None))
     try:
-        pool = _alloc_pool(layout, fill=False)
-        cache = _register(dd, layout, pool, None)
+        m = Measurement(native, dd, layout, threads)
         info = api.LLMClusterInfo()
         info.remote_cluster_id = SERVER_CLUSTER
         info.append_local_ip_info("127.0.0.1", 0)
@@ -188,29 +232,19 @@ def measure_transport(
         ret, rets = dd.link_clusters([info], 10000)
         if ret != api.LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link over {transport} failed: {ret} {rets}")
-        key = api.BlocksCacheKey(SERVER_CLUSTER, 0)
-        rng = np.random.default_rng(11)
-
-        def timed_pull(count: int) -> float:
-            src, dst = _random_pairs(rng, layout.num_blocks, count)
-            start = time.perf_counter()
-            dd.cache_manager.pull_blocks(key, cache, src, dst)
-            elapsed = time.perf_counter() - start
-            if int(pool[NUM_TENSORS - 1][dst[0] * layout.block_bytes]) != NUM_TENSORS & 0xFF:
-                raise RuntimeError("pulled bytes do not match the server's pool")
-            return elapsed
-
         count = tokens // layout.block_tokens
-        timed_pull(count)  # warm-up: first touch of the destination pages
-        request = [timed_pull(count) for _ in range(iters)]
-        one = [timed_pull(1) for _ in range(lat_iters)]
-        eight = [timed_pull(8) for _ in range(lat_iters)]
+        pulls, copies = m.paired(count, iters)
+        one = [m.pull(1) for _ in range(lat_iters)]
+        eight = [m.pull(8) for _ in range(lat_iters)]
         request_bytes = NUM_TENSORS * count * layout.block_bytes
         stats = dd.engine_stats()
         result = {
             "transport_used": dd.peer_transport(SERVER_CLUSTER),
-            "request_gbps": request_bytes / statistics.median(request) / 1e9,
-            "request_ms_p50": statistics.median(request) * 1e3,
+            "request_gbps": request_bytes / statistics.median(pulls) / 1e9,
+            "request_ms_p50": statistics.median(pulls) * 1e3,
+            "memcpy_gbps": request_bytes / statistics.median(copies) / 1e9,
+            # Median of per-pair ratios: robust to load that changes during the run.
+            "ratio_to_memcpy": statistics.median(c / p for c, p in zip(copies, pulls, strict=True)),
             "one_block_us_p50": statistics.median(one) * 1e6,
             "eight_blocks_us_p50": statistics.median(eight) * 1e6,
             "client_peak_internal_bytes": int(stats.get("peak_internal_bytes", 0)),
@@ -228,25 +262,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tokens = 512 if args.quick else 2048
     pool_bytes = (256 << 20) if args.quick else (1 << 30)
-    iters, lat_iters = (2, 5) if args.quick else (10, 50)
+    iters, lat_iters = (2, 5) if args.quick else (15, 50)
     plan_blocks = np.random.default_rng(3).permutation(4096)[:256].tolist()
     plan_s = _native.time_plan(
         plan_blocks[:128], plan_blocks[128:], NUM_TENSORS, 200 if args.quick else 2000
     )
     report: dict[str, Any] = {
-        "config": {
-            "layers": LAYERS,
-            "tensors": NUM_TENSORS,
-            "kv_heads": KV_HEADS,
-            "head_dim": HEAD_DIM,
-            "dtype_bytes": DTYPE_BYTES,
-            "pool_bytes": pool_bytes,
-            "request_tokens": tokens,
-            "threads": args.threads,
-            "iterations": iters,
-            "latency_iterations": lat_iters,
-            "quick": args.quick,
-        },
+        "config": dict(
+            layers=LAYERS,
+            tensors=NUM_TENSORS,
+            kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            dtype_bytes=DTYPE_BYTES,
+            pool_bytes=pool_bytes,
+            request_tokens=tokens,
+            threads=args.threads,
+            iterations=iters,
+            latency_iterations=lat_iters,
+            quick=args.quick,
+            pool_memory="anonymous, MADV_HUGEPAGE, tensors 2 MiB aligned",
+        ),
         "plan_us_128_blocks_x_64_tensors": plan_s * 1e6,
         "memcpy_gbps": {},
         "transports": {t: {} for t in args.transports},
@@ -254,21 +289,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for block_tokens in (16, 128):
         layout = Layout(block_tokens, pool_bytes)
         name = f"block{block_tokens}"
-        scratch = _alloc_pool(layout, fill=True)
-        memcpy = measure_memcpy(_native, layout, scratch, tokens, max(iters, 3), args.threads)
-        del scratch
-        report["memcpy_gbps"][name] = memcpy
         server = Server(layout, args.threads)
         try:
             for transport in args.transports:
-                figures = measure_transport(
-                    transport, layout, server.port, tokens, iters, lat_iters, args.threads
+                report["transports"][transport][name] = measure_transport(
+                    _native, transport, layout, server.port, tokens, iters, lat_iters, args.threads
                 )
-                figures["memcpy_gbps"] = memcpy
-                figures["ratio_to_memcpy"] = figures["request_gbps"] / memcpy
-                report["transports"][transport][name] = figures
         finally:
             server_stats = server.stop()
+        memcpy = [report["transports"][t][name]["memcpy_gbps"] for t in args.transports]
+        report["memcpy_gbps"][name] = statistics.median(memcpy)
         for transport in args.transports:
             peak = int(server_stats.get("peak_internal_bytes", 0))
             report["transports"][transport][name]["server_peak_internal_bytes"] = peak
@@ -281,17 +311,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"pull_blocks, Llama-8B layout ({cfg['tensors']} tensors, bf16), {cfg['request_tokens']}"
         f"-token request, {cfg['pool_bytes'] >> 20} MiB pool/side, {cfg['threads']} threads"
     )
-    cols = (
-        "transport",
-        "block",
-        "GB/s",
-        "memcpy GB/s",
-        "ratio",
-        "req ms",
-        "1 blk us",
-        "8 blk us",
-        "peak int. KiB (cli/srv)",
-    )
+    cols: tuple[str, ...] = ("transport", "block", "GB/s", "memcpy GB/s", "ratio", "req ms")
+    cols += ("1 blk us", "8 blk us", "peak int. KiB (cli/srv)")
     rows = [cols]
     for transport, blocks in report["transports"].items():
         for name, f in blocks.items():

@@ -1,9 +1,9 @@
 // Pure helpers for tests and benchmarks: planner timing and an in-process copy reference.
 #include <algorithm>
 #include <cstring>
-#include <thread>
 
 #include "planner.h"
+#include "thread_pool.h"
 #include "wire.h"
 
 namespace hixl {
@@ -37,23 +37,27 @@ double time_plan(const std::vector<int64_t>& src, const std::vector<int64_t>& ds
   return elapsed.count() / iterations;
 }
 
+// The same chunking and dynamic claiming as the cma transport, with the same thread count,
+// so the reference is the engine's schedule with memcpy in place of process_vm_readv. The
+// pool is started before the clock so thread creation is not charged to the copy.
 double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
                     const std::vector<uint64_t>& lengths, int threads) {
   if (dst.size() != src.size() || dst.size() != lengths.size()) return -1.0;
+  threads = std::max(1, threads);
   std::vector<Op> ops(dst.size());
   for (size_t i = 0; i < dst.size(); ++i) ops[i] = {dst[i], src[i], lengths[i]};
+  ThreadPool pool(threads - 1);
   auto start = Clock::now();
-  auto parts = split_ops(ops, static_cast<size_t>(std::max(1, threads)));
-  auto copy = [](const std::vector<Op>& part) {
-    for (const Op& op : part) {
-      std::memcpy(reinterpret_cast<void*>(op.local), reinterpret_cast<const void*>(op.remote),
-                  op.len);
-    }
-  };
-  std::vector<std::thread> helpers;
-  for (size_t i = 1; i < parts.size(); ++i) helpers.emplace_back(copy, std::cref(parts[i]));
-  copy(parts[0]);
-  for (auto& t : helpers) t.join();
+  std::vector<OpCursor> cuts = cut_ops(ops, chunk_count(total_bytes(ops), threads));
+  run_shares(
+      pool, cuts.size() - 1,
+      [&](size_t i) {
+        for_each_piece(ops, cuts[i], cuts[i + 1], [](uint64_t to, uint64_t from, uint64_t len) {
+          std::memcpy(reinterpret_cast<void*>(to), reinterpret_cast<const void*>(from), len);
+          return true;
+        });
+      },
+      static_cast<size_t>(threads - 1));
   std::chrono::duration<double> elapsed = Clock::now() - start;
   return elapsed.count();
 }

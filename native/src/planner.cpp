@@ -190,6 +190,35 @@ uint64_t total_bytes(const std::vector<Op>& ops) {
   return total;
 }
 
+std::vector<OpCursor> cut_ops(const std::vector<Op>& ops, size_t chunks) {
+  const uint64_t total = total_bytes(ops);
+  chunks = std::max<size_t>(1, chunks);
+  const uint64_t target = (total + chunks - 1) / chunks;
+  std::vector<OpCursor> cuts;
+  cuts.reserve(chunks + 1);
+  cuts.push_back({0, 0});
+  uint64_t next = target;
+  uint64_t pos = 0;
+  for (size_t i = 0; i < ops.size() && target > 0; ++i) {
+    const uint64_t end = pos + ops[i].len;
+    while (next < end && cuts.size() < chunks) {
+      cuts.push_back({i, next - pos});
+      next += target;
+    }
+    pos = end;
+  }
+  cuts.push_back({ops.size(), 0});
+  return cuts;
+}
+
+size_t chunk_count(uint64_t total_bytes, int threads) {
+  constexpr uint64_t kMinChunkBytes = 1u << 20;
+  constexpr uint64_t kChunksPerThread = 16;
+  if (threads <= 1) return 1;
+  uint64_t most = static_cast<uint64_t>(threads) * kChunksPerThread;
+  return static_cast<size_t>(std::max<uint64_t>(1, std::min(most, total_bytes / kMinChunkBytes)));
+}
+
 std::vector<std::vector<Op>> split_ops(const std::vector<Op>& ops, size_t shares) {
   std::vector<std::vector<Op>> out;
   uint64_t total = total_bytes(ops);

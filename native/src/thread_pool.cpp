@@ -1,5 +1,6 @@
 #include "thread_pool.h"
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 
@@ -71,12 +72,14 @@ struct ShareState {
 
 }  // namespace
 
-void run_shares(ThreadPool& pool, size_t shares, const std::function<void(size_t)>& fn) {
+void run_shares(ThreadPool& pool, size_t shares, const std::function<void(size_t)>& fn,
+                size_t max_helpers) {
   if (shares == 0) return;
   auto state = std::make_shared<ShareState>(shares, fn);
   // A helper that starts after all shares were claimed touches only `next`, never fn,
   // so fn may go out of scope once every share finished.
-  for (size_t i = 1; i < shares; ++i) {
+  const size_t helpers = std::min(shares - 1, max_helpers);
+  for (size_t i = 0; i < helpers; ++i) {
     if (!pool.post([state] { state->drain(); })) break;
   }
   state->drain();

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -35,8 +36,10 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
-// Runs fn(0..shares-1). Up to shares-1 pool workers help; the caller claims shares too and
-// returns when every share has finished.
-void run_shares(ThreadPool& pool, size_t shares, const std::function<void(size_t)>& fn);
+// Runs fn(0..shares-1). Up to min(shares-1, max_helpers) pool workers help; every thread
+// claims the next unclaimed share until none is left (so a descheduled thread delays only
+// the share it holds), the caller included; returns when every share has finished.
+void run_shares(ThreadPool& pool, size_t shares, const std::function<void(size_t)>& fn,
+                size_t max_helpers = SIZE_MAX);
 
 }  // namespace hixl

@@ -127,24 +127,55 @@ std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool*
   return "";
 }
 
-std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
+namespace {
+
+std::string recvv(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline,
+                  bool* timed_out) {
   size_t first = advance_iov(iov, count, 0, 0);
+  uint64_t left = 0;
+  for (size_t i = first; i < count; ++i) left += iov[i].iov_len;
+  int low_water = 1;
+  std::string e;
   while (first < count) {
     ssize_t n = ::readv(fd, iov + first, static_cast<int>(std::min(count - first, kIovBatch)));
     if (n > 0) {
       first = advance_iov(iov, count, first, static_cast<size_t>(n));
+      left -= static_cast<uint64_t>(n);
       continue;
     }
-    if (n == 0) return "connection closed by peer";
+    if (n == 0) {
+      e = "connection closed by peer";
+      break;
+    }
     if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      std::string e = wait_ready(fd, POLLIN, deadline, timed_out);
-      if (!e.empty()) return e;
-      continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      e = std::string("recv: ") + std::strerror(errno);
+      break;
     }
-    return std::string("recv: ") + std::strerror(errno);
+    // Batch wake-ups while much is still expected; near the end (and never above what is
+    // still expected, or poll would wait for bytes never sent) wake on every byte again, so
+    // the last bytes are copied while the sender finishes.
+    int want = left > 4 * static_cast<uint64_t>(low_water_bytes) ? low_water_bytes : 1;
+    if (want != low_water) {
+      set_receive_low_water(fd, want);
+      low_water = want;
+    }
+    e = wait_ready(fd, POLLIN, deadline, timed_out);
+    if (!e.empty()) break;
   }
-  return "";
+  if (low_water != 1) set_receive_low_water(fd, 1);
+  return e;
+}
+
+}  // namespace
+
+std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
+  return recvv(fd, iov, count, 1, deadline, timed_out);
+}
+
+std::string recvv_bulk(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline,
+                       bool* timed_out) {
+  return recvv(fd, iov, count, std::max(1, low_water_bytes), deadline, timed_out);
 }
 
 std::string send_all(int fd, const void* data, size_t len, Deadline deadline, bool* timed_out) {
@@ -223,6 +254,10 @@ void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NON
 void set_nodelay(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+void set_receive_low_water(int fd, int bytes) {
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes));
 }
 
 void fill_random(void* out, size_t n) {

@@ -110,6 +110,11 @@ std::string send_all(int fd, const void* data, size_t len, Deadline deadline, bo
 std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
 std::string recv_all(int fd, void* data, size_t len, Deadline deadline, bool* timed_out);
 std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
+// recvv_all for bulk data: while more than 4 x low_water_bytes are still expected, the socket
+// reports readable only once low_water_bytes are queued (SO_RCVLOWAT), which saves a wake-up
+// and a readv per loopback segment; the mark is back at 1 byte on return.
+std::string recvv_bulk(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline,
+                       bool* timed_out);
 
 std::string send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
                        Deadline deadline, bool* timed_out);
@@ -125,6 +130,8 @@ UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::s
 size_t advance_iov(iovec* iov, size_t count, size_t first, size_t n);
 void set_nonblocking(int fd);
 void set_nodelay(int fd);
+// Bytes that must be queued before a poll for input reports the socket readable (1 = any).
+void set_receive_low_water(int fd, int bytes);
 void fill_random(void* out, size_t n);
 
 }  // namespace wire
