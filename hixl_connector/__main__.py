@@ -12,6 +12,8 @@ import sys
 COMMANDS = {
     "bench": ("hixl_connector.bench", "benchmark pull_blocks between two processes"),
     "demo": ("hixl_connector.demo.pd_demo", "P/D with real vLLM and vllm-router vs a plain server"),
+    "soak": ("hixl_connector.soak", "many requests through router, P and D: no drift, no leak"),
+    "reliability": ("hixl_connector.reliability", "render the fault matrix table into README.md"),
 }
 
 

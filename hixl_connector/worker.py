@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,9 @@ class HixlWorker:
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._stats = HixlKVConnectorStats()
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-pull")
+        # Releases and heartbeats never queue behind pulls: a stalled pull must not let
+        # the leases of other waiting requests expire.
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="hixl-control")
         self._context = zmq.Context()
         self._last_heartbeat: dict[tuple[str, str, int], float] = {}
         self._engine: Engine | None = None
@@ -148,7 +152,7 @@ class HixlWorker:
         for recv in metadata.to_recv:
             self._pool.submit(self._receive, recv, now)
         for release in metadata.to_release:
-            self._pool.submit(self._release, release)
+            self._control.submit(self._release, release)
         self._send_heartbeats(metadata.heartbeats, now)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
@@ -175,6 +179,7 @@ class HixlWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._control.shutdown(wait=True, cancel_futures=True)
         if self._server is not None:
             self._server.close()
         if self._peers is not None:
@@ -301,7 +306,7 @@ class HixlWorker:
             remotes[key] = remote
         for key, items in by_peer.items():
             self._last_heartbeat[key] = now
-            self._pool.submit(self._heartbeat, remotes[key], items)
+            self._control.submit(self._heartbeat, remotes[key], items)
 
     def _heartbeat(self, remote: RemoteEndpoint, items: list[LeaseNotice]) -> None:
         assert self._peers is not None
@@ -336,31 +341,31 @@ class HixlWorker:
         return {"payload": self._payload.to_dict()}
 
     def _on_check(self, message: dict[str, Any]) -> dict[str, Any]:
-        now = time.monotonic()
-        notices = Notification.from_dict(message).items
-        return {
-            "results": [
-                self._leases.check(n.remote_request_id, n.lease_id, n.block_ids, now)
-                for n in notices
-            ]
-        }
+        return _answer_each(
+            message,
+            lambda n, now: self._leases.check(n.remote_request_id, n.lease_id, n.block_ids, now),
+        )
 
     def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
-        now = time.monotonic()
-        notices = Notification.from_dict(message).items
-        return {
-            "results": [
-                self._leases.consumer_done(n.remote_request_id, n.lease_id, n.consumers, now)
-                for n in notices
-            ]
-        }
+        return _answer_each(
+            message,
+            lambda n, now: self._leases.consumer_done(
+                n.remote_request_id, n.lease_id, n.consumers, now
+            ),
+        )
 
     def _on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
-        now = time.monotonic()
-        notices = Notification.from_dict(message).items
-        return {
-            "alive": [self._leases.heartbeat(n.remote_request_id, n.lease_id, now) for n in notices]
-        }
+        return _answer_each(
+            message, lambda n, now: self._leases.heartbeat(n.remote_request_id, n.lease_id, now)
+        )
+
+
+def _answer_each(
+    message: dict[str, Any], answer: Callable[[LeaseNotice, float], Any]
+) -> dict[str, Any]:
+    """Validates a D -> P notification and answers each of its items, in order."""
+    now = time.monotonic()
+    return {"results": [answer(notice, now) for notice in Notification.from_dict(message).items]}
 
 
 def _kv_layout_name(layout: KVLayout) -> str:

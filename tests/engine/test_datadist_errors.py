@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import datadist_peer as layout
 import numpy as np
 import pytest
-from conftest import Client, Peer
+
+from . import datadist_peer as layout
+from .datadist_harness import Client, Peer
 
 NB = layout.NUM_BLOCKS
 

@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 import pytest
-from conftest import Client, Peer, wait_until
+
+from .datadist_harness import Client, Peer, wait_until
 
 TOKEN = "s3cret-token"
 

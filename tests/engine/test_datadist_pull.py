@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import datadist_peer as layout
 import numpy as np
 import pytest
-from conftest import Client, Peer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from . import datadist_peer as layout
+from .datadist_harness import Client, Peer
 
 NB = layout.NUM_BLOCKS
 KV = layout.make_tensors("kv", layout.NUM_TENSORS, NB * layout.BLOCK_BYTES)

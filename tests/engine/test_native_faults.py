@@ -8,25 +8,22 @@ import os
 import signal
 import socket
 import struct
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from native_peer import (  # noqa: E402
+from hixl_connector import _native
+
+from .native_peer import (
     BLOCKS_CACHE_ID,
     NativePeer,
     pattern,
     start_peer,
     stop_process,
 )
-from test_native_transfer import BLOCK_BYTES, BLOCKS, Puller  # noqa: E402
-
-from hixl_connector import _native  # noqa: E402
+from .test_native_transfer import BLOCK_BYTES, BLOCKS, Puller
 
 # Wire protocol (native/README.md): header = magic, version, type, payload length.
 HEADER = struct.Struct("<IHHQ")

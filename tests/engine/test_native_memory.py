@@ -3,17 +3,14 @@ only, never a staging copy of the data."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from native_peer import BLOCKS_CACHE_ID, MODEL_ID, NativePeer, pattern, start_peer  # noqa: E402
+from hixl_connector import _native
 
-from hixl_connector import _native  # noqa: E402
+from .native_peer import BLOCKS_CACHE_ID, MODEL_ID, NativePeer, pattern, start_peer
 
 PEER_CLUSTER = 31
 TENSORS = 64  # the Llama-8B layout: 32 layers, K and V apart

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from native_peer import (  # noqa: E402
+from hixl_connector import _native
+
+from .native_peer import (
     BLOCKS_CACHE_ID,
     CONTIGUOUS_CACHE_ID,
     CONTIGUOUS_KEYS,
@@ -24,8 +23,6 @@ from native_peer import (  # noqa: E402
     pattern,
     start_peer,
 )
-
-from hixl_connector import _native  # noqa: E402
 
 PEER_CLUSTER = 11
 TENSORS = 4

@@ -1,0 +1,80 @@
+"""Fixtures and options of the fault matrix (real vLLM CPU servers and engine processes).
+
+Options:
+- ``--fuzz-examples N``: hostile inputs per fuzz target (default 2000; e.g. 50000 for a long run);
+- ``--long-faults``: the longer variants (a 500-request soak at 64 output tokens, more rounds);
+- ``--fault-report PATH``: where the measured rows of the reliability table go (JSON;
+  default ``artifacts/faults/reliability.json``). Render them with
+  ``python -m hixl_connector reliability --from PATH --update README.md``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hixl_connector.demo.tiny_model import build_tiny_model
+
+from .deployments import short_lease_pair
+from .fault_harness import FaultReport, Servers
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPORT = REPO_ROOT / "artifacts" / "faults" / "reliability.json"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("hixl faults")
+    group.addoption("--fuzz-examples", type=int, default=2000, help="inputs per fuzz target")
+    group.addoption("--long-faults", action="store_true", help="run the long fault variants")
+    group.addoption("--fault-report", default=str(DEFAULT_REPORT), help="reliability JSON path")
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--fuzz-examples"))
+
+
+@pytest.fixture(scope="session")
+def long_faults(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--long-faults"))
+
+
+@pytest.fixture(scope="session")
+def fault_report(request: pytest.FixtureRequest) -> FaultReport:
+    path = Path(request.config.getoption("--fault-report"))
+    report = FaultReport(path)
+    if path.exists():  # keep rows of cases this run does not repeat (-k)
+        import json
+
+        report.rows = list(json.loads(path.read_text()).get("cases", []))
+    return report
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    for module in ("vllm", "transformers", "vllm_router"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"fault tests need {module!r} (install the cpu and dev extras)")
+    return build_tiny_model(tmp_path_factory.mktemp("fault_model") / "model")
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fault_logs")
+
+
+@pytest.fixture(scope="session")
+def lease_pd(model_dir: Path, log_dir: Path) -> Iterator[Servers]:
+    """P and D with seconds-long leases, TCP transport and an auth token (deployments.py).
+
+    Shared by test_hostile_input.py and test_pd_faults.py; the latter kills D last.
+    """
+    servers = Servers(model_dir, log_dir / "pd", short_lease_pair())
+    try:
+        servers.start("prefill", "decode")
+        yield servers
+    finally:
+        servers.stop_all()

@@ -1,0 +1,52 @@
+"""Connector configurations of the fault deployments: short leases and timeouts, so that
+every expiry and timeout in the matrix happens within seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hixl_connector.demo.processes import free_port
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+AUTH_TOKEN = "fault-matrix-token"
+LEASE_S = 3.0
+HEARTBEAT_S = 0.5
+PULL_TIMEOUT_S = 3.0
+HANDSHAKE_TIMEOUT_S = 2.0
+# D waits this long between P's lease check and the read: the window in which a test kills,
+# freezes or cuts off P "during the pull".
+PULL_DELAY_S = 1.0
+
+
+def connector_config(role: str, policy: str = "fail", **extra: Any) -> dict[str, Any]:
+    """``configs/<role>.json`` with a free side-channel port and ``extra`` keys."""
+    config = json.loads((CONFIG_DIR / f"{role}.json").read_text())
+    merged = dict(config.get("kv_connector_extra_config", {}))
+    merged["side_channel_port"] = free_port()
+    merged.update(extra)
+    config["kv_connector_extra_config"] = merged
+    if role == "decode":
+        config["kv_load_failure_policy"] = policy
+    return dict(config)
+
+
+def short_lease_pair(
+    transport: str = "tcp", policy: str = "fail", **decode: Any
+) -> dict[str, dict[str, Any]]:
+    """P and D with seconds-long leases and timeouts, both requiring the auth token."""
+    common: dict[str, Any] = {
+        "transport": transport,
+        "lease_s": LEASE_S,
+        "heartbeat_s": HEARTBEAT_S,
+        "pull_timeout_s": PULL_TIMEOUT_S,
+        "handshake_timeout_s": HANDSHAKE_TIMEOUT_S,
+        "auth_token": AUTH_TOKEN,
+    }
+    return {
+        "prefill": connector_config("prefill", **common),
+        "decode": connector_config(
+            "decode", policy, **common, **{"test_pull_delay_s": PULL_DELAY_S, **decode}
+        ),
+    }

@@ -1,0 +1,155 @@
+"""Two network namespaces joined by a veth pair, made and removed by a test (needs root).
+
+Layout (X derived from the test's pid so parallel runs do not collide):
+- data link: ``hxd<X>p`` in the P namespace (10.77.X.1) <-> ``hxd<X>d`` in the D namespace
+  (10.77.X.2): the side channel and the TCP transport run over it, and tests cut it or add
+  netem delay/loss on it;
+- management links from the root namespace to each server's HTTP port (10.78.X.0/30 to P,
+  10.79.X.0/30 to D), so the test talks to the servers while the data link is cut or impaired.
+Only interfaces this module creates are touched; ``remove`` deletes the namespaces, which
+deletes every interface in them and their peers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+class NetnsUnavailable(RuntimeError):
+    """Network namespaces cannot be made here (not root, or no ip/tc)."""
+
+
+def _run(*argv: str) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class NetnsPair:
+    tag: int
+
+    @property
+    def ns_p(self) -> str:
+        return f"hxf{self.tag}p"
+
+    @property
+    def ns_d(self) -> str:
+        return f"hxf{self.tag}d"
+
+    @property
+    def data_p(self) -> str:
+        return f"hxd{self.tag}p"
+
+    @property
+    def data_d(self) -> str:
+        return f"hxd{self.tag}d"
+
+    @property
+    def p_ip(self) -> str:
+        return f"10.77.{self.tag}.1"
+
+    @property
+    def d_ip(self) -> str:
+        return f"10.77.{self.tag}.2"
+
+    @property
+    def p_http(self) -> str:
+        return f"10.78.{self.tag}.2"
+
+    @property
+    def d_http(self) -> str:
+        return f"10.79.{self.tag}.2"
+
+    def exec_prefix(self, ns: str) -> list[str]:
+        return ["ip", "netns", "exec", ns]
+
+    def in_ns(self, ns: str, *argv: str) -> None:
+        _run(*self.exec_prefix(ns), *argv)
+
+    def create(self) -> None:
+        if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+            raise NetnsUnavailable("network namespace tests need root, ip and tc")
+        _run("ip", "netns", "add", self.ns_p)
+        _run("ip", "netns", "add", self.ns_d)
+        _run(
+            "ip", "link", "add", self.data_p, "netns", self.ns_p,
+            "type", "veth", "peer", "name", self.data_d, "netns", self.ns_d,
+        )  # fmt: skip
+        for ns, dev, ip in (
+            (self.ns_p, self.data_p, self.p_ip),
+            (self.ns_d, self.data_d, self.d_ip),
+        ):
+            self.in_ns(ns, "ip", "link", "set", "lo", "up")
+            self.in_ns(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
+            self.in_ns(ns, "ip", "link", "set", dev, "up")
+        for ns, net, side in ((self.ns_p, 78, "p"), (self.ns_d, 79, "d")):
+            root_dev, ns_dev = f"hxm{self.tag}{side}0", f"hxm{self.tag}{side}1"
+            _run("ip", "link", "add", root_dev, "type", "veth", "peer", "name", ns_dev, "netns", ns)
+            _run("ip", "addr", "add", f"10.{net}.{self.tag}.1/30", "dev", root_dev)
+            _run("ip", "link", "set", root_dev, "up")
+            self.in_ns(ns, "ip", "addr", "add", f"10.{net}.{self.tag}.2/30", "dev", ns_dev)
+            self.in_ns(ns, "ip", "link", "set", ns_dev, "up")
+
+    def set_data_link(self, up: bool) -> None:
+        self.in_ns(self.ns_p, "ip", "link", "set", self.data_p, "up" if up else "down")
+
+    def degrade(self) -> str:
+        """Impairs the data link both ways; returns what was applied.
+
+        netem delay + random loss where the kernel has sch_netem; otherwise a token bucket
+        (tbf) at 4 Mbit/s with a 24 KiB queue: queueing delay, and tail drops whenever a
+        burst (a KV transfer) overflows the queue, which TCP must retransmit.
+        """
+        try:
+            self._qdisc("netem", "delay", "20ms", "loss", "2%")
+            return "netem delay 20 ms, loss 2 %"
+        except RuntimeError as e:
+            if "unknown" not in str(e):
+                raise
+        self._qdisc("tbf", "rate", "4mbit", "burst", "8kb", "limit", "24kb")
+        return "tbf 4 Mbit/s, 24 KiB queue (no sch_netem in this kernel)"
+
+    def dropped_packets(self) -> int:
+        total = 0
+        for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):
+            out = subprocess.run(
+                [*self.exec_prefix(ns), "tc", "-s", "qdisc", "show", "dev", dev],
+                capture_output=True, text=True, timeout=20,
+            ).stdout  # fmt: skip
+            for word, after in zip(out.split(), out.split()[1:], strict=False):
+                if word == "(dropped":
+                    total += int(after.rstrip(","))
+        return total
+
+    def restore(self) -> None:
+        for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):
+            subprocess.run(
+                [*self.exec_prefix(ns), "tc", "qdisc", "del", "dev", dev, "root"],
+                capture_output=True, timeout=20,
+            )  # fmt: skip
+
+    def _qdisc(self, *spec: str) -> None:
+        for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):
+            self.in_ns(ns, "tc", "qdisc", "add", "dev", dev, "root", *spec)
+
+    def remove(self) -> None:
+        for ns in (self.ns_p, self.ns_d):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        for side in ("p", "d"):  # normally gone with the namespace already
+            subprocess.run(
+                ["ip", "link", "del", f"hxm{self.tag}{side}0"], capture_output=True, timeout=20
+            )
+
+
+def make_pair() -> NetnsPair:
+    pair = NetnsPair(tag=20 + os.getpid() % 200)
+    try:
+        pair.create()
+    except Exception:
+        pair.remove()
+        raise
+    return pair

@@ -1,0 +1,238 @@
+"""Hostile input against a live prefill server: its side channel and its engine's TCP server.
+
+Hypothesis generates thousands of inputs per run (``--fuzz-examples``): random bytes, wrong
+msgpack schemas, wrong types in every field, truncated and oversized frames, signed and
+unsigned. Every message must get an error reply (side channel) or an ERROR frame / a close
+(engine), never a crash or a hang; afterwards the server still serves a real P/D request.
+With the auth token configured, a peer without it neither handshakes nor reads a byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hixl_connector.metadata import SCHEMA_VERSION
+from hixl_connector.side_channel import SideChannelClient, SideChannelError, _signature
+
+from .deployments import AUTH_TOKEN
+from .fault_harness import Servers, plain, prefill_leg, run_decode, token_prompt
+
+HEADER = struct.Struct("<IHHQ")
+MAGIC, VERSION = 0x4C584948, 1
+HELLO, CHALLENGE, AUTH, WELCOME, TABLE_REQ, TABLE, READ, DATA, ERROR = 1, 2, 3, 4, 5, 6, 7, 8, 15
+REPLY_TIMEOUT_MS = 3000
+KINDS = ["handshake", "check", "done", "release", "heartbeat"]
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=16)
+    | st.binary(max_size=16)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+items = st.lists(st.lists(values, min_size=1, max_size=4), max_size=4) | values
+messages = st.fixed_dictionaries(
+    {"type": st.sampled_from([*KINDS, "bogus"]) | scalars, "seq": st.integers(0, 2**40)},
+    optional={"items": items, "schema": values, "tp_rank": values, "auth": values},
+)
+
+
+@pytest.fixture(scope="module")
+def prefill(lease_pd: Servers) -> Servers:
+    return lease_pd
+
+
+@pytest.fixture(scope="module")
+def context() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+@pytest.fixture(scope="module")
+def dealer(context: zmq.Context, prefill: Servers) -> Iterator[zmq.Socket]:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{prefill.config('prefill')['side_channel_port']}")
+    yield sock
+    sock.close(linger=0)
+
+
+def ask(sock: zmq.Socket, frame: bytes) -> dict[str, Any]:
+    sock.send_multipart([b"", frame])
+    assert sock.poll(REPLY_TIMEOUT_MS, zmq.POLLIN), "the side channel did not answer"
+    reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+    assert isinstance(reply, dict) and isinstance(reply.get("ok"), bool), reply
+    return reply
+
+
+def client(context: zmq.Context, prefill: Servers, token: str) -> SideChannelClient:
+    port = prefill.config("prefill")["side_channel_port"]
+    return SideChannelClient(context, "127.0.0.1", port, 3.0, token)
+
+
+def still_serves(prefill: Servers, seed: int) -> None:
+    prompt = token_prompt(90, seed)
+    result = run_decode(prefill["decode"], prompt, prefill_leg(prefill["prefill"], prompt), 60.0)
+    assert result.error is None, result.error
+    assert result.tokens == plain(prefill["prefill"], prompt)
+
+
+def test_side_channel_survives_fuzzing(
+    prefill: Servers, dealer: zmq.Socket, fuzz_examples: int
+) -> None:
+    @settings(max_examples=fuzz_examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(raw=st.binary(max_size=512))
+    def random_bytes(raw: bytes) -> None:
+        assert ask(dealer, raw)["ok"] is False
+
+    @settings(max_examples=fuzz_examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(message=messages, sign=st.booleans(), cut=st.integers(0, 64))
+    def wrong_schemas(message: dict[str, Any], sign: bool, cut: int) -> None:
+        if sign:  # signed with the real token, so it reaches the handlers
+            message["auth"] = _signature(AUTH_TOKEN, message)
+        frame = msgpack.packb(message, use_bin_type=True)
+        reply = ask(dealer, frame[: len(frame) - cut] if cut < len(frame) else frame)
+        if not sign:
+            assert reply["ok"] is False
+
+    random_bytes()
+    wrong_schemas()
+    # An oversized frame is dropped by ZMQ (connection closed, no reply) ...
+    dealer.send_multipart([b"", b"\x81" + os.urandom(2 << 20)])
+    assert not dealer.poll(500, zmq.POLLIN)
+    still_serves(prefill, seed=70)
+
+
+def test_side_channel_refuses_peers_without_the_token(
+    context: zmq.Context, prefill: Servers
+) -> None:
+    hello = {"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": 0}
+    for token in ("", "wrong-token"):
+        anonymous = client(context, prefill, token)
+        with pytest.raises(SideChannelError, match="authentication failed"):
+            anonymous.request(hello)
+        anonymous.close()
+    trusted = client(context, prefill, AUTH_TOKEN)
+    assert trusted.request(hello)["payload"]["engine_port"] > 0
+    trusted.close()
+
+
+def engine_address(context: zmq.Context, prefill: Servers) -> tuple[tuple[str, int], int]:
+    """((host, port), cluster id) of P's engine, from an authenticated handshake."""
+    trusted = client(context, prefill, AUTH_TOKEN)
+    payload = trusted.request({"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": 0})[
+        "payload"
+    ]
+    trusted.close()
+    return (str(payload["engine_host"]), int(payload["engine_port"])), int(payload["cluster_id"])
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
+
+
+def frames_until_close(sock: socket.socket, timeout_s: float = 6.0) -> list[int]:
+    """Frame types the server sends until it closes (or goes quiet)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    kinds = []
+    while len(data) >= HEADER.size:
+        _, _, kind, length = HEADER.unpack_from(data)
+        kinds.append(kind)
+        data = data[HEADER.size + length :]
+    return kinds
+
+
+def authenticate(sock: socket.socket, token: str, cluster: int) -> list[int]:
+    client_nonce = os.urandom(32)
+    sock.sendall(frame(HELLO, struct.pack("<qqB", 900, cluster, 1) + client_nonce))
+    header = sock.recv(HEADER.size, socket.MSG_WAITALL)
+    _, _, kind, length = HEADER.unpack(header)
+    payload = sock.recv(length, socket.MSG_WAITALL)
+    assert kind == CHALLENGE
+    proof = hmac.new(
+        token.encode(), b"hixl-client-v1" + payload[1:33] + client_nonce, hashlib.sha256
+    ).digest()
+    sock.sendall(frame(AUTH, proof))
+    return [kind]
+
+
+def test_engine_refuses_peers_without_the_token(context: zmq.Context, prefill: Servers) -> None:
+    address, cluster = engine_address(context, prefill)
+    for token in ("", "wrong-token"):
+        with socket.create_connection(address, timeout=5) as sock:
+            try:
+                authenticate(sock, token, cluster)
+                sock.sendall(frame(TABLE_REQ, b"") + frame(READ, struct.pack("<IQQ", 1, 4096, 64)))
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the server hung up first
+            kinds = frames_until_close(sock)
+        assert not {WELCOME, TABLE, DATA} & set(kinds), kinds
+    with socket.create_connection(address, timeout=5) as sock:  # no handshake at all
+        sock.sendall(frame(READ, struct.pack("<IQQ", 1, 4096, 64)))
+        sock.shutdown(socket.SHUT_WR)
+        assert DATA not in frames_until_close(sock)
+
+
+def test_engine_server_survives_fuzzing(
+    context: zmq.Context, prefill: Servers, fuzz_examples: int
+) -> None:
+    address, cluster = engine_address(context, prefill)
+
+    @settings(max_examples=fuzz_examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(
+        authenticated=st.booleans(),
+        kind=st.integers(0, 20),
+        payload=st.binary(max_size=256),
+        declared=st.none() | st.integers(0, 2**64 - 1),
+        raw=st.none() | st.binary(min_size=1, max_size=64),
+    )
+    def hostile(
+        authenticated: bool, kind: int, payload: bytes, declared: int | None, raw: bytes | None
+    ) -> None:
+        with socket.create_connection(address, timeout=5) as sock:
+            if authenticated:
+                authenticate(sock, AUTH_TOKEN, cluster)
+            length = len(payload) if declared is None else declared
+            data = raw if raw is not None else HEADER.pack(MAGIC, VERSION, kind, length) + payload
+            try:
+                sock.sendall(data)
+                sock.shutdown(socket.SHUT_WR)  # truncated frames end here, not after 5 s
+            except OSError:
+                pass  # the server refused the frame and hung up
+            kinds = frames_until_close(sock)
+        if not authenticated:
+            assert not {WELCOME, TABLE, DATA} & set(kinds), kinds
+
+    hostile()
+    still_serves(prefill, seed=71)
