@@ -55,16 +55,19 @@ def pd(model_dir: Path, log_dir: Path) -> Iterator[Servers]:
             test_pull_delay_s=STALE_DELAY_S,
             **{**common, "lease_s": 1000.0, "heartbeat_s": 900.0},
         ),
-        "decode_bf16": connector_config("decode", "fail", transport="auto", **common),
+        "decode_other": connector_config("decode", "fail", transport="auto", **common),
     }
     servers = Servers(
         model_dir,
         log_dir / "stale",
         configs,
-        extra_args={"prefill": P_ARGS, "decode_bf16": ("--dtype", "bfloat16")},
+        extra_args={
+            "prefill": P_ARGS,
+            "decode_other": ("--dtype", "bfloat16", "--block-size", "64"),
+        },
     )
     try:
-        servers.start("prefill", "decode", "decode_bf16")
+        servers.start("prefill", "decode", "decode_other")
         yield servers
     finally:
         servers.stop_all()
@@ -109,20 +112,22 @@ def test_pull_racing_lease_expiry_and_block_reuse_is_never_decoded(
 
 
 def test_incompatible_peer_is_refused_clearly(pd: Servers, fault_report: FaultReport) -> None:
-    prefill, other = pd["prefill"], pd["decode_bf16"]
+    prefill, other = pd["prefill"], pd["decode_other"]
     prompt = token_prompt(100, seed=12)
     failed = hixl_counter(other, "failed_handshakes")
     params = prefill_leg(prefill, prompt)
     started = time.monotonic()
     result = run_decode(other, prompt, params, 30.0)
     detected = result.finished_at - started
-    assert result.failed, "a bf16 decode engine must not read fp32 KV"
+    assert result.failed, "a bf16, 64-token-block decode engine must not read fp32 32-token KV"
     assert hixl_counter(other, "failed_handshakes") == failed + 1
-    assert "incompatible" in other.log_tail(200)
+    log = other.log_tail(200)
+    assert "incompatible" in log
+    assert "block_size: local=64 remote=32" in log and "dtype: local='bfloat16'" in log
     wait_idle(prefill, LEASE_S + 5)
     wait_idle(other, 10)
     fault_report.record(
-        "incompatible peer (other dtype/layout)",
+        "incompatible peer (other dtype and block size)",
         "the handshake names the mismatching fields and refuses; the request fails "
         "(policy fail) and D tells P to release",
         detected,
