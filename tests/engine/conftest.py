@@ -7,21 +7,13 @@ same conformance tests against CANN's package (skipped where it is not installed
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from .datadist_harness import Client, Peer, start_peer
 
-HERE = Path(__file__).resolve().parent
-if str(HERE.parents[1]) not in sys.path:  # the package, also when it is not pip-installed
-    sys.path.insert(0, str(HERE.parents[1]))
-PEER_SCRIPT = HERE / "datadist_peer.py"
-READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 BACKEND_OF_OPTION = {"native": "native", "llm_datadist": "ascend"}
 
 

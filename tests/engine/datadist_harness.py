@@ -22,7 +22,6 @@ if str(HERE.parents[1]) not in sys.path:  # the package, also when it is not pip
 PEER_SCRIPT = HERE / "datadist_peer.py"
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
-BACKEND_OF_OPTION = {"native": "native", "llm_datadist": "ascend"}
 
 
 @dataclass
