@@ -22,19 +22,20 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def trim_remote_to_local(remote: Sequence[int], local: Sequence[int]) -> BlockIds:
-    """The remote blocks that correspond to ``local``, the blocks D still has to fill.
+def remote_at_positions(remote: Sequence[int], positions: Sequence[int]) -> BlockIds:
+    """P's blocks at the logical positions (block index within the prompt) D still has to fill.
 
-    D's leading blocks are local prefix-cache hits, so the blocks it lacks are always the
-    tail of the prompt: they match the *suffix* of P's block list.
+    Both sides lay a prompt out the same way, block ``i`` holding tokens ``[i*bs, (i+1)*bs)``,
+    so D's block at position ``i`` takes P's ``i``-th block. D's prefix-cache hits lead, so
+    the positions are usually the tail of the prompt.
     """
-    if len(local) > len(remote):
+    missing = [p for p in positions if p >= len(remote)]
+    if missing:
         raise ValueError(
-            f"decode side needs {len(local)} blocks but the prefill side offers only "
-            f"{len(remote)}: the remote prefill covered fewer tokens than this prompt"
+            f"decode side needs prompt block {missing[0]} but the prefill side offers only "
+            f"{len(remote)} blocks: the remote prefill covered fewer tokens than this prompt"
         )
-    # remote[-0:] would be the whole list, hence the explicit start index.
-    return tuple(remote[len(remote) - len(local) :])
+    return tuple(remote[p] for p in positions)
 
 
 def pair_blocks(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int]]:

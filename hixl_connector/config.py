@@ -27,6 +27,7 @@ TRANSPORTS = ("auto", "cma", "tcp")
 CLUSTER_ID_STEP = 1024
 CLUSTER_ID_SPACE = 2**31
 MAX_CLUSTER_ID = 2**63 - 1
+MAX_TIMEOUT_S = (2**31 - 1) // 1000
 MAX_PORT = 65535
 
 
@@ -82,8 +83,8 @@ class HixlConfig:
             engine_port=_int(extra, "engine_port", 0, low=0, high=MAX_PORT),
             backend=_choice(extra, "backend", "auto", BACKENDS),
             transport=_choice(extra, "transport", "auto", TRANSPORTS),
-            pull_timeout_s=_positive_float(extra, "pull_timeout_s", 30.0),
-            handshake_timeout_s=_positive_float(extra, "handshake_timeout_s", 5.0),
+            pull_timeout_s=_timeout_s(extra, "pull_timeout_s", 30.0),
+            handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
             transfer_threads=_int(extra, "transfer_threads", 2, low=1),
             tcp_connections=_int(extra, "tcp_connections", 2, low=1),
             lease_s=lease_s,
@@ -175,6 +176,14 @@ def _int(
 
 def _positive_float(extra: Mapping[str, Any], key: str, default: float) -> float:
     return _float(extra, key, default, zero_allowed=False)
+
+
+def _timeout_s(extra: Mapping[str, Any], key: str, default: float) -> float:
+    """LLM-DataDist takes timeouts as int32 milliseconds > 0."""
+    value = _positive_float(extra, key, default)
+    if not 0.001 <= value <= MAX_TIMEOUT_S:
+        raise _bad(key, extra.get(key, default), f"seconds in [0.001, {MAX_TIMEOUT_S}]")
+    return value
 
 
 def _non_negative_float(extra: Mapping[str, Any], key: str, default: float) -> float:

@@ -118,6 +118,7 @@ def _configure(api: Any, config: HixlConfig, layout: KVLayout, cluster_id: int) 
     if profile.native_options:
         llm_config.hixl_transport = config.transport
         llm_config.hixl_tcp_connections = config.tcp_connections
+        llm_config.hixl_transfer_threads = config.transfer_threads
         if config.auth_token:
             llm_config.hixl_auth_token = config.auth_token
     return llm_config, port
@@ -146,6 +147,12 @@ def open_engine(
     llm_config, port = _configure(api, config, layout, cluster_id)
     # The hixl transfer back-end listens on both sides; the native engine only where served.
     if producer or profile.transfer_backend:
+        if port == 0 and not profile.native_options:
+            # Only the native engine binds any free port and reports it for the handshake.
+            raise ValueError(
+                f"kv_connector_extra_config 'engine_port' must be set (> 0) for the "
+                f"{profile.name!r} back-end: peers link to that port"
+            )
         llm_config.listen_ip_info = f"{config.engine_host}:{port}"
     datadist = api.LLMDataDist(role, cluster_id)
     datadist.init(llm_config.generate_options())

@@ -56,32 +56,18 @@ class PeerRegistry:
         self._local = local
         self._config = config
         self._peers: dict[tuple[str, str, int], Peer] = {}
-        self._locks: dict[tuple[str, str, int], threading.Lock] = {}
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._guard = threading.Lock()
 
     def get(self, remote: RemoteEndpoint) -> Peer:
         key = (remote.engine_id, remote.host, remote.port)
         with self._guard:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
+            lock = self._locks.setdefault(key[1:], threading.Lock())
+        with lock:  # one handshake at a time per address
             peer = self._peers.get(key)
             if peer is not None and not peer.broken:
                 return peer
-            # A broken link, or an engine that another one replaced at the same address
-            # (P restarted), is torn down before linking again: cluster ids may repeat.
-            with self._guard:
-                stale = [self._peers.pop(k) for k in list(self._peers) if k[1:] == key[1:]]
-            for old in stale:
-                if old.engine_id != remote.engine_id:
-                    logger.info(
-                        "hixl: prefill engine %s replaced by %s", old.engine_id, remote.engine_id
-                    )
-                self._unlink(old, force=True)
-                old.client.close()
-            peer = self._connect(remote)
-            with self._guard:
-                self._peers[key] = peer
-            return peer
+            return self._connect(key, remote)
 
     def mark_broken(self, peer: Peer) -> None:
         peer.broken = True
@@ -111,7 +97,7 @@ class PeerRegistry:
             )
         return remote.port + self._local.tp_rank
 
-    def _connect(self, remote: RemoteEndpoint) -> Peer:
+    def _connect(self, key: tuple[str, str, int], remote: RemoteEndpoint) -> Peer:
         client = self.client_for(remote)
         try:
             reply = client.request(
@@ -119,6 +105,24 @@ class PeerRegistry:
             )
             payload = HandshakePayload.from_dict(reply["payload"])
             self._check_compatible(remote, payload)
+            # The handshake proved this engine serves the address now: links to engines it
+            # replaced there (P restarted), and a broken link to itself, go first.
+            with self._guard:
+                stale = [self._peers.pop(k) for k in list(self._peers) if k[1:] == key[1:]]
+                clash = [p for p in self._peers.values() if p.cluster_id == payload.cluster_id]
+            for old in stale:
+                if old.engine_id != payload.engine_id:
+                    logger.info(
+                        "hixl: prefill engine %s replaced by %s", old.engine_id, payload.engine_id
+                    )
+                self._unlink(old, force=True)
+                old.client.close()
+            if clash:
+                # Pulls address peers by cluster id: sharing one would read the other engine.
+                raise PeerError(
+                    f"prefill engines {clash[0].engine_id} and {payload.engine_id} both use "
+                    f"cluster id {payload.cluster_id}; give each engine its own cluster_id_base"
+                )
             self._link(payload)
         except Exception:
             client.close()
@@ -131,7 +135,10 @@ class PeerRegistry:
             payload.engine_host,
             payload.engine_port,
         )
-        return Peer(payload.engine_id, payload.cluster_id, payload, client)
+        peer = Peer(payload.engine_id, payload.cluster_id, payload, client)
+        with self._guard:
+            self._peers[key] = peer
+        return peer
 
     def _check_compatible(self, remote: RemoteEndpoint, payload: HandshakePayload) -> None:
         if payload.engine_id != remote.engine_id:
@@ -154,7 +161,9 @@ class PeerRegistry:
         status, per_cluster = self._datadist.link_clusters([info], timeout_ms)
         codes = api.LLMStatusCode
         result = per_cluster[0] if per_cluster else status
-        if status != codes.LLM_SUCCESS or result not in (codes.LLM_SUCCESS, codes.LLM_ALREADY_LINK):
+        # ALREADY_LINK is a failure too: stale links are torn down before linking, so another
+        # engine holds this cluster id.
+        if status != codes.LLM_SUCCESS or result != codes.LLM_SUCCESS:
             raise PeerError(
                 f"link_clusters to cluster {payload.cluster_id} at "
                 f"{payload.engine_host}:{payload.engine_port} failed: {status!r} {per_cluster!r}"

@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hixl_connector.blocks import trim_remote_to_local
+from hixl_connector.blocks import blocks_for_tokens, remote_at_positions
 from hixl_connector.config import HixlConfig
 from hixl_connector.metadata import (
     UNKNOWN_ENDPOINT,
@@ -61,6 +61,7 @@ class HixlScheduler:
         self._is_consumer = kv_transfer_config.is_kv_consumer
         parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
+        self._block_size = vllm_config.cache_config.block_size
         dp_rank = parallel.data_parallel_index
         # P announces rank 0's port and cluster id; D's rank r adds r.
         self._endpoint = RemoteEndpoint(
@@ -135,16 +136,21 @@ class HixlScheduler:
         except InvalidTransferParams as exc:
             self._stop_heartbeat(request_id)
             if num_external_tokens > 0:
-                self._refuse(request_id, None, _unhashed_block_ids(blocks), str(exc))
+                self._refuse(request_id, None, _unhashed_blocks(blocks)[1], str(exc))
             else:
                 logger.error("request %s: nothing to pull, P not notified: %s", request_id, exc)
             return
         if num_external_tokens <= 0:
             self._release(request_id, prefill)
             return
-        local = _unhashed_block_ids(blocks)
+        positions, local = _unhashed_blocks(blocks)
         try:
-            remote = trim_remote_to_local(prefill.block_ids, local)
+            if prefill.num_tokens is not None and prefill.num_tokens < request.num_prompt_tokens:
+                raise ValueError(
+                    f"the prefill side computed {prefill.num_tokens} tokens, this prompt has "
+                    f"{request.num_prompt_tokens}: not the same prompt"
+                )
+            remote = remote_at_positions(prefill.block_ids, positions)
         except ValueError as exc:
             self._refuse(request_id, prefill, local, f"request {request_id}: {exc}")
             return
@@ -188,11 +194,16 @@ class HixlScheduler:
             return False, None
         if request.status not in self._deliverable_statuses or not block_ids:
             return False, None
+        # D needs the prompt's KV only; blocks past it hold P's generated tokens (when the
+        # router asked P for more than one) and must not be offered.
+        prompt_blocks = tuple(
+            block_ids[: blocks_for_tokens(request.num_prompt_tokens, self._block_size)]
+        )
         lease_id = self._new_lease_id()
         self._leased[request_id] = lease_id
-        self._to_send.append(SendSpec(request_id, tuple(block_ids), lease_id))
+        self._to_send.append(SendSpec(request_id, prompt_blocks, lease_id))
         return True, build_remote_decode_params(
-            self._endpoint, request_id, block_ids, request.num_computed_tokens, lease_id
+            self._endpoint, request_id, prompt_blocks, request.num_prompt_tokens, lease_id
         )
 
     def request_finished_all_groups(
@@ -268,9 +279,14 @@ class HixlScheduler:
         )
 
 
-def _unhashed_block_ids(blocks: KVCacheBlocks) -> tuple[int, ...]:
-    """Blocks allocated for this request that the local prefix cache did not fill."""
-    groups = blocks.get_unhashed_block_ids_all_groups()
-    if len(groups) != 1:
-        raise ValueError(f"HixlScheduler supports one KV cache group, got {len(groups)}")
-    return tuple(groups[0])
+def _unhashed_blocks(blocks: KVCacheBlocks) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(positions, block ids) of this request's blocks that the local prefix cache did not
+    fill; a position is the block's index within the request."""
+    if len(blocks.blocks) != 1:
+        raise ValueError(f"HixlScheduler supports one KV cache group, got {len(blocks.blocks)}")
+    unfilled = [
+        (position, block.block_id)
+        for position, block in enumerate(blocks.blocks[0])
+        if block.block_hash is None and not block.is_null
+    ]
+    return tuple(p for p, _ in unfilled), tuple(b for _, b in unfilled)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from hixl_connector.metadata import (
     RemoteEndpoint,
     compatibility_hash,
 )
-from hixl_connector.notifications import LeaseNotice, Notification
+from hixl_connector.notifications import MAX_NOTIFICATION_ITEMS, LeaseNotice, Notification
 from hixl_connector.peers import Peer, PeerRegistry
 from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from hixl_connector.stats import HixlKVConnectorStats
@@ -63,7 +64,8 @@ class HixlWorker:
         parallel = vllm_config.parallel_config
         self._tp_size = int(parallel.tensor_parallel_size)
         self._tp_rank = int(get_tensor_model_parallel_rank())
-        self._dp_rank = int(parallel.data_parallel_rank)
+        # The index, not the rank: vLLM resets data_parallel_rank to 0 for dense models.
+        self._dp_rank = int(parallel.data_parallel_index)
         self._cluster_id = config.cluster_id_for_rank(self._dp_rank, self._tp_rank, self._tp_size)
         self._leases = LeaseTable(config.lease_s)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
@@ -74,6 +76,8 @@ class HixlWorker:
         self._control = ThreadPoolExecutor(1, thread_name_prefix="hixl-control")
         self._context = zmq.Context()
         self._last_heartbeat: dict[tuple[str, str, int], float] = {}
+        self._heartbeats_in_flight: set[tuple[str, str, int]] = set()
+        self._stats_lock = threading.Lock()  # pool threads record while vLLM collects
         self._engine: Engine | None = None
         self._layout: KVLayout | None = None
         self._payload: HandshakePayload | None = None
@@ -171,11 +175,19 @@ class HixlWorker:
         for request_id in expired:
             logger.warning("hixl: lease of request %s expired; releasing its blocks", request_id)
         if expired:
-            self._stats.record("expired_leases", len(expired))
+            self._record("expired_leases", len(expired))
         return self._leases.take_finished(), recving, failed
 
     def get_stats(self) -> HixlKVConnectorStats | None:
-        return None if self._stats.is_empty() else self._stats.clone_and_reset()
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            snapshot, self._stats = self._stats, HixlKVConnectorStats()
+            return snapshot
+
+    def _record(self, counter: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats.record(counter, n)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -192,9 +204,10 @@ class HixlWorker:
     # -- D side jobs (transfer pool) ----------------------------------------------------
 
     def _receive(self, spec: RecvSpec, queued_at: float) -> None:
-        assert self._peers is not None and self._layout is not None and self._engine is not None
         peer = None
         try:
+            assert self._peers is not None and self._layout is not None
+            assert self._engine is not None
             if spec.error:
                 raise LeaseError(spec.error)
             peer = self._peers.get(spec.remote)
@@ -209,7 +222,7 @@ class HixlWorker:
             # leased blocks, and a lease that ended never comes back.
             answer = self._lease_request(peer.client, "done", spec)
             if answer not in ("held", "finished"):
-                self._stats.record("stale_pulls")
+                self._record("stale_pulls")
                 raise LeaseError(
                     f"lease {spec.lease_id} of prefill request {spec.remote_request_id} ended "
                     f"during the pull ({answer}); its blocks may have been reused"
@@ -220,28 +233,31 @@ class HixlWorker:
         if self._config.test_corrupt_received_kv:
             self._corrupt(spec.local_block_ids)
         blocks = len(spec.local_block_ids)
-        self._stats.record_pull(
-            finished - started,
-            finished - queued_at,
-            blocks * self._layout.block_bytes * self._layout.num_tensors,
-            blocks,
-        )
+        with self._stats_lock:
+            self._stats.record_pull(
+                finished - started,
+                finished - queued_at,
+                blocks * self._layout.block_bytes * self._layout.num_tensors,
+                blocks,
+            )
         self._outcomes.put(_Outcome(spec.request_id, True))
 
     def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec) -> None:
         """Reads nothing unless P confirms these blocks are leased to this request now."""
         deadline = time.monotonic() + self._config.handshake_timeout_s
+        pause = 0.002
         while True:
             answer = self._lease_request(client, "check", spec)
             if answer == "held":
                 return
             if answer != "early" or time.monotonic() > deadline:
-                self._stats.record("refused_pulls")
+                self._record("refused_pulls")
                 raise LeaseError(
                     f"prefill refused to lend blocks {list(spec.remote_block_ids)[:8]}... of "
                     f"request {spec.remote_request_id} under lease {spec.lease_id}: {answer}"
                 )
-            time.sleep(0.002)  # P has not yet started the lease: its next step will
+            time.sleep(pause)  # P has not yet started the lease: its next step will
+            pause = min(2 * pause, 0.05)
 
     def _lease_request(self, client: SideChannelClient, kind: str, spec: RecvSpec) -> str:
         consumers = max(1, self._tp_size // max(1, spec.remote.tp_size))
@@ -256,7 +272,7 @@ class HixlWorker:
 
     def _fail(self, spec: RecvSpec, peer: Peer | None, error: Exception) -> None:
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
-        self._stats.record("failed_pulls" if peer is not None else "failed_handshakes")
+        self._record("failed_pulls" if peer is not None else "failed_handshakes")
         if peer is not None and self._link_suspect(error):
             self._peers.mark_broken(peer)  # type: ignore[union-attr]
         self._outcomes.put(_Outcome(spec.request_id, False))
@@ -290,7 +306,7 @@ class HixlWorker:
         try:
             client.request(Notification(kind, (notice,)).to_dict())
         except SideChannelError as e:
-            self._stats.record("failed_notifications")
+            self._record("failed_notifications")
             logger.warning("hixl: %s for %s not delivered: %s", kind, remote_request_id, e)
         finally:
             client.close()
@@ -302,21 +318,32 @@ class HixlWorker:
             key = (remote.engine_id, remote.host, remote.port)
             if now - self._last_heartbeat.get(key, -1e9) < self._config.heartbeat_s:
                 continue
+            if key in self._heartbeats_in_flight:
+                continue  # an unreachable P must not pile up work for the others
             by_peer.setdefault(key, []).append(LeaseNotice(remote_request_id, lease_id))
             remotes[key] = remote
         for key, items in by_peer.items():
             self._last_heartbeat[key] = now
-            self._control.submit(self._heartbeat, remotes[key], items)
+            self._heartbeats_in_flight.add(key)
+            self._control.submit(self._heartbeat, key, remotes[key], items)
 
-    def _heartbeat(self, remote: RemoteEndpoint, items: list[LeaseNotice]) -> None:
+    def _heartbeat(
+        self, key: tuple[str, str, int], remote: RemoteEndpoint, items: list[LeaseNotice]
+    ) -> None:
         assert self._peers is not None
-        client = self._peers.client_for(remote)
         try:
-            client.request(Notification("heartbeat", tuple(items)).to_dict())
-        except SideChannelError as e:
+            client = self._peers.client_for(remote)
+            try:
+                for first in range(0, len(items), MAX_NOTIFICATION_ITEMS):
+                    batch = tuple(items[first : first + MAX_NOTIFICATION_ITEMS])
+                    client.request(Notification("heartbeat", batch).to_dict())
+            finally:
+                client.close()
+        except Exception as e:  # a lost heartbeat costs a lease, never the worker
+            self._record("failed_notifications")
             logger.warning("hixl: heartbeat to %s failed: %s", remote.engine_id, e)
         finally:
-            client.close()
+            self._heartbeats_in_flight.discard(key)
 
     def _corrupt(self, block_ids: tuple[int, ...]) -> None:
         """TEST ONLY (test_corrupt_received_kv): replaces received blocks with noise."""

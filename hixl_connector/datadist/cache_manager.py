@@ -6,7 +6,13 @@ import itertools
 import threading
 from typing import Any
 
-from hixl_connector.datadist.checks import check_int64, check_isinstance, check_uint32, to_int64
+from hixl_connector.datadist.checks import (
+    check_int64,
+    check_isinstance,
+    check_uint32,
+    check_uint64,
+    to_int64,
+)
 from hixl_connector.datadist.llm_types import (
     BlocksCacheKey,
     Cache,
@@ -125,7 +131,15 @@ class CacheManager:
         check_isinstance("addrs", addrs, list, int, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         check_isinstance("remote_accessible", remote_accessible, bool)
-        model_id = -1 if blocks_cache_key is None else to_int64(blocks_cache_key.model_id)
+        model_id = -1
+        if blocks_cache_key is not None:
+            check_uint64("blocks_cache_key.cluster_id", blocks_cache_key.cluster_id)
+            check_uint64("blocks_cache_key.model_id", blocks_cache_key.model_id)
+            # Peers look a blocks cache up under (this engine's cluster id, model id), as in
+            # LLM-DataDist: a key naming another cluster registers a cache no peer can find,
+            # and never shadows this cluster's key.
+            if to_int64(blocks_cache_key.cluster_id) == self._engine.cluster_id:
+                model_id = to_int64(blocks_cache_key.model_id)
         return self._register(
             "register_blocks_cache", cache_desc, addrs, True, remote_accessible, model_id, []
         )

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <system_error>
 
 namespace hixl {
 namespace {
@@ -120,8 +121,13 @@ void Server::accept_loop() {
     auto conn = std::make_unique<Connection>();
     conn->fd = std::move(fd);
     Connection* raw = conn.get();
+    try {
+      conn->thread = std::thread([this, raw] { serve(raw); });
+    } catch (const std::system_error&) {  // out of threads: refuse this one, keep serving
+      stats_.rejected_requests++;
+      continue;
+    }
     active_++;
-    conn->thread = std::thread([this, raw] { serve(raw); });
     connections_.push_back(std::move(conn));
   }
 }

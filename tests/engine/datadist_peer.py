@@ -32,6 +32,9 @@ CONTIG_ROWS = 2
 CONTIG_ROW_BYTES = 8 * BLOCK_BYTES
 CONTIG_REQ_IDS = (7, 8)
 HIDDEN_MODEL_ID = 2
+# Registered under another cluster's key: peers must not find it under this cluster's id.
+FOREIGN_CLUSTER_OFFSET = 7
+FOREIGN_MODEL_ID = 3
 SEED = 1234
 
 
@@ -51,13 +54,18 @@ def _register(api: Any, dd: Any, cluster_id: int) -> tuple[dict[str, int], list[
     caches: dict[str, int] = {}
     host = api.Placement.HOST
     kv_desc = api.CacheDesc(NUM_TENSORS, [NUM_BLOCKS, *BLOCK_SHAPE], api.DataType.DT_BF16, host)
-    for name, model_id, accessible in (("kv", 0, True), ("hidden", HIDDEN_MODEL_ID, False)):
+    entries = (
+        ("kv", cluster_id, 0, True),
+        ("hidden", cluster_id, HIDDEN_MODEL_ID, False),
+        ("foreign", cluster_id + FOREIGN_CLUSTER_OFFSET, FOREIGN_MODEL_ID, True),
+    )
+    for name, key_cluster, model_id, accessible in entries:
         tensors = make_tensors(name, NUM_TENSORS, NUM_BLOCKS * BLOCK_BYTES)
         keep += tensors
         cache = cm.register_blocks_cache(
             kv_desc,
             [t.ctypes.data for t in tensors],
-            api.BlocksCacheKey(cluster_id, model_id),
+            api.BlocksCacheKey(key_cluster, model_id),
             remote_accessible=accessible,
         )
         caches[name] = cache.cache_id

@@ -139,6 +139,11 @@ def test_row24_remote_cache_missing(env: Env) -> None:
     assert env.status_of(env.api.CacheKey(cid, 99), env.cache, [], [1]) == missing
 
 
+def test_blocks_cache_registered_under_another_clusters_key_is_not_found(env: Env) -> None:
+    key = env.api.BlocksCacheKey(env.peer.cluster_id, layout.FOREIGN_MODEL_ID)
+    assert env.status_of(key, env.cache, [1], [1]) == codes(env).LLM_KV_CACHE_NOT_EXIST
+
+
 def test_row25_local_destination_not_remote_accessible(env: Env) -> None:
     assert env.status_of(env.key, env.private, [1], [1]) == codes(env).LLM_PARAM_INVALID
 

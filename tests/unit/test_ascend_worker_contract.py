@@ -81,6 +81,7 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
     extra = {
         "backend": "ascend",
         "cluster_id_base": D_BASE,
+        "engine_port": free_port(),  # the hixl back-end listens on D too
         "pull_timeout_s": 1.0,
         "handshake_timeout_s": 2.0,
         "test_pull_delay_s": 0.4,  # a window to stop P between the lease check and the pull

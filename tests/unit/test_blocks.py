@@ -13,7 +13,7 @@ from hixl_connector.blocks import (
     chunk_pairs,
     group_runs,
     pair_blocks,
-    trim_remote_to_local,
+    remote_at_positions,
 )
 
 block_ids = st.lists(st.integers(min_value=0, max_value=200), max_size=60)
@@ -88,23 +88,30 @@ def test_chunks_preserve_order_and_respect_the_limit(
 
 
 @given(block_ids, st.data())
-def test_trimming_keeps_the_suffix(remote: list[int], data: st.DataObject) -> None:
-    num_local = data.draw(st.integers(0, len(remote)))
-    local = list(range(1000, 1000 + num_local))
-    trimmed = trim_remote_to_local(remote, local)
-    assert len(trimmed) == num_local
-    assert list(trimmed) == remote[len(remote) - num_local :]
-    assert remote[: len(remote) - num_local] + list(trimmed) == remote
+def test_positions_pick_the_blocks_holding_the_same_tokens(
+    remote: list[int], data: st.DataObject
+) -> None:
+    hit = data.draw(st.integers(0, len(remote)))
+    positions = list(range(hit, len(remote)))
+    mapped = remote_at_positions(remote, positions)
+    assert list(mapped) == remote[hit:]  # D's prefix hits lead: it pulls P's tail
+    assert remote[:hit] + list(mapped) == remote
 
 
-def test_trimming_nothing_pulls_nothing() -> None:
-    assert trim_remote_to_local([4, 5, 6], []) == ()
+def test_no_positions_pull_nothing() -> None:
+    assert remote_at_positions([4, 5, 6], []) == ()
 
 
 @given(block_ids)
-def test_local_longer_than_remote_is_an_error(remote: list[int]) -> None:
+def test_a_position_beyond_the_remote_prompt_is_an_error(remote: list[int]) -> None:
     with pytest.raises(ValueError, match="offers only"):
-        trim_remote_to_local(remote, list(range(len(remote) + 1)))
+        remote_at_positions(remote, list(range(len(remote) + 1)))
+
+
+def test_a_longer_remote_list_does_not_shift_the_mapping() -> None:
+    # P announced blocks beyond the prompt (e.g. its generated tokens): D's positions still
+    # select the prompt's blocks, never the tail of P's list.
+    assert remote_at_positions([10, 11, 12, 13], [1, 2]) == (11, 12)
 
 
 @given(st.integers(0, 10**6), st.integers(1, 512))

@@ -73,6 +73,8 @@ def test_unknown_key_is_named_with_the_valid_ones() -> None:
         ("transport", "rdma"),
         ("pull_timeout_s", 0),
         ("pull_timeout_s", float("nan")),
+        ("pull_timeout_s", 0.0001),
+        ("handshake_timeout_s", 3e6),
         ("handshake_timeout_s", -1.0),
         ("transfer_threads", 0),
         ("tcp_connections", 1.5),
