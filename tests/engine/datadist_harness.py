@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .native_peer import stop_peer_process
 
 HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:  # the package, also when it is not pip-installed
@@ -33,16 +34,7 @@ class Peer:
     process: subprocess.Popen[str]
 
     def stop(self) -> None:
-        proc = self.process
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGCONT)  # in case a test stopped it
-                assert proc.stdin is not None
-                proc.stdin.close()
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, OSError, BrokenPipeError):
-                proc.kill()
-                proc.wait(timeout=STOP_TIMEOUT_S)
+        stop_peer_process(self.process)
 
 
 def start_peer(cluster_id: int, backend: str, auth_token: str = "") -> Peer:

@@ -75,22 +75,7 @@ class NativePeer:
         return stats
 
     def stop(self) -> None:
-        proc = self.process
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGCONT)  # in case a test stopped it
-                assert proc.stdin is not None
-                proc.stdin.close()
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, OSError):
-                proc.kill()
-                proc.wait(timeout=STOP_TIMEOUT_S)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None and not stream.closed:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+        stop_peer_process(self.process)
 
 
 def stop_process(pid: int, timeout_s: float = 5.0) -> None:
@@ -106,6 +91,25 @@ def stop_process(pid: int, timeout_s: float = 5.0) -> None:
             return
         time.sleep(0.005)
     raise AssertionError(f"process {pid} did not stop within {timeout_s}s")
+
+
+def stop_peer_process(proc: subprocess.Popen[str]) -> None:
+    """Ends a peer started with a stdin pipe: resume it, close stdin, wait, kill if it hangs."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGCONT)  # in case a test stopped it
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except (subprocess.TimeoutExpired, OSError):
+            proc.kill()
+            proc.wait(timeout=STOP_TIMEOUT_S)
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None and not stream.closed:
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 def start_peer(cluster_id: int, token: str = "", **geometry: int) -> NativePeer:
