@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
+# A short token lets anyone who sniffs one HMAC challenge and its answer guess it offline;
+# 32 characters of secrets.token_hex carry 128 bits. The native engine applies the same rule.
+MIN_AUTH_TOKEN_CHARS = 32
+TOKEN_RECIPE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 BACKENDS = ("auto", "native", "ascend")
 TRANSPORTS = ("auto", "cma", "tcp")
 # Each engine owns a window of cluster ids, one per (dp, tp) rank; 1024 ranks per engine
@@ -86,10 +90,10 @@ class HixlConfig:
             pull_timeout_s=_timeout_s(extra, "pull_timeout_s", 30.0),
             handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
             transfer_threads=_int(extra, "transfer_threads", 2, low=1),
-            tcp_connections=_int(extra, "tcp_connections", 2, low=1),
+            tcp_connections=_int(extra, "tcp_connections", 2, low=1, high=16),
             lease_s=lease_s,
             heartbeat_s=heartbeat_s,
-            auth_token=_str(extra, "auth_token", os.environ.get(AUTH_TOKEN_ENV, "")),
+            auth_token=_auth_token(extra),
             cluster_id_base=_int(
                 extra,
                 "cluster_id_base",
@@ -208,6 +212,21 @@ def _str(extra: Mapping[str, Any], key: str, default: str) -> str:
     if not isinstance(value, str):
         raise _bad(key, value, "a string")
     return value
+
+
+def _auth_token(extra: Mapping[str, Any]) -> str:
+    """The shared secret, from the key or else the environment; empty means no auth."""
+    source = "kv_connector_extra_config key 'auth_token'"
+    if "auth_token" not in extra and AUTH_TOKEN_ENV in os.environ:
+        source = f"environment variable {AUTH_TOKEN_ENV} (read for key 'auth_token')"
+    token = _str(extra, "auth_token", os.environ.get(AUTH_TOKEN_ENV, ""))
+    if token and len(token) < MIN_AUTH_TOKEN_CHARS:
+        raise ValueError(
+            f"{source} holds a {len(token)}-character token; it must be empty (no auth) or at "
+            f"least {MIN_AUTH_TOKEN_CHARS} characters, since a short one can be guessed "
+            f"offline from one HMAC exchange. Generate one with: {TOKEN_RECIPE}"
+        )
+    return token
 
 
 def _host(extra: Mapping[str, Any], key: str, default: str) -> str:

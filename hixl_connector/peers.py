@@ -33,6 +33,14 @@ class PeerError(RuntimeError):
 
 
 @dataclass
+class _AddressLock:
+    """Serializes handshakes to one address; `users` counts threads holding or awaiting it."""
+
+    lock: threading.Lock
+    users: int = 0
+
+
+@dataclass
 class Peer:
     engine_id: str
     cluster_id: int
@@ -56,18 +64,39 @@ class PeerRegistry:
         self._local = local
         self._config = config
         self._peers: dict[tuple[str, str, int], Peer] = {}
-        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        # Addresses come from kv_transfer_params, i.e. clients name them: an entry lives only
+        # while a thread uses it, so the table never outgrows the transfer pool.
+        self._locks: dict[tuple[str, int], _AddressLock] = {}
         self._guard = threading.Lock()
 
     def get(self, remote: RemoteEndpoint) -> Peer:
         key = (remote.engine_id, remote.host, remote.port)
+        address = key[1:]
         with self._guard:
-            lock = self._locks.setdefault(key[1:], threading.Lock())
-        with lock:  # one handshake at a time per address
-            peer = self._peers.get(key)
-            if peer is not None and not peer.broken:
-                return peer
-            return self._connect(key, remote)
+            entry = self._locks.setdefault(address, _AddressLock(threading.Lock()))
+            entry.users += 1
+        try:
+            with entry.lock:  # one handshake at a time per address
+                peer = self._peers.get(key)
+                if peer is not None and not peer.broken:
+                    return peer
+                return self._connect(key, remote)
+        finally:
+            with self._guard:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._locks[address]
+
+    def tracked_addresses(self) -> tuple[int, int]:
+        """(linked peers, address locks in use): what this registry holds per address."""
+        with self._guard:
+            return len(self._peers), len(self._locks)
+
+    def is_linked(self, remote: RemoteEndpoint) -> bool:
+        """True iff a handshake with this engine at this address succeeded and still holds."""
+        with self._guard:
+            peer = self._peers.get((remote.engine_id, remote.host, remote.port))
+        return peer is not None and not peer.broken
 
     def mark_broken(self, peer: Peer) -> None:
         peer.broken = True

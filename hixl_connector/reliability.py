@@ -36,7 +36,8 @@ EXPOSURE = (
     "set a routable address for multi-host P/D, with `auth_token` (HMAC on every message) |\n"
     "| engine TCP server (P: KV reads) | `engine_host` = `side_channel_host`, port "
     "`engine_port` (0 = any free) | same address as the side channel; with `auth_token` no "
-    "table or byte is served before the HMAC challenge/response |\n"
+    "table or byte is served before the HMAC challenge/response; at most 16 connections in "
+    "the handshake (5 s each) and 64 authenticated, TCP keepalive on every connection |\n"
 )
 
 

@@ -23,17 +23,16 @@ import zmq
 from hixl_connector.config import HixlConfig
 from hixl_connector.engine_setup import Engine, open_engine
 from hixl_connector.kv_layout import KVLayout, describe_kv_caches
+from hixl_connector.lease_notices import LeaseNotifier
 from hixl_connector.leases import LeaseTable
 from hixl_connector.metadata import (
     SCHEMA_VERSION,
     HandshakePayload,
     HixlConnectorMetadata,
     RecvSpec,
-    ReleaseSpec,
-    RemoteEndpoint,
     compatibility_hash,
 )
-from hixl_connector.notifications import MAX_NOTIFICATION_ITEMS, LeaseNotice, Notification
+from hixl_connector.notifications import LeaseNotice, Notification
 from hixl_connector.peers import Peer, PeerRegistry
 from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from hixl_connector.stats import HixlKVConnectorStats
@@ -71,17 +70,13 @@ class HixlWorker:
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._stats = HixlKVConnectorStats()
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-pull")
-        # Releases and heartbeats never queue behind pulls: a stalled pull must not let
-        # the leases of other waiting requests expire.
-        self._control = ThreadPoolExecutor(1, thread_name_prefix="hixl-control")
         self._context = zmq.Context()
-        self._last_heartbeat: dict[tuple[str, str, int], float] = {}
-        self._heartbeats_in_flight: set[tuple[str, str, int]] = set()
         self._stats_lock = threading.Lock()  # pool threads record while vLLM collects
         self._engine: Engine | None = None
         self._layout: KVLayout | None = None
         self._payload: HandshakePayload | None = None
         self._peers: PeerRegistry | None = None
+        self._notices: LeaseNotifier | None = None
         self._server: SideChannelServer | None = None
 
     # -- registration -------------------------------------------------------------------
@@ -96,6 +91,13 @@ class HixlWorker:
         self._payload = self._handshake_payload(layout, engine.listen_port)
         self._peers = PeerRegistry(
             engine.api, engine.datadist, self._context, self._payload, self._config
+        )
+        self._notices = LeaseNotifier(
+            self._peers.client_for,
+            self._peers.is_linked,
+            self._config.heartbeat_s,
+            self._tp_size,
+            self._record,
         )
         if self._is_producer:
             self._server = SideChannelServer(
@@ -155,9 +157,10 @@ class HixlWorker:
             self._leases.start(send.request_id, send.lease_id, send.block_ids, now)
         for recv in metadata.to_recv:
             self._pool.submit(self._receive, recv, now)
-        for release in metadata.to_release:
-            self._control.submit(self._release, release)
-        self._send_heartbeats(metadata.heartbeats, now)
+        if self._notices is not None:
+            for release in metadata.to_release:
+                self._notices.release_later(release)
+            self._notices.heartbeats(metadata.heartbeats, now)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
@@ -185,13 +188,19 @@ class HixlWorker:
             snapshot, self._stats = self._stats, HixlKVConnectorStats()
             return snapshot
 
+    def per_peer_state_sizes(self) -> tuple[int, int, int]:
+        """(linked peers, address locks, heartbeat peers): client-named, so kept bounded."""
+        linked, locks = self._peers.tracked_addresses() if self._peers else (0, 0)
+        return linked, locks, self._notices.tracked_peers() if self._notices else 0
+
     def _record(self, counter: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats.record(counter, n)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._control.shutdown(wait=True, cancel_futures=True)
+        if self._notices is not None:
+            self._notices.shutdown()
         if self._server is not None:
             self._server.close()
         if self._peers is not None:
@@ -278,7 +287,8 @@ class HixlWorker:
         self._outcomes.put(_Outcome(spec.request_id, False))
         if spec.remote.engine_id:
             # Tell P at once so it frees instead of waiting for the lease to expire.
-            self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id)
+            assert self._notices is not None
+            self._notices.release(spec.remote, spec.remote_request_id, spec.lease_id)
 
     def _link_suspect(self, error: Exception) -> bool:
         """Timeouts, dead peers and lost replies call for a fresh handshake and link."""
@@ -287,63 +297,6 @@ class HixlWorker:
         status = getattr(error, "status_code", None)
         codes = self._engine.api.LLMStatusCode if self._engine is not None else None
         return codes is None or status != codes.LLM_PARAM_INVALID
-
-    def _release(self, spec: ReleaseSpec) -> None:
-        self._notify(spec.remote, "release", spec.remote_request_id, spec.lease_id)
-
-    def _notify(
-        self, remote: RemoteEndpoint, kind: str, remote_request_id: str, lease_id: int
-    ) -> None:
-        """Best effort: P's lease expiry frees the blocks anyway; only promptness is lost."""
-        assert self._peers is not None
-        consumers = max(1, self._tp_size // max(1, remote.tp_size))
-        notice = LeaseNotice(remote_request_id, lease_id, consumers)
-        try:
-            client = self._peers.client_for(remote)
-        except (ValueError, RuntimeError) as e:
-            logger.warning("hixl: %s for %s not sent: %s", kind, remote_request_id, e)
-            return
-        try:
-            client.request(Notification(kind, (notice,)).to_dict())
-        except SideChannelError as e:
-            self._record("failed_notifications")
-            logger.warning("hixl: %s for %s not delivered: %s", kind, remote_request_id, e)
-        finally:
-            client.close()
-
-    def _send_heartbeats(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> None:
-        by_peer: dict[tuple[str, str, int], list[LeaseNotice]] = {}
-        remotes: dict[tuple[str, str, int], RemoteEndpoint] = {}
-        for remote, remote_request_id, lease_id in beats:
-            key = (remote.engine_id, remote.host, remote.port)
-            if now - self._last_heartbeat.get(key, -1e9) < self._config.heartbeat_s:
-                continue
-            if key in self._heartbeats_in_flight:
-                continue  # an unreachable P must not pile up work for the others
-            by_peer.setdefault(key, []).append(LeaseNotice(remote_request_id, lease_id))
-            remotes[key] = remote
-        for key, items in by_peer.items():
-            self._last_heartbeat[key] = now
-            self._heartbeats_in_flight.add(key)
-            self._control.submit(self._heartbeat, key, remotes[key], items)
-
-    def _heartbeat(
-        self, key: tuple[str, str, int], remote: RemoteEndpoint, items: list[LeaseNotice]
-    ) -> None:
-        assert self._peers is not None
-        try:
-            client = self._peers.client_for(remote)
-            try:
-                for first in range(0, len(items), MAX_NOTIFICATION_ITEMS):
-                    batch = tuple(items[first : first + MAX_NOTIFICATION_ITEMS])
-                    client.request(Notification("heartbeat", batch).to_dict())
-            finally:
-                client.close()
-        except Exception as e:  # a lost heartbeat costs a lease, never the worker
-            self._record("failed_notifications")
-            logger.warning("hixl: heartbeat to %s failed: %s", remote.engine_id, e)
-        finally:
-            self._heartbeats_in_flight.discard(key)
 
     def _corrupt(self, block_ids: tuple[int, ...]) -> None:
         """TEST ONLY (test_corrupt_received_kv): replaces received blocks with noise."""

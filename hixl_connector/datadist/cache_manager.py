@@ -220,8 +220,8 @@ class CacheManager:
         Arguments are checked (and bad ones raised) before this returns; transfer failures
         surface from the handle's ``wait``/``poll``."""
         args = self._validated_pull(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
-        status, handle = self._engine.submit_pull(*args.native_args(self._timeout_ms))
-        check_status(status, "[pull_blocks_async]", f"src_cache_key = {src_cache_key}")
+        status, handle, message = self._engine.submit_pull(*args.native_args(self._timeout_ms))
+        check_status(status, "[pull_blocks_async]", f"src_cache_key = {src_cache_key}: {message}")
         return PullHandle(self._engine, handle, f"src_cache_key = {src_cache_key}")
 
     def pull_cache(

@@ -206,7 +206,7 @@ NB_MODULE(_native, m) {
             nb::gil_scoped_release release;
             uint64_t handle = 0;
             hixl::Status s = e.submit_pull(std::move(r), &handle);
-            return std::tuple<int64_t, uint64_t>(s.code, handle);
+            return std::tuple<int64_t, uint64_t, std::string>(s.code, handle, s.message);
           },
           PULL_ARGS)
       .def(

@@ -18,6 +18,13 @@ Digest proof(const std::string& token, const char* label, const Nonce& first,
 
 }  // namespace
 
+std::string token_problem(const std::string& token) {
+  if (token.empty() || token.size() >= kMinTokenChars) return "";
+  return "auth token must be at least " + std::to_string(kMinTokenChars) +
+         " characters (got " + std::to_string(token.size()) +
+         "); generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`";
+}
+
 Nonce make_nonce() {
   Nonce n{};
   wire::fill_random(n.data(), n.size());

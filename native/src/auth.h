@@ -12,6 +12,14 @@ namespace hixl {
 
 using Nonce = std::array<uint8_t, 32>;
 
+// Shortest accepted token: 32 characters, e.g. 16 random bytes in hex (128 bits), so the
+// HMAC proofs cannot be brute-forced offline from one captured handshake.
+constexpr size_t kMinTokenChars = 32;
+
+// "" when the token is acceptable (empty = authentication off, or >= kMinTokenChars
+// characters), else the reason to show the user.
+std::string token_problem(const std::string& token);
+
 Nonce make_nonce();
 Digest server_proof(const std::string& token, const Nonce& client_nonce,
                     const Nonce& server_nonce);

@@ -16,6 +16,31 @@ std::string cache_name(int64_t id) { return "cache " + std::to_string(id); }
 
 }  // namespace
 
+struct CacheTable::Entry {
+  CacheInfo info;
+  std::vector<uint64_t> sorted_addrs;  // for range checks
+  int pins = 0;
+  bool removing = false;
+};
+
+CacheTable::Pin::Pin(const CacheTable* table, std::shared_ptr<Entry> entry)
+    : table_(table), entry_(std::move(entry)) {}
+
+CacheTable::Pin::~Pin() {
+  if (entry_) table_->unpin(*entry_);
+}
+
+const CacheInfo& CacheTable::Pin::info() const { return entry_->info; }
+
+bool CacheTable::Pin::contains(uint64_t addr, uint64_t len) const {
+  const std::vector<uint64_t>& starts = entry_->sorted_addrs;
+  uint64_t end = addr + len;
+  if (end < addr) return false;
+  // Tensors are equally long, so the last one starting at or before addr reaches furthest.
+  auto it = std::upper_bound(starts.begin(), starts.end(), addr);
+  return it != starts.begin() && end <= *(it - 1) + entry_->info.tensor_bytes;
+}
+
 Status CacheTable::add(const CacheRegistration& reg) {
   if (reg.tensor_addrs.empty()) {
     return Status::Error(status::kParamInvalid, cache_name(reg.cache_id) + ": no tensor addresses");
@@ -43,17 +68,8 @@ Status CacheTable::add(const CacheRegistration& reg) {
   if (reg.cache_keys.size() > kMaxKeysPerCache) {
     return Status::Error(status::kParamInvalid, cache_name(reg.cache_id) + ": too many keys");
   }
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  for (const auto& c : caches_) {
-    if (c.id == reg.cache_id) {
-      return Status::Error(status::kParamInvalid,
-                           cache_name(reg.cache_id) + " is already registered");
-    }
-  }
-  if (caches_.size() >= kMaxCaches) {
-    return Status::Error(status::kParamInvalid, "too many registered caches");
-  }
-  CacheInfo info;
+  auto entry = std::make_shared<Entry>();
+  CacheInfo& info = entry->info;
   info.id = reg.cache_id;
   info.addrs = reg.tensor_addrs;
   info.tensor_bytes = reg.tensor_bytes;
@@ -62,79 +78,79 @@ Status CacheTable::add(const CacheRegistration& reg) {
   info.remote_accessible = reg.remote_accessible;
   info.blocks_model_id = reg.blocks_model_id;
   info.keys = reg.cache_keys;
-  caches_.push_back(std::move(info));
-  rebuild_regions_locked();
+  entry->sorted_addrs = reg.tensor_addrs;
+  std::sort(entry->sorted_addrs.begin(), entry->sorted_addrs.end());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& e : entries_) {
+    if (e->info.id == reg.cache_id) {
+      return Status::Error(status::kParamInvalid,
+                           cache_name(reg.cache_id) + " is already registered");
+    }
+  }
+  if (entries_.size() >= kMaxCaches) {
+    return Status::Error(status::kParamInvalid, "too many registered caches");
+  }
+  info.serial = next_serial_++;
+  entries_.push_back(std::move(entry));
   return Status::Ok();
 }
 
 Status CacheTable::remove(int64_t id) {
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  auto it = std::find_if(caches_.begin(), caches_.end(),
-                         [id](const CacheInfo& c) { return c.id == id; });
-  if (it == caches_.end()) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = std::find_if(entries_.begin(), entries_.end(),
+                         [id](const std::shared_ptr<Entry>& e) { return e->info.id == id; });
+  if (it == entries_.end()) {
     return Status::Error(status::kKvCacheNotExist, cache_name(id) + " is not registered");
   }
-  caches_.erase(it);
-  rebuild_regions_locked();
+  std::shared_ptr<Entry> entry = *it;
+  entries_.erase(it);
+  entry->removing = true;
+  // Counted before unregister_cache returns, and the owner frees memory only after that: a
+  // same-host reader that sees one count before and after its read read registered memory.
+  unregistrations_.fetch_add(1);
+  unpinned_.wait(lock, [&] { return entry->pins == 0; });
   return Status::Ok();
 }
 
-bool CacheTable::find(int64_t id, CacheInfo* out) const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
-  for (const auto& c : caches_) {
-    if (c.id == id) {
-      *out = c;
-      return true;
+CacheTable::Pin CacheTable::pin_by_id(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& e : entries_) {
+    if (e->info.id == id) {
+      ++e->pins;
+      return Pin(this, e);
     }
   }
-  return false;
+  return Pin();
 }
 
-const CacheInfo* CacheTable::find_locked(int64_t id) const {
-  for (const auto& c : caches_) {
-    if (c.id == id) return &c;
+CacheTable::Pin CacheTable::pin_remote_by_serial(uint64_t serial) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& e : entries_) {
+    if (e->info.serial == serial && e->info.remote_accessible) {
+      ++e->pins;
+      return Pin(this, e);
+    }
   }
-  return nullptr;
+  return Pin();
 }
 
-void CacheTable::rebuild_regions_locked() {
-  regions_.clear();
-  for (const auto& c : caches_) {
-    if (!c.remote_accessible) continue;
-    for (uint64_t a : c.addrs) regions_.push_back({a, a + c.tensor_bytes});
-  }
-  std::sort(regions_.begin(), regions_.end(),
-            [](const Region& a, const Region& b) { return a.begin < b.begin; });
-  prefix_max_.resize(regions_.size());
-  uint64_t m = 0;
-  for (size_t i = 0; i < regions_.size(); ++i) {
-    m = std::max(m, regions_[i].end);
-    prefix_max_[i] = m;
-  }
-}
-
-bool CacheTable::range_allowed_locked(uint64_t addr, uint64_t len) const {
-  uint64_t end = addr + len;
-  if (end < addr) return false;
-  // Regions starting at or before addr; scan back while any of them can still reach `end`.
-  auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
-                             [](uint64_t a, const Region& r) { return a < r.begin; });
-  for (size_t i = static_cast<size_t>(it - regions_.begin()); i > 0; --i) {
-    if (prefix_max_[i - 1] < end) return false;
-    if (regions_[i - 1].end >= end) return true;
-  }
-  return false;
+void CacheTable::unpin(Entry& entry) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--entry.pins == 0 && entry.removing) unpinned_.notify_all();
 }
 
 std::vector<uint8_t> CacheTable::encode_remote_visible() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   wire::Encoder enc;
+  enc.u64(unregistrations_.load());
   uint32_t n = 0;
-  for (const auto& c : caches_) n += c.remote_accessible ? 1 : 0;
+  for (const auto& e : entries_) n += e->info.remote_accessible ? 1 : 0;
   enc.u32(n);
-  for (const auto& c : caches_) {
+  for (const auto& e : entries_) {
+    const CacheInfo& c = e->info;
     if (!c.remote_accessible) continue;
     enc.i64(c.id);
+    enc.u64(c.serial);
     enc.u8(c.is_blocks ? 1 : 0);
     enc.u64(c.tensor_bytes);
     enc.u64(c.num_blocks);
@@ -158,13 +174,14 @@ bool RemoteTable::decode(const uint8_t* data, size_t len, RemoteTable* out, std:
     *error = "malformed cache table: " + why;
     return false;
   };
+  if (!dec.u64(&out->unregistrations_)) return fail("unregistration count");
   if (!dec.u32(&n) || n > kMaxCaches) return fail("cache count");
   out->caches_.clear();
   for (uint32_t i = 0; i < n; ++i) {
     CacheInfo c;
     uint8_t is_blocks = 0;
     uint32_t nkeys = 0, ntensors = 0;
-    if (!dec.i64(&c.id) || !dec.u8(&is_blocks) || !dec.u64(&c.tensor_bytes) ||
+    if (!dec.i64(&c.id) || !dec.u64(&c.serial) || !dec.u8(&is_blocks) || !dec.u64(&c.tensor_bytes) ||
         !dec.u64(&c.num_blocks) || !dec.i64(&c.blocks_model_id) || !dec.u32(&nkeys) ||
         nkeys > kMaxKeysPerCache) {
       return fail("cache header");
@@ -186,6 +203,22 @@ bool RemoteTable::decode(const uint8_t* data, size_t len, RemoteTable* out, std:
   }
   if (dec.remaining() != 0) return fail("trailing bytes");
   return true;
+}
+
+bool RemoteTable::has_serial(uint64_t serial) const {
+  for (const auto& c : caches_) {
+    if (c.serial == serial) return true;
+  }
+  return false;
+}
+
+RemoteTable RemoteTable::without_unregistered(const RemoteTable& current) const {
+  RemoteTable kept;
+  kept.unregistrations_ = current.unregistrations_;
+  for (const auto& c : caches_) {
+    if (current.has_serial(c.serial)) kept.caches_.push_back(c);
+  }
+  return kept;
 }
 
 const CacheInfo* RemoteTable::by_id(int64_t id) const {

@@ -1,5 +1,8 @@
 // Same-host transport: one-sided process_vm_readv in 1024-iovec batches, chunked over the
-// transfer threads.
+// transfer threads. The serving side does no work, so it cannot check a read against its
+// table; instead the peer's unregistration count is read before and after the bytes, and a
+// pull counts only if no registration of the plan's copy was gone when it started and its
+// source registration outlived it.
 #include <poll.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -32,14 +35,44 @@ bool process_alive(int pidfd) {
 
 class CmaTransport final : public Transport {
  public:
-  CmaTransport(int pid, UniqueFd pidfd, ThreadPool& pool, int threads, MemoryMeter& meter)
-      : pid_(pid), pidfd_(std::move(pidfd)), pool_(pool), threads_(threads), meter_(meter) {}
+  CmaTransport(int pid, UniqueFd pidfd, uint64_t unregistrations_addr, ThreadPool& pool, int threads,
+               MemoryMeter& meter)
+      : pid_(pid),
+        pidfd_(std::move(pidfd)),
+        unregistrations_addr_(unregistrations_addr),
+        pool_(pool),
+        threads_(threads),
+        meter_(meter) {}
 
   const char* name() const override { return "cma"; }
 
   void abort() override { aborted_.store(true); }
+  bool usable() const override { return !aborted_.load(); }
 
-  Status pull(const std::vector<Op>& ops, Deadline deadline) override {
+  Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) override {
+    uint64_t before = 0, after = 0;
+    Status s = read_unregistrations(&before, deadline);
+    if (!s.ok()) return s;
+    if (before != basis.unregistrations) {
+      return Status::Error(plan::kStale, "the peer unregistered caches");
+    }
+    Status copied = copy(ops, deadline);
+    s = read_unregistrations(&after, deadline);
+    if (!s.ok()) return s;
+    if (after == before) return copied;
+    // A read that failed while the count moved (EFAULT on memory just freed) is a stale
+    // plan, not a broken link; a timeout or an abort stays what it is.
+    if (copied.ok()) {
+      return Status::Error(plan::kTableMoved, "the peer unregistered caches during the read");
+    }
+    if (copied.code == status::kFailed) return Status::Error(plan::kStale, copied.message);
+    return copied;
+  }
+
+ private:
+  static Status busy() { return Status::Error(status::kLinkBusy, "link is being unlinked"); }
+
+  Status copy(const std::vector<Op>& ops, Deadline deadline) {
     const size_t chunks = chunk_count(total_bytes(ops), threads_);
     if (chunks == 1) return read_range(ops, {0, 0}, {ops.size(), 0}, deadline);
     // Chunks are views into `ops` (no copy); every thread claims the next one until none is
@@ -63,38 +96,70 @@ class CmaTransport final : public Transport {
     return first_error;
   }
 
- private:
-  static Status busy() { return Status::Error(status::kLinkBusy, "link is being unlinked"); }
+  // One process_vm_readv call's ranges. A piece that continues the previous range on one
+  // side extends it there: the kernel pins remote pages per range (16 at most at a time), so
+  // blocks adjacent on the peer cost one range even when they land apart here.
+  struct Batch {
+    iovec local[kIovMax];
+    iovec remote[kIovMax];
+    size_t local_count = 0;
+    size_t remote_count = 0;
+
+    bool full() const { return local_count == kIovMax || remote_count == kIovMax; }
+    bool empty() const { return local_count == 0; }
+    void add(uint64_t to, uint64_t from, uint64_t len) {
+      append(local, &local_count, to, len);
+      append(remote, &remote_count, from, len);
+    }
+    void clear() { local_count = remote_count = 0; }
+
+   private:
+    static void append(iovec* iov, size_t* count, uint64_t addr, uint64_t len) {
+      if (*count > 0) {
+        iovec& last = iov[*count - 1];
+        if (reinterpret_cast<uint64_t>(last.iov_base) + last.iov_len == addr) {
+          last.iov_len += len;
+          return;
+        }
+      }
+      iov[(*count)++] = {reinterpret_cast<void*>(addr), len};
+    }
+  };
 
   // Reads the op memory in [begin, end) with as few process_vm_readv calls as the iovec
   // limit allows.
   Status read_range(const std::vector<Op>& ops, OpCursor begin, OpCursor end, Deadline deadline) {
-    iovec local[kIovMax];
-    iovec remote[kIovMax];
-    size_t count = 0;
+    Batch batch;
     Status st;
     for_each_piece(ops, begin, end, [&](uint64_t to, uint64_t from, uint64_t len) {
-      local[count] = {reinterpret_cast<void*>(to), len};
-      remote[count] = {reinterpret_cast<void*>(from), len};
-      if (++count < kIovMax) return true;
-      st = read_batch(local, remote, count, deadline);
-      count = 0;
-      return st.ok();
+      if (batch.full()) {
+        st = read_batch(&batch, deadline);
+        batch.clear();
+        if (!st.ok()) return false;
+      }
+      batch.add(to, from, len);
+      return true;
     });
-    if (st.ok() && count > 0) st = read_batch(local, remote, count, deadline);
+    if (st.ok() && !batch.empty()) st = read_batch(&batch, deadline);
     return st;
   }
 
-  Status read_batch(iovec* local, iovec* remote, size_t count, Deadline deadline) {
+  Status read_unregistrations(uint64_t* out, Deadline deadline) {
+    Batch batch;
+    batch.add(reinterpret_cast<uint64_t>(out), unregistrations_addr_, sizeof(*out));
+    return read_batch(&batch, deadline);
+  }
+
+  Status read_batch(Batch* b, Deadline deadline) {
     if (aborted_.load()) return busy();
     if (Clock::now() > deadline) {
       return Status::Error(status::kTimeout, "cma read from pid " + std::to_string(pid_) +
                                                  " did not finish before the deadline");
     }
-    size_t first = 0;
-    while (first < count) {
-      ssize_t n = ::process_vm_readv(pid_, local + first, count - first, remote + first,
-                                     count - first, 0);
+    size_t local_first = 0, remote_first = 0;
+    while (remote_first < b->remote_count) {
+      ssize_t n = ::process_vm_readv(pid_, b->local + local_first, b->local_count - local_first,
+                                     b->remote + remote_first, b->remote_count - remote_first, 0);
       if (n < 0 && errno == EINTR) continue;
       int err = errno;
       // Checked after every read: a dead peer's pid may already belong to another process.
@@ -110,14 +175,15 @@ class CmaTransport final : public Transport {
       // A partial read (the kernel stops at the first range it cannot read) resumes at the
       // byte where it stopped; the next call reports the error if the range is bad.
       size_t done = static_cast<size_t>(n);
-      wire::advance_iov(local, count, first, done);
-      first = wire::advance_iov(remote, count, first, done);
+      local_first = wire::advance_iov(b->local, b->local_count, local_first, done);
+      remote_first = wire::advance_iov(b->remote, b->remote_count, remote_first, done);
     }
     return Status::Ok();
   }
 
   const int pid_;
   UniqueFd pidfd_;
+  const uint64_t unregistrations_addr_;
   ThreadPool& pool_;
   const int threads_;
   MemoryMeter& meter_;
@@ -126,9 +192,11 @@ class CmaTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd, ThreadPool& pool,
-                                              int threads, MemoryMeter& meter) {
-  return std::make_unique<CmaTransport>(pid, std::move(pidfd), pool, threads, meter);
+std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd, uint64_t unregistrations_addr,
+                                              ThreadPool& pool, int threads,
+                                              MemoryMeter& meter) {
+  return std::make_unique<CmaTransport>(pid, std::move(pidfd), unregistrations_addr, pool, threads,
+                                        meter);
 }
 
 Status cma_probe(int pid, uint64_t addr, const uint8_t* expected, size_t len, UniqueFd* pidfd) {

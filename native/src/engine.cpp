@@ -6,6 +6,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "auth.h"
 #include "cache_table.h"
 #include "handshake.h"
 #include "link.h"
@@ -16,6 +17,8 @@
 
 namespace hixl {
 namespace {
+
+constexpr size_t kMaxOutstandingPulls = 4096;
 
 struct AsyncPull {
   std::mutex mu;
@@ -30,8 +33,9 @@ void validate(const EngineOptions& o) {
   if (o.transport != "auto" && o.transport != "cma" && o.transport != "tcp") {
     throw std::invalid_argument("transport must be auto, cma or tcp, not '" + o.transport + "'");
   }
-  if (o.tcp_connections < 1 || o.tcp_connections > 64) {
-    throw std::invalid_argument("tcp_connections must be in [1, 64]");
+  // A link takes one control and tcp_connections data connections of the peer's 64.
+  if (o.tcp_connections < 1 || o.tcp_connections > 16) {
+    throw std::invalid_argument("tcp_connections must be in [1, 16]");
   }
   if (o.transfer_threads < 1 || o.transfer_threads > 64) {
     throw std::invalid_argument("transfer_threads must be in [1, 64]");
@@ -42,6 +46,8 @@ void validate(const EngineOptions& o) {
   if (o.listen_port >= 0 && o.listen_host.empty()) {
     throw std::invalid_argument("listen_host is required when listen_port >= 0");
   }
+  std::string token = token_problem(o.auth_token);
+  if (!token.empty()) throw std::invalid_argument(token);
 }
 
 }  // namespace
@@ -51,7 +57,8 @@ class Engine::Impl {
   explicit Impl(const EngineOptions& o) : opts(o) {
     validate(o);
     wire::fill_random(probe, sizeof(probe));
-    identity = local_identity(o.cluster_id, probe);
+    identity = local_identity(o.cluster_id, probe,
+                              reinterpret_cast<uint64_t>(table.unregistrations_address()));
     pool = std::make_unique<ThreadPool>(o.transfer_threads);
     if (o.listen_port >= 0) {
       server = std::make_unique<Server>(o.listen_host, o.listen_port, identity, o.auth_token,
@@ -61,7 +68,16 @@ class Engine::Impl {
 
   Status pull(const PullRequest& r) {
     stats.pulls++;
-    Status s = run_pull(r);
+    Status s;
+    // Only the constructor throws: anything else (std::bad_alloc, say) becomes this pull's
+    // failure, so neither a caller of pull nor a waiter on an async handle is left hanging.
+    try {
+      s = run_pull(r);
+    } catch (const std::exception& e) {
+      s = Status::Error(status::kFailed, std::string("internal error: ") + e.what());
+    } catch (...) {
+      s = Status::Error(status::kFailed, "internal error");
+    }
     if (!s.ok()) {
       stats.failures++;
       if (s.code == status::kTimeout) stats.timeouts++;
@@ -80,12 +96,12 @@ class Engine::Impl {
                            "timeout_ms must be > 0, got " + std::to_string(r.timeout_ms));
     }
     const Deadline deadline = deadline_after_ms(r.timeout_ms);
-    auto table_lock = table.read_lock();  // the dst cache stays registered during the pull
-    const CacheInfo* dst = table.find_locked(r.dst_cache_id);
-    if (dst == nullptr) {
+    const CacheTable::Pin dst_pin = table.pin_by_id(r.dst_cache_id);  // registered till the end
+    if (!dst_pin) {
       return Status::Error(status::kKvCacheNotExist,
                            "dst cache " + std::to_string(r.dst_cache_id) + " is not registered");
     }
+    const CacheInfo* dst = &dst_pin.info();
     ResolvedRange dst_range;
     Status s = check_local(r, *dst, &dst_range);
     if (!s.ok()) return s;
@@ -99,23 +115,52 @@ class Engine::Impl {
       Link& l;
       ~EndPull() { l.end_pull(); }
     } end_pull{*link};
-    const CacheInfo* src = find_remote(link->table(), r);
-    if (src == nullptr) return remote_missing(r);
-    std::vector<Op> ops;
-    uint64_t runs = 0;
-    s = build_ops(r, *dst, dst_range, *src, &ops, &runs);
-    if (!s.ok()) return s;
-    MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
-    s = link->transport().pull(ops, deadline);
+    s = pull_over(*link, r, *dst, dst_range, deadline);
     if (!s.ok()) {
-      if (s.code == status::kTimeout || s.code == status::kFailed) link->mark_broken(s.message);
+      if (s.code == status::kTimeout || s.code == status::kFailed ||
+          !link->transport().usable()) {
+        link->mark_broken(s.message);
+      }
       s.message = cluster_name(r.remote_cluster_id) + ": " + s.message;
-      return s;
     }
-    stats.bytes += static_cast<int64_t>(total_bytes(ops));
-    stats.ops += static_cast<int64_t>(ops.size());
-    stats.runs += static_cast<int64_t>(runs);
-    return Status::Ok();
+    return s;
+  }
+
+  // Plans from the link's copy of the peer's table and pulls. When the peer unregistered
+  // caches since the copy was checked, the copy drops what is gone and the pull is planned
+  // again, a bounded number of times.
+  Status pull_over(Link& link, const PullRequest& r, const CacheInfo& dst,
+                   const ResolvedRange& dst_range, Deadline deadline) {
+    constexpr int kMaxPlans = 4;
+    for (int attempt = 1;; ++attempt) {
+      std::shared_ptr<const RemoteTable> remote = link.table();
+      const CacheInfo* src = find_remote(*remote, r);
+      if (src == nullptr) return remote_missing(r);
+      std::vector<Op> ops;
+      uint64_t runs = 0;
+      Status s = build_ops(r, dst, dst_range, *src, &ops, &runs);
+      if (!s.ok()) return s;
+      MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
+      s = link.transport().pull(ops, {remote->unregistrations(), src->serial}, deadline);
+      if (s.code == plan::kStale || s.code == plan::kTableMoved) {
+        const uint64_t read_from = src->serial;
+        Status checked = link.drop_unregistered(remote.get(), deadline);
+        if (!checked.ok()) return checked;
+        // Every byte came from a registration that outlived the read: the data is good.
+        if (s.code == plan::kTableMoved && link.table()->has_serial(read_from)) s = Status::Ok();
+      }
+      if (s.code == plan::kStale || s.code == plan::kTableMoved) {
+        if (attempt < kMaxPlans) continue;
+        return Status::Error(status::kKvCacheNotExist,
+                             "the peer unregistered caches during each of " +
+                                 std::to_string(kMaxPlans) + " attempts");
+      }
+      if (!s.ok()) return s;
+      stats.bytes += static_cast<int64_t>(total_bytes(ops));
+      stats.ops += static_cast<int64_t>(ops.size());
+      stats.runs += static_cast<int64_t>(runs);
+      return Status::Ok();
+    }
   }
 
   static const CacheInfo* find_remote(const RemoteTable& t, const PullRequest& r) {
@@ -210,6 +255,13 @@ class Engine::Impl {
     auto ap = std::make_shared<AsyncPull>();
     {
       std::lock_guard<std::mutex> lock(mu);
+      // Every handle holds its request until waited for: a caller that never waits must run
+      // into a clear error, not grow the queue and the handle map without bound.
+      if (handles.size() >= kMaxOutstandingPulls) {
+        return Status::Error(status::kFailed,
+                             std::to_string(kMaxOutstandingPulls) +
+                                 " pulls are already submitted and not yet waited for");
+      }
       *handle = next_handle++;
       handles[*handle] = ap;
     }

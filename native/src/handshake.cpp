@@ -41,7 +41,7 @@ void refuse(int fd, int64_t code, const std::string& msg, Deadline deadline) {
 
 }  // namespace
 
-Identity local_identity(int64_t cluster_id, const uint8_t* probe) {
+Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unregistrations_addr) {
   Identity id;
   id.cluster_id = cluster_id;
   id.pid = ::getpid();
@@ -54,6 +54,7 @@ Identity local_identity(int64_t cluster_id, const uint8_t* probe) {
   id.host = host;
   id.probe_addr = reinterpret_cast<uint64_t>(probe);
   std::memcpy(id.probe.data(), probe, kProbeBytes);
+  id.unregistrations_addr = unregistrations_addr;
   return id;
 }
 
@@ -103,7 +104,8 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
   wire::Decoder w(payload.data(), payload.size());
   if (!w.i64(&peer->cluster_id) || !w.i64(&peer->pid) || !w.u64(&peer->pid_namespace) ||
       !w.str(&peer->boot_id) || !w.str(&peer->host) || !w.u64(&peer->probe_addr) ||
-      !w.raw(peer->probe.data(), peer->probe.size()) || w.remaining() != 0) {
+      !w.raw(peer->probe.data(), peer->probe.size()) || !w.u64(&peer->unregistrations_addr) ||
+      w.remaining() != 0) {
     return link_failed(what + ": malformed welcome");
   }
   if (peer->cluster_id != expected_cluster) {
@@ -171,6 +173,7 @@ std::string server_handshake(int fd, const Identity& me, const std::string& toke
   welcome.str(me.host);
   welcome.u64(me.probe_addr);
   welcome.raw(me.probe.data(), me.probe.size());
+  welcome.u64(me.unregistrations_addr);
   e = wire::send_frame(fd, wire::kWelcome, welcome.bytes(), deadline, &timed_out);
   return e;
 }

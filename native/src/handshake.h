@@ -20,9 +20,10 @@ struct Identity {
   std::string host;
   uint64_t probe_addr = 0;
   std::array<uint8_t, kProbeBytes> probe{};
+  uint64_t unregistrations_addr = 0;  // where same-host peers read the table's unregistration count
 };
 
-Identity local_identity(int64_t cluster_id, const uint8_t* probe);
+Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unregistrations_addr);
 
 // Client side. expected_cluster is the cluster id the caller wants to reach.
 Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,

@@ -45,8 +45,10 @@ Status Link::open(const LinkOptions& o, Deadline deadline, const Identity& me, T
   Identity peer_id;
   Status s = connect_and_greet(o, wire::kControlChannel, deadline, &link->control_, &peer_id);
   if (!s.ok()) return s;
-  s = fetch_table(link->control_.get(), deadline, &link->table_, peer);
+  auto table = std::make_shared<RemoteTable>();
+  s = fetch_table(link->control_.get(), deadline, table.get(), peer);
   if (!s.ok()) return s;
+  link->table_ = std::move(table);
 
   Status cma_refusal;
   if (o.transport != "tcp") {
@@ -60,8 +62,9 @@ Status Link::open(const LinkOptions& o, Deadline deadline, const Identity& me, T
                               peer_id.probe.data(), peer_id.probe.size(), &pidfd);
     }
     if (cma_refusal.ok()) {
-      link->transport_ = make_cma_transport(static_cast<int>(peer_id.pid), std::move(pidfd),
-                                            pool, o.transfer_threads, meter);
+      link->transport_ =
+          make_cma_transport(static_cast<int>(peer_id.pid), std::move(pidfd),
+                             peer_id.unregistrations_addr, pool, o.transfer_threads, meter);
     } else if (o.transport == "cma") {
       cma_refusal.message = "cma transport unavailable: " + cma_refusal.message;
       return cma_refusal;
@@ -87,6 +90,27 @@ Status Link::open(const LinkOptions& o, Deadline deadline, const Identity& me, T
 
 Link::~Link() {
   if (transport_) transport_->abort();
+}
+
+std::shared_ptr<const RemoteTable> Link::table() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_;
+}
+
+Status Link::drop_unregistered(const RemoteTable* checked, Deadline deadline) {
+  std::lock_guard<std::mutex> control(control_mu_);
+  std::shared_ptr<const RemoteTable> copy = table();
+  if (copy.get() != checked) return Status::Ok();
+  RemoteTable current;
+  Status s = fetch_table(control_.get(), deadline, &current, "cluster " + std::to_string(cluster_));
+  if (!s.ok()) {
+    mark_broken(s.message);
+    return s;
+  }
+  auto kept = std::make_shared<const RemoteTable>(copy->without_unregistered(current));
+  std::lock_guard<std::mutex> lock(mu_);
+  table_ = std::move(kept);
+  return Status::Ok();
 }
 
 Status Link::begin_pull() {
@@ -130,6 +154,7 @@ bool Link::close_and_drain(Deadline deadline) {
 }
 
 std::string Link::say_goodbye(Deadline deadline) {
+  std::lock_guard<std::mutex> control(control_mu_);
   bool timed_out = false;
   std::string e = wire::send_frame(control_.get(), wire::kBye, {}, deadline, &timed_out);
   if (!e.empty()) return e;

@@ -1,4 +1,5 @@
-// One link to a peer: its control connection, cache table, chosen transport and state.
+// One link to a peer: its control connection, its copy of the peer's cache table, the
+// chosen transport and state.
 #pragma once
 
 #include <atomic>
@@ -33,7 +34,13 @@ class Link {
   ~Link();
 
   int64_t cluster() const { return cluster_; }
-  const RemoteTable& table() const { return table_; }
+  // The peer's registrations as of link time, less those it has since unregistered (as
+  // far as checked); pulls plan from one copy from start to end.
+  std::shared_ptr<const RemoteTable> table() const;
+  // Fetches the peer's table and drops from the copy what it no longer holds, unless another
+  // pull already replaced `checked`. A failure marks the link broken: the control connection
+  // may be mid-frame.
+  Status drop_unregistered(const RemoteTable* checked, Deadline deadline);
   Transport& transport() { return *transport_; }
   const char* transport_name() const { return transport_->name(); }
 
@@ -50,10 +57,11 @@ class Link {
   Link() = default;
 
   int64_t cluster_ = 0;
+  std::mutex control_mu_;  // one exchange at a time on the control connection
   UniqueFd control_;
-  RemoteTable table_;
+  std::shared_ptr<const RemoteTable> table_;  // guarded by mu_
   std::unique_ptr<Transport> transport_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable idle_cv_;
   int active_pulls_ = 0;
   bool closing_ = false;

@@ -19,6 +19,19 @@ std::runtime_error bind_error(const std::string& host, int port, const std::stri
   return std::runtime_error("cannot listen on " + host + ":" + std::to_string(port) + ": " + why);
 }
 
+std::string limit_message(const char* what, int limit) {
+  return "server busy: " + std::to_string(limit) + " connections " + what +
+         " already (its limit); try again later";
+}
+
+// For a socket the accept thread refuses: one attempt, never blocks (a fresh socket's send
+// buffer is empty, so the frame normally fits at once).
+void refuse_without_waiting(int fd, const std::string& msg) {
+  bool timed_out = false;
+  wire::send_frame(fd, wire::kError, wire::error_payload(status::kLinkBusy, msg),
+                   deadline_after_ms(0), &timed_out);
+}
+
 }  // namespace
 
 Server::Server(const std::string& host, int port, Identity identity, std::string token,
@@ -113,11 +126,15 @@ void Server::accept_loop() {
     }
     std::lock_guard<std::mutex> lock(mu_);
     reap_finished_locked();
-    if (active_.load() >= kMaxConnections) {
+    if (handshaking_ >= kMaxHandshaking) {
+      // Sockets that never finish their handshake (no token, or a flood) only ever hold
+      // these slots, never the authenticated ones real links need.
       stats_.rejected_requests++;
+      refuse_without_waiting(fd.get(), limit_message("in the handshake", kMaxHandshaking));
       continue;  // closing the socket is the refusal
     }
     wire::set_nodelay(fd.get());
+    wire::set_keepalive(fd.get());
     auto conn = std::make_unique<Connection>();
     conn->fd = std::move(fd);
     Connection* raw = conn.get();
@@ -127,7 +144,7 @@ void Server::accept_loop() {
       stats_.rejected_requests++;
       continue;
     }
-    active_++;
+    handshaking_++;
     connections_.push_back(std::move(conn));
   }
 }
@@ -140,13 +157,57 @@ void Server::send_error(int fd, int64_t code, const std::string& msg) {
 
 void Server::serve(Connection* conn) {
   const int fd = conn->fd.get();
-  bool auth_refused = false;
-  std::string e = server_handshake(fd, identity_, token_,
-                                   deadline_after_ms(wire::kHandshakeTimeoutMs), &auth_refused);
-  if (!e.empty()) stats_.rejected_requests++;
+  bool full = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    full = authenticated_ >= kMaxConnections;
+  }
+  bool authenticated = false;
+  if (full) {  // refuse before the handshake: it could only end in the same refusal
+    stats_.rejected_requests++;
+    send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
+  } else {
+    bool auth_refused = false;
+    std::string e = server_handshake(fd, identity_, token_,
+                                     deadline_after_ms(wire::kHandshakeTimeoutMs), &auth_refused);
+    if (!e.empty()) {
+      stats_.rejected_requests++;
+    } else {
+      authenticated = admit_authenticated(fd);
+    }
+  }
+  if (authenticated) serve_requests(fd);
+  {
+    // Before the shutdown, so a peer that sees the close may count on the slot being free.
+    std::lock_guard<std::mutex> lock(mu_);
+    (authenticated ? authenticated_ : handshaking_)--;
+  }
+  ::shutdown(fd, SHUT_RDWR);  // the peer sees the close now; the fd is closed when reaped
+  conn->done.store(true);
+}
+
+bool Server::admit_authenticated(int fd) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (authenticated_ < kMaxConnections) {
+      handshaking_--;
+      authenticated_++;
+      return true;
+    }
+  }
+  // Lost the race for the last slot to a concurrent handshake: WELCOME went out already,
+  // so the peer gets this ERROR in reply to its first request.
+  stats_.rejected_requests++;
+  send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
+  return false;
+}
+
+void Server::serve_requests(int fd) {
+  std::string e;
   while (e.empty()) {
-    // Idle authenticated connections may wait indefinitely (stop() wakes them with shutdown);
-    // once a frame starts it must complete within kFrameTimeoutMs.
+    // Idle authenticated connections may wait indefinitely (stop() wakes them with shutdown,
+    // keepalive notices a vanished peer); once a frame starts it must complete within
+    // kFrameTimeoutMs.
     pollfd p{fd, POLLIN, 0};
     int r = ::poll(&p, 1, -1);
     if (r < 0 && errno == EINTR) continue;
@@ -190,36 +251,43 @@ void Server::serve(Connection* conn) {
       break;
     }
   }
-  ::shutdown(fd, SHUT_RDWR);  // the peer sees the close now; the fd is closed when reaped
-  active_--;
-  conn->done.store(true);
 }
 
 bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
   wire::Decoder dec(payload.data(), payload.size());
+  uint64_t serial = 0;
   uint32_t n = 0;
-  if (!dec.u32(&n) || n == 0 || n > wire::kMaxReadOps || dec.remaining() != uint64_t(n) * 16) {
+  if (!dec.u64(&serial) || !dec.u32(&n) || n == 0 || n > wire::kMaxReadOps ||
+      dec.remaining() != uint64_t(n) * 16) {
     stats_.rejected_requests++;
     send_error(fd, status::kParamInvalid, "malformed read request");
     return false;
   }
-  std::vector<iovec> iov(n);
-  MemoryCharge charge(meter_, static_cast<int64_t>(n * sizeof(iovec)));
+  std::vector<iovec> iov(size_t(n) + 1);  // [0] is the DATA header
+  MemoryCharge charge(meter_, static_cast<int64_t>(iov.size() * sizeof(iovec)));
   uint64_t total = 0;
-  auto lock = table_.read_lock();  // registered memory cannot be unregistered while we send
+  // The source stays registered until the reply is out; other caches stay unaffected.
+  const CacheTable::Pin source = table_.pin_remote_by_serial(serial);
+  if (!source) {
+    // The client planned from a copy of our table that names an unregistered cache.
+    bool timed_out = false;
+    return wire::send_frame(fd, wire::kStale, {}, deadline_after_ms(wire::kFrameTimeoutMs),
+                            &timed_out)
+        .empty();
+  }
   for (uint32_t i = 0; i < n; ++i) {
     uint64_t addr = 0, len = 0;
     dec.u64(&addr);
     dec.u64(&len);
-    if (!table_.range_allowed_locked(addr, len)) {
+    if (!source.contains(addr, len)) {
       stats_.rejected_requests++;
       send_error(fd, status::kParamInvalid,
                  "range [" + std::to_string(addr) + ", +" + std::to_string(len) +
-                     ") is outside the memory cluster " + std::to_string(identity_.cluster_id) +
-                     " registered as remote-accessible");
+                     ") is outside the tensors of cache " + std::to_string(source.info().id) +
+                     " of cluster " + std::to_string(identity_.cluster_id));
       return true;  // the stream is still in sync: keep serving
     }
-    iov[i] = {reinterpret_cast<void*>(addr), len};
+    iov[i + 1] = {reinterpret_cast<void*>(addr), len};
     total += len;
   }
   uint8_t header[wire::kHeaderBytes];
@@ -229,15 +297,13 @@ bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
   std::memcpy(header + 4, &version, 2);
   std::memcpy(header + 6, &type, 2);
   std::memcpy(header + 8, &total, 8);
+  iov[0] = {header, sizeof(header)};
   bool timed_out = false;
-  std::string e = wire::send_all(fd, header, sizeof(header),
-                                 deadline_after_ms(wire::kSendStallTimeoutMs), &timed_out);
-  // A fresh stall deadline per batch: a slow but live reader is fine, a stuck one is not.
-  for (size_t base = 0; base < n && e.empty(); base += 1024) {
-    size_t count = std::min<size_t>(1024, n - base);
-    e = wire::sendv_all(fd, iov.data() + base, count,
-                        deadline_after_ms(wire::kSendStallTimeoutMs), &timed_out);
-  }
+  // The reply fails only when the reader makes no progress for the stall timeout (a slow
+  // reader of a huge reply is fine) or holds it past kReadReplyLimitMs (a trickle is not).
+  std::string e = wire::sendv_all_with_stall(fd, iov.data(), iov.size(),
+                                             wire::kSendStallTimeoutMs,
+                                             deadline_after_ms(kReadReplyLimitMs), &timed_out);
   if (!e.empty()) return false;
   stats_.served_requests++;
   stats_.served_bytes += static_cast<int64_t>(total);

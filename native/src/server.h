@@ -17,7 +17,13 @@ namespace hixl {
 
 class Server {
  public:
-  static constexpr int kMaxConnections = 64;
+  // Connections still in the handshake and authenticated ones are capped separately, so
+  // hosts without the token can never take the slots of real links.
+  static constexpr int kMaxHandshaking = 16;
+  static constexpr int kMaxConnections = 64;  // authenticated
+  // A single READ reply may hold its connection (and the table's read lock) at most this
+  // long, however slowly the reader keeps draining it.
+  static constexpr int kReadReplyLimitMs = 10 * 60 * 1000;
 
   // Binds exactly host:port; throws std::runtime_error naming host:port and errno text.
   Server(const std::string& host, int port, Identity identity, std::string token,
@@ -39,6 +45,10 @@ class Server {
   void accept_loop();
   void reap_finished_locked();
   void serve(Connection* conn);
+  // Moves a connection that just finished its handshake to the authenticated count; false
+  // (ERROR frame sent) when that count is at its limit.
+  bool admit_authenticated(int fd);
+  void serve_requests(int fd);
   // Returns false when the connection must be closed.
   bool handle_read(int fd, const std::vector<uint8_t>& payload);
   void send_error(int fd, int64_t code, const std::string& msg);
@@ -54,7 +64,8 @@ class Server {
   std::thread accept_thread_;
   std::mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_;
-  std::atomic<int> active_{0};
+  int handshaking_ = 0;    // guarded by mu_
+  int authenticated_ = 0;  // guarded by mu_
   bool stopped_ = false;
 };
 

@@ -35,29 +35,53 @@ class TcpTransport final : public Transport {
     cv_.notify_all();
   }
 
-  Status pull(const std::vector<Op>& ops, Deadline deadline) override {
+  bool usable() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !aborted_;
+  }
+
+  Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) override {
+    try {
+      return pull_shares(ops, basis, deadline);
+    } catch (const std::exception& e) {
+      abort();  // a share may have stopped mid-stream
+      return Status::Error(status::kFailed, std::string("tcp pull failed: ") + e.what());
+    }
+  }
+
+ private:
+  Status pull_shares(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) {
     uint64_t total = total_bytes(ops);
     size_t shares =
         std::max<uint64_t>(1, std::min<uint64_t>(conns_.size(), total / kMinShareBytes));
     Status result;
+    bool in_sync = true;
     if (shares == 1) {
-      result = pull_share(ops, deadline);
+      result = pull_share(ops, basis, deadline, &in_sync);
     } else {
       MemoryCharge charge(meter_, static_cast<int64_t>((ops.size() + shares) * sizeof(Op)));
       std::vector<std::vector<Op>> parts = split_ops(ops, shares);
       std::vector<Status> results(parts.size());
-      run_shares(pool_, parts.size(), [&](size_t i) { results[i] = pull_share(parts[i], deadline); });
-      for (auto& s : results) {
+      std::vector<char> synced(parts.size(), 1);
+      run_shares(pool_, parts.size(), [&](size_t i) {
+        bool ok = true;
+        results[i] = pull_share(parts[i], basis, deadline, &ok);
+        synced[i] = ok ? 1 : 0;
+      });
+      for (size_t i = 0; i < results.size(); ++i) {
+        in_sync = in_sync && synced[i];
         // Report the root cause: a TIMEOUT or server error rather than the fallout of abort().
-        if (!s.ok() && (result.ok() || result.code == status::kLinkBusy)) result = s;
+        if (!results[i].ok() && (result.ok() || result.code == status::kLinkBusy)) {
+          result = results[i];
+        }
       }
     }
-    // A half-read stream cannot be resynchronised: close every connection of the link.
-    if (!result.ok()) abort();
+    // A half-read stream cannot be resynchronised: close every connection of the link. A
+    // refusal the server sent instead of the data leaves the stream in step and the link up.
+    if (!in_sync) abort();
     return result;
   }
 
- private:
   int checkout(Deadline deadline, Status* st) {
     std::unique_lock<std::mutex> lock(mu_);
     bool ready = cv_.wait_until(lock, deadline, [this] { return aborted_ || !idle_.empty(); });
@@ -82,13 +106,14 @@ class TcpTransport final : public Transport {
     cv_.notify_one();
   }
 
-  Status pull_share(const std::vector<Op>& ops, Deadline deadline) {
+  Status pull_share(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
+                    bool* in_sync) {
     Status st;
     int fd = checkout(deadline, &st);
     if (fd < 0) return st;
     for (size_t base = 0; base < ops.size() && st.ok(); base += kOpsPerRequest) {
       size_t count = std::min(kOpsPerRequest, ops.size() - base);
-      st = request(fd, ops.data() + base, count, deadline);
+      st = request(fd, ops.data() + base, count, basis, deadline, in_sync);
     }
     checkin(fd);
     return st;
@@ -105,9 +130,13 @@ class TcpTransport final : public Transport {
     return Status::Error(status::kFailed, "tcp pull failed: " + why);
   }
 
-  Status request(int fd, const Op* ops, size_t count, Deadline deadline) {
+  // *in_sync is cleared when the stream may be mid-frame (any failure but a whole refusal).
+  Status request(int fd, const Op* ops, size_t count, const PlanBasis& basis, Deadline deadline,
+                 bool* in_sync) {
     MemoryCharge charge(meter_, static_cast<int64_t>(count * (16 + sizeof(iovec))));
+    *in_sync = false;
     wire::Encoder enc;
+    enc.u64(basis.source_serial);
     enc.u32(static_cast<uint32_t>(count));
     uint64_t expected = 0;
     for (size_t i = 0; i < count; ++i) {
@@ -127,7 +156,12 @@ class TcpTransport final : public Transport {
       payload.resize(h.length);
       e = wire::recv_all(fd, payload.data(), payload.size(), deadline, &timed_out);
       if (!e.empty()) return failure(e, timed_out);
+      *in_sync = true;
       return wire::decode_error(payload, "peer refused the read");
+    }
+    if (h.type == wire::kStale && h.length == 0) {
+      *in_sync = true;
+      return Status::Error(plan::kStale, "source cache is no longer registered on the peer");
     }
     if (h.type != wire::kData || h.length != expected) {
       return failure("unexpected reply frame type " + std::to_string(h.type), false);
@@ -138,13 +172,14 @@ class TcpTransport final : public Transport {
     }
     e = wire::recvv_bulk(fd, iov.data(), count, kLowWaterBytes, deadline, &timed_out);
     if (!e.empty()) return failure(e, timed_out);
+    *in_sync = true;
     return Status::Ok();
   }
 
   std::vector<UniqueFd> conns_;
   ThreadPool& pool_;
   MemoryMeter& meter_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int> idle_;
   bool aborted_ = false;

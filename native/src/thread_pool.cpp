@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <memory>
 
 namespace hixl {
@@ -43,7 +44,11 @@ void ThreadPool::worker_loop() {
       task = std::move(queue_.front());
       queue_.pop_front();
     }
-    task();
+    try {
+      task();
+    } catch (...) {  // e.g. std::bad_alloc: losing one task must not terminate the process
+      task_failures_++;
+    }
   }
 }
 
@@ -57,15 +62,29 @@ struct ShareState {
   std::mutex mu;
   std::condition_variable cv;
   size_t finished = 0;
+  std::exception_ptr first_error;  // guarded by mu
 
-  // Claims and runs shares until none are left.
+  // Claims and runs shares until none are left. Never throws: a share's exception is kept
+  // for the caller and the unclaimed shares are skipped (claimed and counted, not run).
   void drain() {
     for (;;) {
       size_t i = next.fetch_add(1);
       if (i >= total) return;
-      fn(i);
+      std::exception_ptr error;
+      try {
+        fn(i);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      size_t skipped = 0;
+      if (error) {
+        size_t claimed = next.exchange(total);
+        if (claimed < total) skipped = total - claimed;
+      }
       std::lock_guard<std::mutex> lock(mu);
-      if (++finished == total) cv.notify_all();
+      if (error && !first_error) first_error = error;
+      finished += 1 + skipped;
+      if (finished == total) cv.notify_all();
     }
   }
 };
@@ -80,11 +99,19 @@ void run_shares(ThreadPool& pool, size_t shares, const std::function<void(size_t
   // so fn may go out of scope once every share finished.
   const size_t helpers = std::min(shares - 1, max_helpers);
   for (size_t i = 0; i < helpers; ++i) {
-    if (!pool.post([state] { state->drain(); })) break;
+    // If posting fails (shutdown, or out of memory) the caller simply does more shares; an
+    // exception must not leave here while posted helpers may still call fn.
+    bool posted = false;
+    try {
+      posted = pool.post([state] { state->drain(); });
+    } catch (...) {
+    }
+    if (!posted) break;
   }
   state->drain();
   std::unique_lock<std::mutex> lock(state->mu);
   state->cv.wait(lock, [&] { return state->finished == state->total; });
+  if (state->first_error) std::rethrow_exception(state->first_error);
 }
 
 }  // namespace hixl

@@ -12,20 +12,44 @@
 
 namespace hixl {
 
+// What a pull was planned from: the unregistration count of the peer's table copy and the
+// serial of the source registration in it.
+struct PlanBasis {
+  uint64_t unregistrations = 0;
+  uint64_t source_serial = 0;
+};
+
+// Internal results of Transport::pull; the engine turns them into a retry or a status code
+// and never lets them reach a caller.
+namespace plan {
+// The copy of the peer's table may be stale and nothing usable was read: check which
+// registrations survive, plan again.
+constexpr int64_t kStale = -2;
+// Every byte was read, but the peer unregistered a cache during the read: the data is good
+// iff the source registration survived.
+constexpr int64_t kTableMoved = -3;
+}  // namespace plan
+
 class Transport {
  public:
   virtual ~Transport() = default;
   virtual const char* name() const = 0;
   // Copies every op's remote range into its local range before `deadline`. Returns TIMEOUT
-  // when the deadline passed, FAILED on any transport error.
-  virtual Status pull(const std::vector<Op>& ops, Deadline deadline) = 0;
+  // when the deadline passed, FAILED on any transport error, plan::kStale or
+  // plan::kTableMoved when the peer unregistered caches since `basis`, or the peer's refusal.
+  virtual Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) = 0;
   // Makes in-flight and later pulls fail fast (unlink, close, failure). Idempotent.
   virtual void abort() = 0;
+  // False once the transport aborted itself or was aborted: the link cannot carry pulls.
+  virtual bool usable() const = 0;
 };
 
-// Same-host reads with process_vm_readv from `pid`; `pidfd` guards against pid reuse.
-std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd, ThreadPool& pool,
-                                              int threads, MemoryMeter& meter);
+// Same-host reads with process_vm_readv from `pid`; `pidfd` guards against pid reuse, and
+// the peer's unregistration count is read at `unregistrations_addr` around every pull.
+std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd,
+                                              uint64_t unregistrations_addr,
+                                              ThreadPool& pool, int threads,
+                                              MemoryMeter& meter);
 // Reads over `conns`, data connections already authenticated to the peer's server.
 std::unique_ptr<Transport> make_tcp_transport(std::vector<UniqueFd> conns, ThreadPool& pool,
                                               MemoryMeter& meter);

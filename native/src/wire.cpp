@@ -105,8 +105,13 @@ size_t advance_iov(iovec* iov, size_t count, size_t first, size_t n) {
   return first;
 }
 
-std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
+namespace {
+
+// Sends every byte; stall_ms < 0 means no stall bound (only `deadline`).
+std::string sendv(int fd, iovec* iov, size_t count, int stall_ms, Deadline deadline,
+                  bool* timed_out) {
   size_t first = advance_iov(iov, count, 0, 0);
+  Deadline stall = stall_ms < 0 ? deadline : std::min(deadline, deadline_after_ms(stall_ms));
   while (first < count) {
     msghdr msg{};
     msg.msg_iov = iov + first;
@@ -114,17 +119,34 @@ std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool*
     ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       first = advance_iov(iov, count, first, static_cast<size_t>(n));
+      if (stall_ms >= 0) stall = std::min(deadline, deadline_after_ms(stall_ms));
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      std::string e = wait_ready(fd, POLLOUT, deadline, timed_out);
-      if (!e.empty()) return e;
+      std::string e = wait_ready(fd, POLLOUT, stall, timed_out);
+      if (!e.empty()) {
+        if (*timed_out && stall < deadline) {
+          return "no progress for " + std::to_string(stall_ms) + " ms";
+        }
+        return e;
+      }
       continue;
     }
     return std::string("send: ") + (n < 0 ? std::strerror(errno) : "connection closed");
   }
   return "";
+}
+
+}  // namespace
+
+std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
+  return sendv(fd, iov, count, -1, deadline, timed_out);
+}
+
+std::string sendv_all_with_stall(int fd, iovec* iov, size_t count, int stall_ms,
+                                 Deadline deadline, bool* timed_out) {
+  return sendv(fd, iov, count, std::max(0, stall_ms), deadline, timed_out);
 }
 
 namespace {
@@ -256,6 +278,16 @@ void set_nodelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+void set_keepalive(int fd) {
+  int one = 1, idle = kKeepAliveIdleS, interval = kKeepAliveIntervalS, probes = kKeepAliveCount;
+  unsigned int user_timeout = kUserTimeoutMs;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout));
+}
+
 void set_receive_low_water(int fd, int bytes) {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes));
 }
@@ -308,6 +340,7 @@ UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::s
       continue;
     }
     set_nodelay(fd.get());
+    set_keepalive(fd.get());
     ::freeaddrinfo(res);
     return fd;
   }

@@ -40,7 +40,7 @@ class UniqueFd {
 namespace wire {
 
 constexpr uint32_t kMagic = 0x4C584948;  // "HIXL" little-endian
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 constexpr size_t kHeaderBytes = 16;
 constexpr uint64_t kMaxControlPayload = 4u << 20;
 constexpr uint64_t kMaxTablePayload = 16u << 20;
@@ -50,18 +50,26 @@ constexpr size_t kNonceBytes = 32;
 constexpr int kHandshakeTimeoutMs = 5000;
 constexpr int kFrameTimeoutMs = 5000;
 constexpr int kSendStallTimeoutMs = 10000;
+// Keepalive on every engine socket: an idle connection whose peer vanished (host down, cable
+// pulled, no RST) is detected after about kKeepAliveIdleS + kKeepAliveIntervalS * kKeepAliveCount
+// seconds; unacknowledged sends fail after kUserTimeoutMs.
+constexpr int kKeepAliveIdleS = 30;
+constexpr int kKeepAliveIntervalS = 5;
+constexpr int kKeepAliveCount = 6;
+constexpr int kUserTimeoutMs = 60000;
 
 enum FrameType : uint16_t {
   kHello = 1,       // c->s: i64 client cluster, i64 expected server cluster, u8 channel, nonce
   kChallenge = 2,   // s->c: u8 server has token, server nonce, server proof
   kAuth = 3,        // c->s: client proof
-  kWelcome = 4,     // s->c: identity (cluster, pid, pidns, boot id, host, probe addr + nonce)
+  kWelcome = 4,     // s->c: identity (cluster, pid, pidns, boot id, host, probe, unregistration count addr)
   kTableRequest = 5,
   kTable = 6,
-  kRead = 7,        // c->s: u32 n, n x (u64 addr, u64 len)
+  kRead = 7,        // c->s: u64 source cache serial, u32 n, n x (u64 addr, u64 len)
   kData = 8,        // s->c: raw bytes follow, length = sum of the request's lengths
   kBye = 9,
   kByeAck = 10,
+  kStale = 11,      // s->c: the READ named a registration that is gone; refetch the table
   kError = 15,      // u64 status code, string message
 };
 
@@ -108,6 +116,10 @@ class Decoder {
 // *timed_out is set when the deadline passed.
 std::string send_all(int fd, const void* data, size_t len, Deadline deadline, bool* timed_out);
 std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
+// sendv_all for long replies to a reader of unknown speed: fails when no byte could be sent for
+// stall_ms (every byte sent restarts that clock) or when `deadline` passes, whichever is first.
+std::string sendv_all_with_stall(int fd, iovec* iov, size_t count, int stall_ms,
+                                 Deadline deadline, bool* timed_out);
 std::string recv_all(int fd, void* data, size_t len, Deadline deadline, bool* timed_out);
 std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
 // recvv_all for bulk data: while more than 4 x low_water_bytes are still expected, the socket
@@ -130,6 +142,8 @@ UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::s
 size_t advance_iov(iovec* iov, size_t count, size_t first, size_t n);
 void set_nonblocking(int fd);
 void set_nodelay(int fd);
+// SO_KEEPALIVE with the kKeepAlive* timings and TCP_USER_TIMEOUT = kUserTimeoutMs.
+void set_keepalive(int fd);
 // Bytes that must be queued before a poll for input reports the socket readable (1 = any).
 void set_receive_low_water(int fd, int bytes);
 void fill_random(void* out, size_t n);

@@ -2,7 +2,11 @@
 
 Run as a script: allocates tensors with numpy, fills them with a known pattern, registers
 them, listens on 127.0.0.1 port 0, prints one JSON line (port, pid, tensor addresses) and
-serves until stdin closes. The line "stats" on stdin prints the engine's stats as JSON.
+serves until stdin closes. Commands on stdin, each answered with one JSON line:
+"stats" (the engine's stats); "drop" (unregister the blocks cache, overwrite its memory with
+SCRIBBLE bytes as a new owner would, and free it); "drop ID" (unregister cache ID); "swap TAG"
+(drop, then register the blocks cache again on new memory filled with pattern tag TAG); "add"
+(register a second blocks cache, EXTRA_CACHE_ID with model EXTRA_MODEL_ID).
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ STOP_TIMEOUT_S = 10.0
 BLOCKS_CACHE_ID = 1
 CONTIGUOUS_CACHE_ID = 2
 PRIVATE_CACHE_ID = 3
+EXTRA_CACHE_ID = 4
 MODEL_ID = 7
+EXTRA_MODEL_ID = 9
+SCRIBBLE = 0x5A
 # (req_id, prefix_id, model_id) of each batch row of the contiguous cache: key i <-> row i.
 CONTIGUOUS_KEYS = [(5, -1, 7), (6, -1, 7)]
 
@@ -64,14 +71,18 @@ class NativePeer:
     def pid(self) -> int:
         return self.process.pid
 
-    def stats(self) -> dict[str, int]:
+    def command(self, line: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
+        """Sends one command line and returns its JSON answer (bounded wait)."""
         proc = self.process
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("stats\n")
+        proc.stdin.write(line + "\n")
         proc.stdin.flush()
-        ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
-        assert ready, "peer did not answer 'stats'"
-        stats: dict[str, int] = json.loads(proc.stdout.readline())
+        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        assert ready, f"peer did not answer {line!r}"
+        return json.loads(proc.stdout.readline())
+
+    def stats(self) -> dict[str, int]:
+        stats: dict[str, int] = self.command("stats")
         return stats
 
     def stop(self) -> None:
@@ -147,22 +158,21 @@ def main() -> None:
     engine = _native.Engine(
         args.cluster_id, listen_host="127.0.0.1", listen_port=0, auth_token=args.token
     )
-    blocks = _tensors(
-        args.cluster_id, BLOCKS_CACHE_ID, args.tensors, args.blocks * args.block_bytes
-    )
+    blocks_bytes = args.blocks * args.block_bytes
+    blocks = _tensors(args.cluster_id, BLOCKS_CACHE_ID, args.tensors, blocks_bytes)
     rows = _tensors(args.cluster_id, CONTIGUOUS_CACHE_ID, args.tensors, args.batch * args.row_bytes)
     private = _tensors(args.cluster_id, PRIVATE_CACHE_ID, 1, args.block_bytes)
-    registrations = [
-        (BLOCKS_CACHE_ID, blocks, args.blocks, True, True, MODEL_ID, []),
-        (CONTIGUOUS_CACHE_ID, rows, args.batch, False, True, -1, CONTIGUOUS_KEYS),
-        (PRIVATE_CACHE_ID, private, 1, True, False, MODEL_ID + 1, []),
-    ]
-    for cache_id, tensors, count, is_blocks, remote, model, keys in registrations:
+
+    def register(cache_id: int, tensors: list[np.ndarray], count: int, *rest: Any) -> None:
         status, message = engine.register_cache(
-            cache_id, _addrs(tensors), tensors[0].nbytes, count, is_blocks, remote, model, keys
+            cache_id, _addrs(tensors), tensors[0].nbytes, count, *rest
         )
         if status != _native.SUCCESS:
             raise SystemExit(f"register_cache({cache_id}) failed: {status} {message}")
+
+    register(BLOCKS_CACHE_ID, blocks, args.blocks, True, True, MODEL_ID, [])
+    register(CONTIGUOUS_CACHE_ID, rows, args.batch, False, True, -1, CONTIGUOUS_KEYS)
+    register(PRIVATE_CACHE_ID, private, 1, True, False, MODEL_ID + 1, [])
     info = {
         "port": engine.listen_port,
         "pid": os.getpid(),
@@ -171,9 +181,32 @@ def main() -> None:
         "private_addr": _addrs(private)[0],
     }
     print(json.dumps(info), flush=True)
+    keep: list[np.ndarray] = []
+
+    def drop() -> None:
+        nonlocal blocks
+        engine.unregister_cache(BLOCKS_CACHE_ID)
+        for tensor in blocks:
+            tensor.fill(SCRIBBLE)
+        blocks = []  # the memory goes back to the allocator
+
     for line in sys.stdin:
-        if line.strip() == "stats":
-            print(json.dumps(engine.stats()), flush=True)
+        command, *arg = line.split()
+        answer: Any = "ok"
+        if command == "stats":
+            answer = engine.stats()
+        elif command == "drop" and arg:
+            answer = engine.unregister_cache(int(arg[0]))
+        elif command == "drop":
+            drop()
+        elif command == "swap":
+            drop()
+            blocks = _tensors(args.cluster_id, int(arg[0]), args.tensors, blocks_bytes)
+            register(BLOCKS_CACHE_ID, blocks, args.blocks, True, True, MODEL_ID, [])
+        elif command == "add":
+            keep = _tensors(args.cluster_id, EXTRA_CACHE_ID, args.tensors, args.block_bytes * 4)
+            register(EXTRA_CACHE_ID, keep, 4, True, True, EXTRA_MODEL_ID, [])
+        print(json.dumps(answer), flush=True)
     engine.close()
 
 

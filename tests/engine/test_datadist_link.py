@@ -13,7 +13,9 @@ import pytest
 
 from .datadist_harness import Client, Peer, wait_until
 
-TOKEN = "s3cret-token"
+TOKEN = "datadist-link-token-0123456789abcdef"
+# As long as a real token, so the refusal comes from the HMAC check, not the length rule.
+WRONG_TOKEN = "datadist-link-wrong-token-0123456789abcdef"
 
 
 def ok(api: Any) -> Any:
@@ -89,7 +91,8 @@ def test_unauthenticated_link_refused(
     failed = (api.LLMStatusCode.LLM_LINK_FAILED, [api.LLMStatusCode.LLM_LINK_FAILED])
     assert client_factory(4000, hixl_transport=transport).link(peer) == failed
     assert (
-        client_factory(4001, hixl_transport=transport, hixl_auth_token="wrong").link(peer) == failed
+        client_factory(4001, hixl_transport=transport, hixl_auth_token=WRONG_TOKEN).link(peer)
+        == failed
     )
     monkeypatch.setenv("HIXL_AUTH_TOKEN", TOKEN)  # the token may come from the environment
     client = client_factory(4002, hixl_transport=transport)

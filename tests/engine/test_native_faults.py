@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import signal
 import socket
@@ -24,74 +22,32 @@ from .native_peer import (
     stop_process,
 )
 from .test_native_transfer import BLOCK_BYTES, BLOCKS, Puller
+from .wire_client import (
+    DATA,
+    ERROR,
+    HEADER,
+    HELLO,
+    MAGIC,
+    READ,
+    STALE,
+    TABLE_REQ,
+    VERSION,
+    closed_by_server,
+    frame,
+    handshake,
+    read_request,
+    recv_frame,
+    table_serials,
+)
 
-# Wire protocol (native/README.md): header = magic, version, type, payload length.
-HEADER = struct.Struct("<IHHQ")
-MAGIC, VERSION = 0x4C584948, 1
-HELLO, CHALLENGE, AUTH, WELCOME, TABLE_REQ, TABLE, READ, DATA, ERROR = 1, 2, 3, 4, 5, 6, 7, 8, 15
 MARGIN_S = 0.2
-TOKEN = "s3cret-token"
-
-
-def frame(kind: int, payload: bytes = b"") -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
-    magic, version, kind, length = HEADER.unpack(recv_exact(sock, HEADER.size))
-    assert (magic, version) == (MAGIC, VERSION)
-    return kind, recv_exact(sock, length)
-
-
-def closed_by_server(sock: socket.socket, within_s: float) -> bool:
-    """True when the server closes the connection (after at most one error frame)."""
-    sock.settimeout(within_s)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
+TOKEN = "native-faults-token-0123456789abcdef"
+# As long as a real token, so the refusal comes from the HMAC check, not the length rule.
+WRONG_TOKEN = "native-faults-wrong-token-0123456789abcdef"
 
 
 def connect(peer: NativePeer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", peer.port), timeout=5)
-
-
-def handshake(sock: socket.socket, cluster: int, token: str = "") -> None:
-    """Completes HELLO/CHALLENGE/AUTH/WELCOME as a data connection."""
-    client_nonce = os.urandom(32)
-    sock.sendall(frame(HELLO, struct.pack("<qqB", 900, cluster, 1) + client_nonce))
-    kind, payload = recv_frame(sock)
-    assert kind == CHALLENGE
-    server_nonce = payload[1:33]
-    proof = (
-        hmac.new(
-            token.encode(), b"hixl-client-v1" + server_nonce + client_nonce, hashlib.sha256
-        ).digest()
-        if token
-        else bytes(32)
-    )
-    sock.sendall(frame(AUTH, proof))
-    kind, _ = recv_frame(sock)
-    assert kind == WELCOME
-
-
-def read_request(*ranges: tuple[int, int]) -> bytes:
-    body = struct.pack("<I", len(ranges)) + b"".join(struct.pack("<QQ", a, n) for a, n in ranges)
-    return frame(READ, body)
 
 
 @pytest.fixture()
@@ -148,7 +104,7 @@ def test_unlink_during_pull_fails_it_fast(peer: NativePeer) -> None:
     try:
         assert puller.engine.link(21, "127.0.0.1", peer.port, 3000) == (0, "")
         stop_process(peer.pid)
-        status, handle = puller.pull_blocks([0], [0], cluster=21, timeout_ms=5000, submit=True)
+        status, handle, _ = puller.pull_blocks([0], [0], cluster=21, timeout_ms=5000, submit=True)
         assert status == _native.SUCCESS
         time.sleep(0.1)
         start = time.monotonic()
@@ -199,13 +155,16 @@ def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) 
         assert closed_by_server(s, 8.0)
     # Requests before the handshake.
     with connect(peer) as s:
-        s.sendall(read_request((peer.info["blocks_addrs"][0], 64)))
+        s.sendall(read_request(1, (peer.info["blocks_addrs"][0], 64)))
         assert closed_by_server(s, 2.0)
     # Authenticated (no token needed) but asking for memory outside the registered regions.
     base = peer.info["blocks_addrs"][0]
     size = peer.info["blocks_tensor_bytes"]
     with connect(peer) as s:
         handshake(s, 21)
+        serial = table_serials(s)[BLOCKS_CACHE_ID]
+        s.sendall(read_request(serial + 1000, (base, 64)))  # planned from another table
+        assert recv_frame(s) == (STALE, b"")
         for bad in [
             (peer.info["private_addr"], 64),
             (base + size - 8, 16),
@@ -213,16 +172,16 @@ def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) 
             (2**64 - 8, 16),
             (base - 1, 2),
         ]:
-            s.sendall(read_request((base, 64), bad))
+            s.sendall(read_request(serial, (base, 64), bad))
             kind, payload = recv_frame(s)
             assert kind == ERROR, bad
             assert b"outside" in payload
-        s.sendall(read_request((base + BLOCK_BYTES, 128)))
+        s.sendall(read_request(serial, (base + BLOCK_BYTES, 128)))
         kind, payload = recv_frame(s)
         assert kind == DATA  # the data follows the header like a payload
         expected = pattern(21, BLOCKS_CACHE_ID, 0, 2 * BLOCK_BYTES)[BLOCK_BYTES:]
         assert payload == expected[:128].tobytes()
-        s.sendall(frame(READ, struct.pack("<I", 5)))  # op count disagrees with the length
+        s.sendall(frame(READ, struct.pack("<QI", serial, 5)))  # count disagrees with length
         kind, _ = recv_frame(s)
         assert kind == ERROR
         assert closed_by_server(s, 2.0)
@@ -249,10 +208,10 @@ def test_token_peer_refuses_unauthenticated_clients(token_peer: NativePeer) -> N
             handshake(s, 22, token="")  # zero proof
     with connect(token_peer) as s:
         with pytest.raises(AssertionError):
-            handshake(s, 22, token="not-the-token")
+            handshake(s, 22, token=WRONG_TOKEN)
     with connect(token_peer) as s:
         handshake(s, 22, token=TOKEN)
-        s.sendall(read_request((base, 256)))
+        s.sendall(read_request(table_serials(s)[BLOCKS_CACHE_ID], (base, 256)))
         kind, payload = recv_frame(s)
         assert kind == DATA
         assert payload == pattern(22, BLOCKS_CACHE_ID, 0, 256).tobytes()
@@ -261,7 +220,7 @@ def test_token_peer_refuses_unauthenticated_clients(token_peer: NativePeer) -> N
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_auth_on(token_peer: NativePeer, transport: str) -> None:
-    for token, ok in [(TOKEN, True), ("wrong", False), ("", False)]:
+    for token, ok in [(TOKEN, True), (WRONG_TOKEN, False), ("", False)]:
         puller = Puller(204, transport, auth_token=token)
         try:
             status, msg = puller.engine.link(22, "127.0.0.1", token_peer.port, 3000)

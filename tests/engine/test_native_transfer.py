@@ -32,6 +32,7 @@ ROW_BYTES = 65536
 DST_CACHE = 50
 SENTINEL = 0xEE
 TIMEOUT_MS = 3000
+MAX_OUTSTANDING_PULLS = 4096  # native/src/engine.cpp
 
 
 class Puller:
@@ -217,12 +218,12 @@ def test_cache_key_errors(puller: Puller) -> None:
 
 def test_async_submit_wait_poll(puller: Puller) -> None:
     puller.reset()
-    status, handle = puller.pull_blocks([1, 2, 30], [7, 8, 9], submit=True)
+    status, handle, _ = puller.pull_blocks([1, 2, 30], [7, 8, 9], submit=True)
     assert status == _native.SUCCESS
     assert puller.engine.wait(handle, TIMEOUT_MS) == (0, "")
     assert puller.engine.poll(handle) == (_native.PARAM_INVALID, "unknown handle")
     check_blocks(puller, [1, 2, 30], [7, 8, 9])
-    status, handle = puller.pull_blocks([1], [999], submit=True)
+    status, handle, _ = puller.pull_blocks([1], [999], submit=True)
     assert status == _native.SUCCESS
     result = puller.engine.wait(handle, TIMEOUT_MS)
     assert result[0] == _native.PARAM_INVALID and "999" in result[1]
@@ -234,6 +235,24 @@ def test_async_submit_wait_poll(puller: Puller) -> None:
     for h in handles:
         assert puller.engine.wait(h, -1) == (0, "")
     check_blocks(puller, src, dst)
+
+
+def test_outstanding_async_pulls_are_capped(puller: Puller) -> None:
+    """Handles hold their requests until waited for: a caller that never waits is refused."""
+    handles = []
+    while True:
+        status, handle, message = puller.pull_blocks([1], [2], submit=True)
+        if status != _native.SUCCESS:
+            break
+        handles.append(handle)
+        assert len(handles) <= MAX_OUTSTANDING_PULLS
+    assert status == _native.FAILED and str(MAX_OUTSTANDING_PULLS) in message
+    assert len(handles) == MAX_OUTSTANDING_PULLS
+    assert puller.engine.wait(handles.pop(), -1) == (0, "")
+    status, handle, _ = puller.pull_blocks([1], [2], submit=True)  # one slot is free again
+    assert status == _native.SUCCESS
+    for h in [*handles, handle]:
+        assert puller.engine.wait(h, -1) == (0, "")
 
 
 def test_concurrent_pulls_from_four_threads(puller: Puller) -> None:
@@ -352,8 +371,12 @@ def test_engine_options_and_bind_errors() -> None:
         _native.Engine(1, transport="rdma")
     with pytest.raises(ValueError):
         _native.Engine(1, tcp_connections=0)
+    with pytest.raises(ValueError, match=r"\[1, 16\]"):
+        _native.Engine(1, tcp_connections=17)  # a link must fit in the peer's 64 connections
     with pytest.raises(ValueError):
         _native.Engine(1, listen_port=0)  # listening needs an explicit host
+    with pytest.raises(ValueError, match="at least 32 characters"):
+        _native.Engine(1, auth_token="short-token")  # guessable offline from one handshake
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -10,7 +10,7 @@ from typing import Any
 from hixl_connector.demo.processes import free_port
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-AUTH_TOKEN = "fault-matrix-token"
+AUTH_TOKEN = "fault-matrix-token-0123456789abcdef0123"
 LEASE_S = 3.0
 HEARTBEAT_S = 0.5
 PULL_TIMEOUT_S = 3.0

@@ -9,17 +9,30 @@ With the auth token configured, a peer without it neither handshakes nor reads a
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import socket
-import struct
 from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
+from engine.wire_client import (
+    AUTH,
+    CHALLENGE,
+    DATA,
+    HEADER,
+    MAGIC,
+    TABLE,
+    TABLE_REQ,
+    VERSION,
+    WELCOME,
+    client_proof,
+    frame,
+    read_request,
+    recv_frame,
+    send_hello,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,9 +42,6 @@ from hixl_connector.side_channel import SideChannelClient, SideChannelError, _si
 from .deployments import AUTH_TOKEN
 from .fault_harness import Servers, plain, prefill_leg, run_decode, token_prompt
 
-HEADER = struct.Struct("<IHHQ")
-MAGIC, VERSION = 0x4C584948, 1
-HELLO, CHALLENGE, AUTH, WELCOME, TABLE_REQ, TABLE, READ, DATA, ERROR = 1, 2, 3, 4, 5, 6, 7, 8, 15
 REPLY_TIMEOUT_MS = 3000
 KINDS = ["handshake", "check", "done", "release", "heartbeat"]
 
@@ -150,10 +160,6 @@ def engine_address(context: zmq.Context, prefill: Servers) -> tuple[tuple[str, i
     return (str(payload["engine_host"]), int(payload["engine_port"])), int(payload["cluster_id"])
 
 
-def frame(kind: int, payload: bytes) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
-
-
 def frames_until_close(sock: socket.socket, timeout_s: float = 6.0) -> list[int]:
     """Frame types the server sends until it closes (or goes quiet)."""
     sock.settimeout(timeout_s)
@@ -171,18 +177,12 @@ def frames_until_close(sock: socket.socket, timeout_s: float = 6.0) -> list[int]
     return kinds
 
 
-def authenticate(sock: socket.socket, token: str, cluster: int) -> list[int]:
-    client_nonce = os.urandom(32)
-    sock.sendall(frame(HELLO, struct.pack("<qqB", 900, cluster, 1) + client_nonce))
-    header = sock.recv(HEADER.size, socket.MSG_WAITALL)
-    _, _, kind, length = HEADER.unpack(header)
-    payload = sock.recv(length, socket.MSG_WAITALL)
+def authenticate(sock: socket.socket, token: str, cluster: int) -> None:
+    """Sends HELLO and AUTH with `token`, without waiting for the server's verdict."""
+    client_nonce = send_hello(sock, cluster)
+    kind, payload = recv_frame(sock)
     assert kind == CHALLENGE
-    proof = hmac.new(
-        token.encode(), b"hixl-client-v1" + payload[1:33] + client_nonce, hashlib.sha256
-    ).digest()
-    sock.sendall(frame(AUTH, proof))
-    return [kind]
+    sock.sendall(frame(AUTH, client_proof(token, payload[1:33], client_nonce)))
 
 
 def test_engine_refuses_peers_without_the_token(context: zmq.Context, prefill: Servers) -> None:
@@ -191,14 +191,14 @@ def test_engine_refuses_peers_without_the_token(context: zmq.Context, prefill: S
         with socket.create_connection(address, timeout=5) as sock:
             try:
                 authenticate(sock, token, cluster)
-                sock.sendall(frame(TABLE_REQ, b"") + frame(READ, struct.pack("<IQQ", 1, 4096, 64)))
+                sock.sendall(frame(TABLE_REQ) + read_request(1, (4096, 64)))
                 sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass  # the server hung up first
             kinds = frames_until_close(sock)
         assert not {WELCOME, TABLE, DATA} & set(kinds), kinds
     with socket.create_connection(address, timeout=5) as sock:  # no handshake at all
-        sock.sendall(frame(READ, struct.pack("<IQQ", 1, 4096, 64)))
+        sock.sendall(read_request(1, (4096, 64)))
         sock.shutdown(socket.SHUT_WR)
         assert DATA not in frames_until_close(sock)
 

@@ -10,10 +10,14 @@ import pytest
 from hixl_connector.config import (
     CLUSTER_ID_SPACE,
     CLUSTER_ID_STEP,
+    MIN_AUTH_TOKEN_CHARS,
     HixlConfig,
     cluster_id_for_rank,
     derived_cluster_id_base,
 )
+
+ENV_TOKEN = "env-token-0123456789abcdef0123456789"
+KEY_TOKEN = "key-token-0123456789abcdef0123456789"
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,17 +42,44 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_explicit_values_and_derived_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HIXL_AUTH_TOKEN", "from-env")
+    monkeypatch.setenv("HIXL_AUTH_TOKEN", ENV_TOKEN)
     config = HixlConfig.from_dict(
         {"side_channel_host": "10.1.2.3", "lease_s": 12, "transport": "tcp", "engine_port": 0},
         "engine-a",
     )
     assert config.engine_host == "10.1.2.3"  # follows side_channel_host
     assert config.heartbeat_s == 2.0  # lease_s / 6
-    assert config.auth_token == "from-env"
-    assert HixlConfig.from_dict({"auth_token": "explicit"}, "e").auth_token == "explicit"
+    assert config.auth_token == ENV_TOKEN
+    assert HixlConfig.from_dict({"auth_token": KEY_TOKEN}, "e").auth_token == KEY_TOKEN
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.lease_s = 1.0  # type: ignore[misc]
+
+
+def test_short_token_is_refused_naming_the_key_and_the_recipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("HIXL_AUTH_TOKEN", raising=False)
+    short = "s" * (MIN_AUTH_TOKEN_CHARS - 1)
+    with pytest.raises(ValueError) as info:
+        HixlConfig.from_dict({"auth_token": short}, "e")
+    message = str(info.value)
+    assert "'auth_token'" in message and f"at least {MIN_AUTH_TOKEN_CHARS}" in message
+    assert "secrets.token_hex(32)" in message
+    assert short not in message  # a secret, even a bad one, stays out of logs
+    exact = "s" * MIN_AUTH_TOKEN_CHARS
+    assert HixlConfig.from_dict({"auth_token": exact}, "e").auth_token == exact
+    assert HixlConfig.from_dict({"auth_token": ""}, "e").auth_token == ""  # auth off
+
+
+def test_short_token_from_the_environment_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HIXL_AUTH_TOKEN", "s3cret")
+    with pytest.raises(ValueError, match="HIXL_AUTH_TOKEN.*'auth_token'.*secrets.token_hex"):
+        HixlConfig.from_dict({}, "e")
+    # The key wins over the environment, so an explicit good (or empty) token is accepted.
+    assert HixlConfig.from_dict({"auth_token": KEY_TOKEN}, "e").auth_token == KEY_TOKEN
+    assert HixlConfig.from_dict({"auth_token": ""}, "e").auth_token == ""
 
 
 def test_unknown_key_is_named_with_the_valid_ones() -> None:
@@ -78,6 +109,7 @@ def test_unknown_key_is_named_with_the_valid_ones() -> None:
         ("handshake_timeout_s", -1.0),
         ("transfer_threads", 0),
         ("tcp_connections", 1.5),
+        ("tcp_connections", 17),
         ("lease_s", "30"),
         ("heartbeat_s", 0),
         ("auth_token", None),

@@ -12,6 +12,10 @@ import zmq
 
 from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
+# Both as long as a real token must be, so the refusal comes from the HMAC, not the length.
+TOKEN = "side-channel-test-token-0123456789abcdef"
+WRONG_TOKEN = "side-channel-wrong-token-0123456789abcdef"
+
 
 @pytest.fixture
 def context() -> Iterator[zmq.Context]:
@@ -84,9 +88,9 @@ def test_hostile_frames_are_answered_and_server_keeps_serving(context: zmq.Conte
 
 
 def test_auth_token_required(context: zmq.Context) -> None:
-    server = _serve(context, token="s3cret")
-    good = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token="s3cret")
-    bad = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token="wrong")
+    server = _serve(context, token=TOKEN)
+    good = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token=TOKEN)
+    bad = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token=WRONG_TOKEN)
     none = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
     try:
         assert good.request({"type": "echo", "value": 1})["echo"] == 1

@@ -1,0 +1,98 @@
+"""A raw client of the engine's wire protocol (native/README.md), for tests that play a
+hostile or misbehaving peer against a real engine server."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+HEADER = struct.Struct("<IHHQ")  # magic, version, frame type, payload length
+MAGIC, VERSION = 0x4C584948, 2
+HELLO, CHALLENGE, AUTH, WELCOME, TABLE_REQ, TABLE, READ, DATA = 1, 2, 3, 4, 5, 6, 7, 8
+STALE, ERROR = 11, 15
+DATA_CHANNEL = 1
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+    magic, version, kind, length = HEADER.unpack(recv_exact(sock, HEADER.size))
+    assert (magic, version) == (MAGIC, VERSION)
+    return kind, recv_exact(sock, length)
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """True when the server closes the connection (after at most one error frame)."""
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def send_hello(sock: socket.socket, cluster: int) -> bytes:
+    """Sends HELLO as cluster 900 asking for `cluster`; returns the client nonce."""
+    client_nonce = os.urandom(32)
+    sock.sendall(frame(HELLO, struct.pack("<qqB", 900, cluster, DATA_CHANNEL) + client_nonce))
+    return client_nonce
+
+
+def client_proof(token: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """The AUTH payload: an HMAC over both nonces, or 32 zero bytes without a token."""
+    if not token:
+        return bytes(32)
+    message = b"hixl-client-v1" + server_nonce + client_nonce
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+def handshake(sock: socket.socket, cluster: int, token: str = "") -> None:
+    """Completes HELLO/CHALLENGE/AUTH/WELCOME as a data connection."""
+    client_nonce = send_hello(sock, cluster)
+    kind, payload = recv_frame(sock)
+    assert kind == CHALLENGE
+    sock.sendall(frame(AUTH, client_proof(token, payload[1:33], client_nonce)))
+    kind, _ = recv_frame(sock)
+    assert kind == WELCOME
+
+
+def table_serials(sock: socket.socket) -> dict[int, int]:
+    """Asks for the server's cache table; returns {cache id: registration serial}."""
+    sock.sendall(frame(TABLE_REQ))
+    kind, payload = recv_frame(sock)
+    assert kind == TABLE
+    (count,) = struct.unpack_from("<I", payload, 8)  # after the u64 generation
+    offset, serials = 12, {}
+    for _ in range(count):
+        cache_id, serial = struct.unpack_from("<qQ", payload, offset)
+        serials[cache_id] = serial
+        offset += 16 + 1 + 8 + 8 + 8  # id, serial, is_blocks, tensor bytes, blocks, model
+        (keys,) = struct.unpack_from("<I", payload, offset)
+        offset += 4 + keys * 24
+        (tensors,) = struct.unpack_from("<I", payload, offset)
+        offset += 4 + tensors * 8
+    return serials
+
+
+def read_request(serial: int, *ranges: tuple[int, int]) -> bytes:
+    """A READ of `ranges` planned against the registration with `serial`."""
+    body = struct.pack("<QI", serial, len(ranges))
+    return frame(READ, body + b"".join(struct.pack("<QQ", a, n) for a, n in ranges))

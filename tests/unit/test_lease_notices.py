@@ -1,0 +1,78 @@
+"""D's lease notices over real side channels: dead addresses named by clients must not delay
+the heartbeats and releases of linked prefill peers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from hixl_connector.lease_notices import LeaseNotifier
+from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint
+from hixl_connector.side_channel import SideChannelClient, SideChannelServer
+
+DEAD_TIMEOUT_S = 1.0  # each notice to a dead address waits this long for its reply
+DEAD_ADDRESSES = 4
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def endpoint(name: str, port: int) -> RemoteEndpoint:
+    return RemoteEndpoint(engine_id=name, host="127.0.0.1", port=port, tp_size=1, cluster_id=0)
+
+
+def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Context) -> None:
+    delivered: dict[str, float] = {}
+    arrived = threading.Event()
+
+    def record(message: dict[str, Any]) -> dict[str, Any]:
+        delivered[message["type"]] = time.monotonic()
+        if len(delivered) == 2:
+            arrived.set()
+        return {"results": ["ok"] * len(message["items"])}
+
+    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": record, "release": record})
+    # Listening sockets that never answer: a request waits out its whole timeout.
+    silent = [socket.socket() for _ in range(DEAD_ADDRESSES)]
+    for sock in silent:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+    live = endpoint("p-live", server.port)
+    dead = [endpoint(f"dead-{i}", s.getsockname()[1]) for i, s in enumerate(silent)]
+    failures: list[str] = []
+    notifier = LeaseNotifier(
+        lambda r: SideChannelClient(context, r.host, r.port, DEAD_TIMEOUT_S),
+        lambda r: r.engine_id == "p-live",  # only the live peer completed a handshake
+        heartbeat_s=0.01,
+        tp_size=1,
+        record=failures.append,
+    )
+    try:
+        start = time.monotonic()
+        for i, remote in enumerate(dead):  # queued first, each stalls DEAD_TIMEOUT_S
+            notifier.release_later(ReleaseSpec(f"r{i}", f"remote-r{i}", i, remote))
+        beats = [(remote, f"remote-w{i}", 100 + i) for i, remote in enumerate(dead)]
+        notifier.heartbeats([*beats, (live, "remote-live", 7)], start)
+        notifier.release_later(ReleaseSpec("done", "remote-done", 8, live))
+        assert arrived.wait(DEAD_TIMEOUT_S * (2 * DEAD_ADDRESSES + 1))
+        # Both reached the live peer while the dead addresses still held their own thread.
+        assert max(delivered.values()) - start < DEAD_TIMEOUT_S, delivered
+        until = time.monotonic() + 3 * DEAD_TIMEOUT_S
+        while not failures and time.monotonic() < until:
+            time.sleep(0.05)
+        assert set(failures) == {"failed_notifications"}  # the dead ones fail, counted
+    finally:
+        notifier.shutdown()  # drops what is still queued for the dead addresses
+        server.close()
+        for sock in silent:
+            sock.close()
