@@ -5,10 +5,13 @@ head_dim 128, bf16), blocks of 16 and 128 tokens, a 1 GiB pool per side. Measure
 a 2048-token request with fresh random block ids each iteration, 1-block and 8-block latency,
 and the planning time of 128 blocks x 64 tensors. Each request is paired with an in-process
 scatter memcpy of a request of the same shape (same chunking, same thread count), run back to
-back in alternating order; "ratio" is the median of the per-pair ratios, so load from other
-processes that changes during the run affects both sides of a pair alike. Every pool (server
-source, client destination, the memcpy's source) is the same kind of memory: anonymous,
-advised MADV_HUGEPAGE, tensors 2 MiB aligned.
+back in rotating order; "ratio" is the median of the per-pair ratios, so load from other
+processes that changes during the run affects both sides of a pair alike. For cma, each pull
+is also paired with bare process_vm_readv calls reading the same shape from the server
+process on the same schedule: the kernel's ceiling for one-sided reads ("pvm ratio" is its
+ratio to memcpy, "of pvm" the engine's ratio to it). Every pool (server source, client
+destination, the memcpy's source) is the same kind of memory: anonymous, advised
+MADV_HUGEPAGE, tensors 2 MiB aligned.
 
     python -m hixl_connector bench [--quick] [--json PATH] [--plot PATH]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
 import select
 import statistics
 import subprocess
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from hixl_connector.bench_report import format_table, plot
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 32, 8, 128, 2
 NUM_TENSORS = 2 * LAYERS
@@ -109,7 +115,8 @@ def serve(layout: Layout, threads: int) -> None:
     dd.init(_options(None, threads, "127.0.0.1:0"))
     tensors = _alloc_pool(layout, fill=True)
     _register(dd, layout, tensors, api.BlocksCacheKey(SERVER_CLUSTER, 0))
-    print(json.dumps({"port": dd.listen_port}), flush=True)
+    ready = {"port": dd.listen_port, "pid": os.getpid(), "bases": _bases(tensors)}
+    print(json.dumps(ready), flush=True)
     sys.stdin.read()
     print(json.dumps(dd.engine_stats()), flush=True)
     dd.finalize()
@@ -128,7 +135,8 @@ class Server:
             self.proc.kill()
             self.proc.wait(10)
             raise RuntimeError("benchmark server did not start")
-        self.port = int(json.loads(line)["port"])
+        ready = json.loads(line)
+        self.port, self.pid, self.bases = int(ready["port"]), int(ready["pid"]), ready["bases"]
 
     def stop(self) -> dict[str, int]:
         try:
@@ -153,27 +161,33 @@ def _ops(
     native: Any,
     src: list[int],
     dst: list[int],
-    src_pool: list[np.ndarray],
-    dst_pool: list[np.ndarray],
+    src_bases: list[int],
+    dst_bases: list[int],
     block_bytes: int,
 ) -> tuple[list[int], list[int], list[int]]:
     """The engine's plan as (dst, src, length) lists: one op per tensor per run."""
     dst_addrs, src_addrs, lengths = [], [], []
     for src_start, dst_start, length in native.plan_runs(src, dst):
         for t in range(NUM_TENSORS):
-            dst_addrs.append(dst_pool[t].ctypes.data + dst_start * block_bytes)
-            src_addrs.append(src_pool[t].ctypes.data + src_start * block_bytes)
+            dst_addrs.append(dst_bases[t] + dst_start * block_bytes)
+            src_addrs.append(src_bases[t] + src_start * block_bytes)
             lengths.append(length * block_bytes)
     return dst_addrs, src_addrs, lengths
 
 
+def _bases(tensors: list[np.ndarray]) -> list[int]:
+    return [int(t.ctypes.data) for t in tensors]
+
+
 class Measurement:
     """Pulls of a linked client, each paired with an in-process scatter memcpy of a request of
-    the same shape between pools of the same memory kind, run back to back in alternating
-    order so that both see the same load on a shared machine."""
+    the same shape between pools of the same memory kind (and, for cma, with bare
+    process_vm_readv calls from the server's pool), run back to back in rotating order so
+    that all of them see the same load on a shared machine."""
 
-    def __init__(self, native: Any, dd: Any, layout: Layout, threads: int) -> None:
+    def __init__(self, native: Any, dd: Any, layout: Layout, threads: int, server: Server) -> None:
         self.native, self.dd, self.layout, self.threads = native, dd, layout, threads
+        self.server = server
         self.key = _api().BlocksCacheKey(SERVER_CLUSTER, 0)
         self.pool = _alloc_pool(layout, fill=False)
         self.cache = _register(dd, layout, self.pool, None)
@@ -195,26 +209,40 @@ class Measurement:
 
     def copy(self, count: int) -> float:
         src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
-        ops = _ops(self.native, src, dst, self.replica, self.pool, self.layout.block_bytes)
+        bases = (_bases(self.replica), _bases(self.pool))
+        ops = _ops(self.native, src, dst, *bases, self.layout.block_bytes)
         return float(self.native.scatter_copy(*ops, self.threads))
 
-    def paired(self, count: int, iters: int) -> tuple[list[float], list[float]]:
-        self.pull(count)  # warm-up: first touch of pages and of the engine's paths
-        self.copy(count)
-        pulls, copies = [], []
+    def raw_read(self, count: int) -> float:
+        src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
+        bases = (self.server.bases, _bases(self.pool))
+        ops = _ops(self.native, src, dst, *bases, self.layout.block_bytes)
+        elapsed = float(self.native.scatter_read_process(self.server.pid, *ops, self.threads))
+        if elapsed < 0:
+            raise RuntimeError("process_vm_readv from the benchmark server failed")
+        return elapsed
+
+    def interleaved(self, count: int, iters: int, raw: bool) -> dict[str, list[float]]:
+        """Times per kind ("pull", "copy", and "raw" when asked), one of each per iteration,
+        in an order that rotates so that no kind always runs first."""
+        runs = {"pull": self.pull, "copy": self.copy}
+        if raw:
+            runs["raw"] = self.raw_read
+        for run in runs.values():
+            run(count)  # warm-up: first touch of pages and of the engine's paths
+        kinds = list(runs)
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for i in range(iters):
-            copy_first = i % 2 == 1
-            copied = self.copy(count) if copy_first else 0.0
-            pulls.append(self.pull(count))
-            copies.append(copied if copy_first else self.copy(count))
-        return pulls, copies
+            for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
+                times[kind].append(runs[kind](count))
+        return times
 
 
 def measure_transport(
     native: Any,
     transport: str,
     layout: Layout,
-    port: int,
+    server: Server,
     tokens: int,
     iters: int,
     lat_iters: int,
@@ -224,16 +252,17 @@ def measure_transport(
     dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
     dd.init(_options(transport, threads, None))
     try:
-        m = Measurement(native, dd, layout, threads)
+        m = Measurement(native, dd, layout, threads, server)
         info = api.LLMClusterInfo()
         info.remote_cluster_id = SERVER_CLUSTER
         info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info("127.0.0.1", port)
+        info.append_remote_ip_info("127.0.0.1", server.port)
         ret, rets = dd.link_clusters([info], 10000)
         if ret != api.LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link over {transport} failed: {ret} {rets}")
         count = tokens // layout.block_tokens
-        pulls, copies = m.paired(count, iters)
+        times = m.interleaved(count, iters, raw=transport == "cma")
+        pulls, copies = times["pull"], times["copy"]
         one = [m.pull(1) for _ in range(lat_iters)]
         eight = [m.pull(8) for _ in range(lat_iters)]
         request_bytes = NUM_TENSORS * count * layout.block_bytes
@@ -244,15 +273,26 @@ def measure_transport(
             "request_ms_p50": statistics.median(pulls) * 1e3,
             "memcpy_gbps": request_bytes / statistics.median(copies) / 1e9,
             # Median of per-pair ratios: robust to load that changes during the run.
-            "ratio_to_memcpy": statistics.median(c / p for c, p in zip(copies, pulls, strict=True)),
+            "ratio_to_memcpy": _median_ratio(copies, pulls),
             "one_block_us_p50": statistics.median(one) * 1e6,
             "eight_blocks_us_p50": statistics.median(eight) * 1e6,
             "client_peak_internal_bytes": int(stats.get("peak_internal_bytes", 0)),
         }
+        if "raw" in times:
+            raws = times["raw"]
+            result["raw_pvm_gbps"] = request_bytes / statistics.median(raws) / 1e9
+            result["raw_pvm_ratio_to_memcpy"] = _median_ratio(copies, raws)
+            result["ratio_to_raw_pvm"] = _median_ratio(raws, pulls)
         dd.unlink_clusters([info], 5000)
         return result
     finally:
         dd.finalize()
+
+
+def _median_ratio(reference: list[float], measured: list[float]) -> float:
+    """Median of per-iteration reference/measured time ratios (speed of measured relative to
+    reference): robust to load that changes during the run."""
+    return statistics.median(r / m for r, m in zip(reference, measured, strict=True))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -293,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for transport in args.transports:
                 report["transports"][transport][name] = measure_transport(
-                    _native, transport, layout, server.port, tokens, iters, lat_iters, args.threads
+                    _native, transport, layout, server, tokens, iters, lat_iters, args.threads
                 )
         finally:
             server_stats = server.stop()
@@ -303,63 +343,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peak = int(server_stats.get("peak_internal_bytes", 0))
             report["transports"][transport][name]["server_peak_internal_bytes"] = peak
     return report
-
-
-def format_table(report: dict[str, Any]) -> str:
-    cfg = report["config"]
-    head = (
-        f"pull_blocks, Llama-8B layout ({cfg['tensors']} tensors, bf16), {cfg['request_tokens']}"
-        f"-token request, {cfg['pool_bytes'] >> 20} MiB pool/side, {cfg['threads']} threads"
-    )
-    cols: tuple[str, ...] = ("transport", "block", "GB/s", "memcpy GB/s", "ratio", "req ms")
-    cols += ("1 blk us", "8 blk us", "peak int. KiB (cli/srv)")
-    rows = [cols]
-    for transport, blocks in report["transports"].items():
-        for name, f in blocks.items():
-            rows.append(
-                (
-                    transport,
-                    name.removeprefix("block"),
-                    f"{f['request_gbps']:.2f}",
-                    f"{f['memcpy_gbps']:.2f}",
-                    f"{f['ratio_to_memcpy']:.2f}",
-                    f"{f['request_ms_p50']:.1f}",
-                    f"{f['one_block_us_p50']:.0f}",
-                    f"{f['eight_blocks_us_p50']:.0f}",
-                    f"{f['client_peak_internal_bytes'] >> 10}/"
-                    f"{f['server_peak_internal_bytes'] >> 10}",
-                )
-            )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.append(
-        f"planning 128 blocks x 64 tensors: {report['plan_us_128_blocks_x_64_tensors']:.1f} us"
-    )
-    return "\n".join(lines)
-
-
-def plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = ["block16", "block128"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    series = {
-        t: [report["transports"][t][n]["request_gbps"] for n in names] for t in report["transports"]
-    }
-    series["memcpy (limit)"] = [report["memcpy_gbps"][n] for n in names]
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series.items()):
-        ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
-    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))])
-    ax.set_xticklabels(["16-token blocks", "128-token blocks"])
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"pull_blocks, {report['config']['request_tokens']}-token request")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

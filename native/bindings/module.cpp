@@ -59,6 +59,19 @@ std::vector<Out> to_vector(nb::handle h, const char* name) {
   return out;
 }
 
+// The op lists of the copy references: equal-length address and length sequences.
+struct OpLists {
+  OpLists(nb::handle d, nb::handle s, nb::handle l)
+      : dst(to_vector<uint64_t>(d, "dst_addrs")),
+        src(to_vector<uint64_t>(s, "src_addrs")),
+        lengths(to_vector<uint64_t>(l, "lengths")) {
+    if (dst.size() != src.size() || dst.size() != lengths.size()) {
+      throw nb::value_error("dst_addrs, src_addrs and lengths differ in length");
+    }
+  }
+  std::vector<uint64_t> dst, src, lengths;
+};
+
 hixl::PullRequest make_request(int64_t remote, int kind, int64_t model_id, int64_t cache_id,
                                int64_t req_id, int64_t prefix_id, int64_t batch_index,
                                int64_t dst_cache_id, nb::handle src, nb::handle dst,
@@ -257,16 +270,20 @@ NB_MODULE(_native, m) {
   m.def(
       "scatter_copy",
       [](nb::handle dst, nb::handle src, nb::handle lengths, int threads) {
-        auto d = to_vector<uint64_t>(dst, "dst_addrs");
-        auto s = to_vector<uint64_t>(src, "src_addrs");
-        auto l = to_vector<uint64_t>(lengths, "lengths");
-        if (d.size() != s.size() || d.size() != l.size()) {
-          throw nb::value_error("dst_addrs, src_addrs and lengths differ in length");
-        }
+        OpLists ops(dst, src, lengths);
         nb::gil_scoped_release release;
-        return hixl::scatter_copy(d, s, l, threads);
+        return hixl::scatter_copy(ops.dst, ops.src, ops.lengths, threads);
       },
       nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("threads"));
+  m.def(
+      "scatter_read_process",
+      [](int pid, nb::handle dst, nb::handle src, nb::handle lengths, int threads) {
+        OpLists ops(dst, src, lengths);
+        nb::gil_scoped_release release;
+        return hixl::scatter_read_process(pid, ops.dst, ops.src, ops.lengths, threads);
+      },
+      nb::arg("pid"), nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"),
+      nb::arg("threads"));
   m.def(
       "hmac_sha256",
       [](nb::bytes key, nb::bytes data) {

@@ -1,5 +1,9 @@
-// Pure helpers for tests and benchmarks: planner timing and an in-process copy reference.
+// Pure helpers for tests and benchmarks: planner timing, an in-process copy reference and
+// a bare process_vm_readv reference.
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "planner.h"
@@ -37,29 +41,74 @@ double time_plan(const std::vector<int64_t>& src, const std::vector<int64_t>& ds
   return elapsed.count() / iterations;
 }
 
-// The same chunking and dynamic claiming as the cma transport, with the same thread count,
-// so the reference is the engine's schedule with memcpy in place of process_vm_readv. The
-// pool is started before the clock so thread creation is not charged to the copy.
-double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
-                    const std::vector<uint64_t>& lengths, int threads) {
+namespace {
+
+// Runs `copy_chunk(ops, begin, end)` over the cma transport's chunks and dynamic claiming,
+// with the same thread count. The pool is started before the clock so thread creation is
+// not charged to the copy. Returns seconds, or -1 when a chunk failed.
+template <class CopyChunk>
+double timed_schedule(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
+                      const std::vector<uint64_t>& lengths, int threads, CopyChunk copy_chunk) {
   if (dst.size() != src.size() || dst.size() != lengths.size()) return -1.0;
   threads = std::max(1, threads);
   std::vector<Op> ops(dst.size());
   for (size_t i = 0; i < dst.size(); ++i) ops[i] = {dst[i], src[i], lengths[i]};
   ThreadPool pool(threads - 1);
+  std::atomic<bool> failed{false};
   auto start = Clock::now();
   std::vector<OpCursor> cuts = cut_ops(ops, chunk_count(total_bytes(ops), threads));
   run_shares(
       pool, cuts.size() - 1,
       [&](size_t i) {
-        for_each_piece(ops, cuts[i], cuts[i + 1], [](uint64_t to, uint64_t from, uint64_t len) {
-          std::memcpy(reinterpret_cast<void*>(to), reinterpret_cast<const void*>(from), len);
-          return true;
-        });
+        if (!copy_chunk(ops, cuts[i], cuts[i + 1])) failed.store(true);
       },
       static_cast<size_t>(threads - 1));
   std::chrono::duration<double> elapsed = Clock::now() - start;
-  return elapsed.count();
+  return failed.load() ? -1.0 : elapsed.count();
+}
+
+}  // namespace
+
+// The cma transport's schedule with memcpy in place of process_vm_readv.
+double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
+                    const std::vector<uint64_t>& lengths, int threads) {
+  return timed_schedule(dst, src, lengths, threads,
+                        [](const std::vector<Op>& ops, OpCursor begin, OpCursor end) {
+                          return for_each_piece(ops, begin, end,
+                                                [](uint64_t to, uint64_t from, uint64_t len) {
+                                                  std::memcpy(reinterpret_cast<void*>(to),
+                                                              reinterpret_cast<const void*>(from),
+                                                              len);
+                                                  return true;
+                                                });
+                        });
+}
+
+double scatter_read_process(int pid, const std::vector<uint64_t>& dst,
+                            const std::vector<uint64_t>& src,
+                            const std::vector<uint64_t>& lengths, int threads) {
+  constexpr size_t kIovMax = 1024;
+  auto read_chunk = [pid](const std::vector<Op>& ops, OpCursor begin, OpCursor end) {
+    iovec local[kIovMax];
+    iovec remote[kIovMax];
+    size_t count = 0;
+    uint64_t expected = 0;
+    auto flush = [&] {
+      ssize_t n = ::process_vm_readv(pid, local, count, remote, count, 0);
+      bool ok = n >= 0 && static_cast<uint64_t>(n) == expected;
+      count = 0;
+      expected = 0;
+      return ok;
+    };
+    bool ok = for_each_piece(ops, begin, end, [&](uint64_t to, uint64_t from, uint64_t len) {
+      local[count] = {reinterpret_cast<void*>(to), len};
+      remote[count] = {reinterpret_cast<void*>(from), len};
+      expected += len;
+      return ++count < kIovMax || flush();
+    });
+    return ok && (count == 0 || flush());
+  };
+  return timed_schedule(dst, src, lengths, threads, read_chunk);
 }
 
 }  // namespace hixl

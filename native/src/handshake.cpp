@@ -115,7 +115,7 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
 }
 
 std::string server_handshake(int fd, const Identity& me, const std::string& token,
-                             Deadline deadline, bool* auth_refused) {
+                             Deadline deadline, const Admission& admit, bool* auth_refused) {
   *auth_refused = false;
   wire::Header h;
   std::vector<uint8_t> payload;
@@ -164,6 +164,11 @@ std::string server_handshake(int fd, const Identity& me, const std::string& toke
     *auth_refused = true;
     refuse(fd, status::kLinkFailed, "authentication failed", deadline);
     return "authentication failed";
+  }
+  std::string refusal = admit();
+  if (!refusal.empty()) {
+    refuse(fd, status::kLinkBusy, refusal, deadline);
+    return refusal;
   }
   wire::Encoder welcome;
   welcome.i64(me.cluster_id);

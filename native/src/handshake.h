@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "hixl/engine.h"
@@ -29,9 +30,13 @@ Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unreg
 Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
                         const std::string& token, Deadline deadline, Identity* peer);
 
+// Called once the client proved the token, before WELCOME: "" admits the connection, any
+// other text is sent as a LINK_BUSY refusal in place of WELCOME.
+using Admission = std::function<std::string()>;
+
 // Server side: "" on success, else the reason; an error frame was already sent.
 // *auth_refused is set when the client failed authentication.
 std::string server_handshake(int fd, const Identity& me, const std::string& token,
-                             Deadline deadline, bool* auth_refused);
+                             Deadline deadline, const Admission& admit, bool* auth_refused);
 
 }  // namespace hixl

@@ -167,16 +167,19 @@ void Server::serve(Connection* conn) {
     stats_.rejected_requests++;
     send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
   } else {
+    // The slot moves to the authenticated pool before WELCOME, so a full pool is refused
+    // in place of WELCOME rather than after it.
+    auto admit = [&]() -> std::string {
+      authenticated = admit_authenticated();
+      return authenticated ? "" : limit_message("authenticated", kMaxConnections);
+    };
     bool auth_refused = false;
     std::string e = server_handshake(fd, identity_, token_,
-                                     deadline_after_ms(wire::kHandshakeTimeoutMs), &auth_refused);
-    if (!e.empty()) {
-      stats_.rejected_requests++;
-    } else {
-      authenticated = admit_authenticated(fd);
-    }
+                                     deadline_after_ms(wire::kHandshakeTimeoutMs), admit,
+                                     &auth_refused);
+    if (!e.empty()) stats_.rejected_requests++;
+    if (authenticated && e.empty()) serve_requests(fd);
   }
-  if (authenticated) serve_requests(fd);
   {
     // Before the shutdown, so a peer that sees the close may count on the slot being free.
     std::lock_guard<std::mutex> lock(mu_);
@@ -186,20 +189,12 @@ void Server::serve(Connection* conn) {
   conn->done.store(true);
 }
 
-bool Server::admit_authenticated(int fd) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (authenticated_ < kMaxConnections) {
-      handshaking_--;
-      authenticated_++;
-      return true;
-    }
-  }
-  // Lost the race for the last slot to a concurrent handshake: WELCOME went out already,
-  // so the peer gets this ERROR in reply to its first request.
-  stats_.rejected_requests++;
-  send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
-  return false;
+bool Server::admit_authenticated() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (authenticated_ >= kMaxConnections) return false;
+  handshaking_--;
+  authenticated_++;
+  return true;
 }
 
 void Server::serve_requests(int fd) {

@@ -45,9 +45,9 @@ class Server {
   void accept_loop();
   void reap_finished_locked();
   void serve(Connection* conn);
-  // Moves a connection that just finished its handshake to the authenticated count; false
-  // (ERROR frame sent) when that count is at its limit.
-  bool admit_authenticated(int fd);
+  // Moves a connection that just proved the token to the authenticated count; false when
+  // that count is at its limit.
+  bool admit_authenticated();
   void serve_requests(int fd);
   // Returns false when the connection must be closed.
   bool handle_read(int fd, const std::vector<uint8_t>& payload);

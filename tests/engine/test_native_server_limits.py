@@ -24,10 +24,14 @@ from hixl_connector import _native
 from .native_peer import BLOCKS_CACHE_ID, CONTIGUOUS_CACHE_ID, NativePeer, pattern, start_peer
 from .test_native_transfer import BLOCK_BYTES, Puller
 from .wire_client import (
+    AUTH,
     CHALLENGE,
     DATA,
     ERROR,
     HEADER,
+    WELCOME,
+    client_proof,
+    frame,
     handshake,
     read_request,
     recv_exact,
@@ -173,9 +177,23 @@ def test_authenticated_cap_names_its_limit(peer: NativePeer) -> None:
     # `linked` is not used: the cap is counted exactly with raw connections only.
     conns: list[socket.socket] = []
     try:
-        for _ in range(MAX_AUTHENTICATED):
+        for _ in range(MAX_AUTHENTICATED - 1):
             conns.append(connect(peer))
             handshake(conns[-1], CLUSTER, TOKEN)
+        # Two handshakes race for the last slot: both pass the check on accept; the one that
+        # proves the token first gets WELCOME, the other an ERROR in its place.
+        first, second = connect(peer), connect(peer)
+        conns += [first, second]
+        nonces = [send_hello(s, CLUSTER) for s in (first, second)]
+        challenges = [recv_frame(s) for s in (first, second)]
+        assert [kind for kind, _ in challenges] == [CHALLENGE, CHALLENGE]
+        for sock, nonce, (_, challenge) in zip((first, second), nonces, challenges, strict=True):
+            sock.sendall(frame(AUTH, client_proof(TOKEN, challenge[1:33], nonce)))
+        assert recv_frame(first)[0] == WELCOME
+        kind, payload = recv_frame(second)
+        assert kind == ERROR and b"64 connections authenticated" in payload, payload
+        conns.remove(second)
+        second.close()
         with connect(peer) as extra:
             send_hello(extra, CLUSTER)
             kind, payload = recv_frame(extra)

@@ -3,7 +3,8 @@
 Layout (X derived from the test's pid so parallel runs do not collide):
 - data link: ``hxd<X>p`` in the P namespace (10.77.X.1) <-> ``hxd<X>d`` in the D namespace
   (10.77.X.2): the side channel and the TCP transport run over it, and tests cut it or add
-  netem delay/loss on it;
+  delay and loss on it (netem, or tbf plus nftables random drops where the kernel has no
+  netem);
 - management links from the root namespace to each server's HTTP port (10.78.X.0/30 to P,
   10.79.X.0/30 to D), so the test talks to the servers while the data link is cut or impaired.
 Only interfaces this module creates are touched; ``remove`` deletes the namespaces, which
@@ -16,6 +17,8 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+
+LOSS_TABLE = "hixl_loss"  # nftables table of the random-loss rule, inside the test's namespaces
 
 
 class NetnsUnavailable(RuntimeError):
@@ -100,9 +103,10 @@ class NetnsPair:
     def degrade(self) -> str:
         """Impairs the data link both ways; returns what was applied.
 
-        netem delay + random loss where the kernel has sch_netem; otherwise a token bucket
-        (tbf) at 4 Mbit/s with a 24 KiB queue: queueing delay, and tail drops whenever a
-        burst (a KV transfer) overflows the queue, which TCP must retransmit.
+        netem delay + random loss where the kernel has sch_netem. Otherwise a token bucket
+        (tbf) at 4 Mbit/s with a 24 KiB queue gives queueing delay (and tail drops whenever
+        a burst overflows it), and an nftables rule drops 2 % of the packets leaving each
+        end at random, which TCP must retransmit.
         """
         try:
             self._qdisc("netem", "delay", "20ms", "loss", "2%")
@@ -110,19 +114,33 @@ class NetnsPair:
         except RuntimeError as e:
             if "unknown" not in str(e):
                 raise
+        if not shutil.which("nft"):
+            raise NetnsUnavailable("no sch_netem in this kernel and no nft for random loss")
         self._qdisc("tbf", "rate", "4mbit", "burst", "8kb", "limit", "24kb")
-        return "tbf 4 Mbit/s, 24 KiB queue (no sch_netem in this kernel)"
+        for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):
+            self.in_ns(ns, "nft", "add", "table", "inet", LOSS_TABLE)
+            self.in_ns(ns, "nft", "add", "chain", "inet", LOSS_TABLE, "out",
+                       "{ type filter hook output priority 0; policy accept; }")  # fmt: skip
+            self.in_ns(ns, "nft", "add", "rule", "inet", LOSS_TABLE, "out", "oifname", dev,
+                       "numgen", "random", "mod", "100", "<", "2", "counter", "drop")  # fmt: skip
+        return "tbf 4 Mbit/s with a 24 KiB queue, and 2 % random loss (nftables; no sch_netem)"
 
     def dropped_packets(self) -> int:
+        """Packets the impairment dropped: qdisc drops plus the random-loss rule's count."""
         total = 0
         for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):
             out = subprocess.run(
                 [*self.exec_prefix(ns), "tc", "-s", "qdisc", "show", "dev", dev],
                 capture_output=True, text=True, timeout=20,
             ).stdout  # fmt: skip
-            for word, after in zip(out.split(), out.split()[1:], strict=False):
-                if word == "(dropped":
-                    total += int(after.rstrip(","))
+            rules = subprocess.run(
+                [*self.exec_prefix(ns), "nft", "list", "table", "inet", LOSS_TABLE],
+                capture_output=True, text=True, timeout=20,
+            ).stdout if shutil.which("nft") else ""  # fmt: skip
+            for text, marker in ((out, "(dropped"), (rules, "packets")):
+                for word, after in zip(text.split(), text.split()[1:], strict=False):
+                    if word == marker:
+                        total += int(after.rstrip(","))
         return total
 
     def restore(self) -> None:
@@ -131,6 +149,11 @@ class NetnsPair:
                 [*self.exec_prefix(ns), "tc", "qdisc", "del", "dev", dev, "root"],
                 capture_output=True, timeout=20,
             )  # fmt: skip
+            if shutil.which("nft"):
+                subprocess.run(
+                    [*self.exec_prefix(ns), "nft", "delete", "table", "inet", LOSS_TABLE],
+                    capture_output=True, timeout=20,
+                )  # fmt: skip
 
     def _qdisc(self, *spec: str) -> None:
         for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):

@@ -149,9 +149,9 @@ def test_impaired_link_still_correct(
     wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
     wait_idle(pd["decode"], IDLE_TIMEOUT_S)
     fault_report.record(
-        f"netns + TCP: impaired P-D link ({applied})",
-        f"token-identical, only slower: mean pull {clean:.1f} ms clean vs {slowed:.1f} ms "
-        f"impaired; {dropped} packets dropped on the link",
+        "netns + TCP: impaired P-D link (delay and loss)",
+        f"{applied}: token-identical, only slower: mean pull {clean:.1f} ms clean vs "
+        f"{slowed:.1f} ms impaired; {dropped} packets dropped on the link",
         None,
         leftover(pd["prefill"], pd["decode"]),
     )

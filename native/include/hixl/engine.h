@@ -126,5 +126,10 @@ double time_plan(const std::vector<int64_t>& src, const std::vector<int64_t>& ds
                  int num_tensors, int iterations);
 double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
                     const std::vector<uint64_t>& lengths, int threads);
+// The same schedule reading `src` of process `pid` with bare process_vm_readv calls (1024
+// iovec pairs each): the kernel's ceiling for the cma transport. -1 on a failed read.
+double scatter_read_process(int pid, const std::vector<uint64_t>& dst,
+                            const std::vector<uint64_t>& src,
+                            const std::vector<uint64_t>& lengths, int threads);
 
 }  // namespace hixl
