@@ -132,6 +132,14 @@ class LLMConfig:
         self._hixl_tcp_connections: int | None = None
         self._hixl_transfer_threads: int | None = None
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # CANN's LLMConfig stores any attribute, so a misspelled option (sync_kv_timout) is
+        # silently never applied; here it is an error naming the options there are.
+        if not name.startswith("_") and not isinstance(getattr(type(self), name, None), property):
+            options = sorted(n for n, v in vars(type(self)).items() if isinstance(v, property))
+            raise AttributeError(f"LLMConfig has no option {name!r}; options: {', '.join(options)}")
+        super().__setattr__(name, value)
+
     # --- CANN options -------------------------------------------------------------------
     @property
     def ge_options(self) -> dict[str, str]:
