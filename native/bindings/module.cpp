@@ -275,6 +275,10 @@ NB_MODULE(_native, m) {
         return hixl::scatter_copy(ops.dst, ops.src, ops.lengths, threads);
       },
       nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("threads"));
+  m.def("thread_pool_selftest", [] {
+    nb::gil_scoped_release release;
+    return hixl::thread_pool_selftest();
+  });
   m.def(
       "scatter_read_process",
       [](int pid, nb::handle dst, nb::handle src, nb::handle lengths, int threads) {

@@ -5,6 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
 
 #include "planner.h"
 #include "thread_pool.h"
@@ -82,6 +86,40 @@ double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t
                                                   return true;
                                                 });
                         });
+}
+
+std::map<std::string, int64_t> thread_pool_selftest() {
+  std::map<std::string, int64_t> out;
+  ThreadPool pool(2);
+  std::atomic<int64_t> ran{0};
+  // A task that throws must not end its worker: the task after it still runs.
+  pool.post([] { throw std::runtime_error("task"); });
+  pool.post([&] { ran++; });
+  // A share that throws: run_shares rethrows in the caller once the shares in flight ended.
+  constexpr size_t kShares = 64;
+  std::atomic<int64_t> shares_run{0};
+  try {
+    run_shares(pool, kShares, [&](size_t i) {
+      if (i == 5) throw std::runtime_error("share 5");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // so skipping shows
+      shares_run++;
+    });
+    out["rethrown"] = 0;
+  } catch (const std::runtime_error& e) {
+    out["rethrown"] = std::string(e.what()) == "share 5" ? 1 : -1;
+  }
+  const int64_t after_return = shares_run.load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  out["shares_run_after_return"] = shares_run.load() - after_return;  // must stay 0
+  out["shares_run_before_failure_or_in_flight"] = after_return;
+  // The same pool still runs every share of the next call.
+  std::atomic<int64_t> second{0};
+  run_shares(pool, kShares, [&](size_t) { second++; });
+  out["second_call_shares"] = second.load();
+  pool.shutdown();
+  out["task_after_throwing_task_ran"] = ran.load();
+  out["task_failures"] = pool.task_failures();
+  return out;
 }
 
 double scatter_read_process(int pid, const std::vector<uint64_t>& dst,

@@ -388,6 +388,19 @@ def test_engine_options_and_bind_errors() -> None:
     engine.close()
 
 
+def test_thread_pool_survives_throwing_tasks_and_shares() -> None:
+    """A task or pull share that throws (std::bad_alloc, say) must not end the process, hang
+    a caller, or leave a share running after run_shares returned."""
+    result = _native.thread_pool_selftest()
+    assert result["rethrown"] == 1  # the caller got the share's exception
+    assert result["shares_run_after_return"] == 0
+    # 1 ms shares: the 5 before the throw and the few in flight ran, the rest were skipped.
+    assert result["shares_run_before_failure_or_in_flight"] < 32
+    assert result["second_call_shares"] == 64  # the pool is intact
+    assert result["task_after_throwing_task_ran"] == 1
+    assert result["task_failures"] == 1
+
+
 def test_hmac_sha256_known_vectors() -> None:
     assert _native.sha256(b"abc").hex().startswith("ba7816bf8f01cfea")
     # RFC 4231 test cases 1 and 2.
