@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 
@@ -32,6 +33,19 @@ Status expect_frame(int fd, uint16_t type, std::vector<uint8_t>* payload, uint64
   }
   if (h.type != type) return link_failed(what + ": unexpected frame type " + std::to_string(h.type));
   return Status::Ok();
+}
+
+// The ERROR frame the server sent before it closed the connection, if one is there to read;
+// Ok when there is none.
+Status pending_refusal(int fd, Deadline deadline, const std::string& what) {
+  wire::Header h;
+  std::vector<uint8_t> payload;
+  bool timed_out = false;
+  std::string e = wire::recv_frame(fd, &h, &payload, 1024, deadline, &timed_out);
+  if (!e.empty() || h.type != wire::kError) return Status::Ok();
+  Status s = wire::decode_error(payload, what);
+  s.code = status::kLinkFailed;
+  return s;
 }
 
 void refuse(int fd, int64_t code, const std::string& msg, Deadline deadline) {
@@ -69,9 +83,14 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
   hello.raw(client_nonce.data(), client_nonce.size());
   bool timed_out = false;
   std::string e = wire::send_frame(fd, wire::kHello, hello.bytes(), deadline, &timed_out);
-  if (!e.empty()) return io_failure(what, e, timed_out);
-
   std::vector<uint8_t> payload;
+  if (!e.empty()) {
+    // A server that refused us on accept (busy) sent its reason before it closed, and our
+    // HELLO drew the reset: the reason is more use to the caller than "connection reset".
+    Status refusal = pending_refusal(fd, std::min(deadline, deadline_after_ms(100)), what);
+    return refusal.ok() ? io_failure(what, e, timed_out) : refusal;
+  }
+
   Status s = expect_frame(fd, wire::kChallenge, &payload, 1024, deadline, what);
   if (!s.ok()) return s;
   wire::Decoder dec(payload.data(), payload.size());

@@ -21,7 +21,7 @@ class Server {
   // hosts without the token can never take the slots of real links.
   static constexpr int kMaxHandshaking = 16;
   static constexpr int kMaxConnections = 64;  // authenticated
-  // A single READ reply may hold its connection (and the table's read lock) at most this
+  // A single READ reply may hold its connection (and its source cache's pin) at most this
   // long, however slowly the reader keeps draining it.
   static constexpr int kReadReplyLimitMs = 10 * 60 * 1000;
 

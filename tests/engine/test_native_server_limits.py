@@ -157,6 +157,7 @@ def test_handshake_squatters_cannot_starve_links(peer: NativePeer, linked: Pulle
             t = time.monotonic()
             status, msg = newcomer.engine.link(CLUSTER, "127.0.0.1", peer.port, 3000)
             assert status == _native.LINK_FAILED, msg
+            assert "16 connections in the handshake" in msg, msg  # the server's reason
             assert time.monotonic() - t < 1.0
             # ... and succeeds once the squatters ran into the handshake timeout.
             held = squatters[:MAX_HANDSHAKING]
