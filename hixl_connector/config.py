@@ -23,6 +23,9 @@ AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
 # A short token lets anyone who sniffs one HMAC challenge and its answer guess it offline;
 # 32 characters of secrets.token_hex carry 128 bits. The native engine applies the same rule.
 MIN_AUTH_TOKEN_CHARS = 32
+# The native engine's limit (hixl_connector.datadist.config.MAX_TCP_CONNECTIONS), repeated
+# here because the scheduler half must not import the engine's package.
+MAX_TCP_CONNECTIONS = 16
 TOKEN_RECIPE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 BACKENDS = ("auto", "native", "ascend")
 TRANSPORTS = ("auto", "cma", "tcp")
@@ -90,7 +93,7 @@ class HixlConfig:
             pull_timeout_s=_timeout_s(extra, "pull_timeout_s", 30.0),
             handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
             transfer_threads=_int(extra, "transfer_threads", 2, low=1),
-            tcp_connections=_int(extra, "tcp_connections", 2, low=1, high=16),
+            tcp_connections=_int(extra, "tcp_connections", 2, low=1, high=MAX_TCP_CONNECTIONS),
             lease_s=lease_s,
             heartbeat_s=heartbeat_s,
             auth_token=_auth_token(extra),

@@ -24,6 +24,8 @@ from hixl_connector.datadist.status import raise_if_false
 OPT_AUTH_TOKEN = "hixl.authToken"
 OPT_TRANSPORT = "hixl.transport"
 OPT_TCP_CONNECTIONS = "hixl.tcpConnections"
+# A link takes one control and this many data connections of the 64 a native engine serves.
+MAX_TCP_CONNECTIONS = 16
 OPT_TRANSFER_THREADS = "hixl.transferThreads"
 TRANSPORTS = ("auto", "cma", "tcp")
 
@@ -302,18 +304,18 @@ class LLMConfig:
         )
         self._hixl_transport = value
 
-    def _positive_setter(self, name: str, value: int) -> None:
+    def _count_setter(self, name: str, value: int, high: int) -> None:
         check_isinstance(name, value, int, allow_none=False)
-        raise_if_false(1 <= value <= 64, f"{name} must be in [1, 64], got {value}")
+        raise_if_false(1 <= value <= high, f"{name} must be in [1, {high}], got {value}")
         setattr(self, f"_{name}", value)
 
     hixl_tcp_connections = property(
         lambda self: self._hixl_tcp_connections,
-        lambda self, v: self._positive_setter("hixl_tcp_connections", v),
+        lambda self, v: self._count_setter("hixl_tcp_connections", v, MAX_TCP_CONNECTIONS),
     )
     hixl_transfer_threads = property(
         lambda self: self._hixl_transfer_threads,
-        lambda self, v: self._positive_setter("hixl_transfer_threads", v),
+        lambda self, v: self._count_setter("hixl_transfer_threads", v, 64),
     )
 
     # --- options --------------------------------------------------------------------------

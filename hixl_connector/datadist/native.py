@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from hixl_connector.datadist.cache_manager import CacheManager
 from hixl_connector.datadist.checks import check_int32, check_isinstance, check_uint64, to_int64
 from hixl_connector.datadist.config import (
+    MAX_TCP_CONNECTIONS,
     OPT_AUTH_TOKEN,
     OPT_TCP_CONNECTIONS,
     OPT_TRANSFER_THREADS,
@@ -166,7 +167,7 @@ class LLMDataDist:
             transport in TRANSPORTS,
             f"option {OPT_TRANSPORT}={transport!r} must be one of {TRANSPORTS}",
         )
-        connections = _int_option(opts, OPT_TCP_CONNECTIONS, 2, 1, 64)
+        connections = _int_option(opts, OPT_TCP_CONNECTIONS, 2, 1, MAX_TCP_CONNECTIONS)
         threads = _int_option(opts, OPT_TRANSFER_THREADS, 2, 1, 64)
         return host, port, token, transport, connections, threads
 

@@ -250,6 +250,8 @@ def test_config_generates_cann_option_keys() -> None:
     assert options["llm.TransferBackend"] == "hixl"
     assert options["llm.LocalCommRes"] == ""
     assert (options["hixl.transport"], options["hixl.tcpConnections"]) == ("tcp", "4")
+    with pytest.raises(LLMException, match=r"\[1, 16\]"):
+        config.hixl_tcp_connections = 17
     with pytest.raises(AttributeError, match="'sync_kv_timout'.*sync_kv_timeout"):
         config.sync_kv_timout = 5000  # type: ignore[attr-defined]  # a misspelled option
     with pytest.raises(LLMException):
