@@ -181,16 +181,16 @@ def test_authenticated_cap_names_its_limit(peer: NativePeer) -> None:
         for _ in range(MAX_AUTHENTICATED - 1):
             conns.append(connect(peer))
             handshake(conns[-1], CLUSTER, TOKEN)
-        # Two handshakes race for the last slot: both pass the check on accept; the one that
-        # proves the token first gets WELCOME, the other an ERROR in its place.
+        # Two handshakes pass the check on accept while one slot is left: the first to prove
+        # the token takes it, the other gets an ERROR in place of WELCOME.
         first, second = connect(peer), connect(peer)
         conns += [first, second]
         nonces = [send_hello(s, CLUSTER) for s in (first, second)]
         challenges = [recv_frame(s) for s in (first, second)]
         assert [kind for kind, _ in challenges] == [CHALLENGE, CHALLENGE]
-        for sock, nonce, (_, challenge) in zip((first, second), nonces, challenges, strict=True):
-            sock.sendall(frame(AUTH, client_proof(TOKEN, challenge[1:33], nonce)))
+        first.sendall(frame(AUTH, client_proof(TOKEN, challenges[0][1][1:33], nonces[0])))
         assert recv_frame(first)[0] == WELCOME
+        second.sendall(frame(AUTH, client_proof(TOKEN, challenges[1][1][1:33], nonces[1])))
         kind, payload = recv_frame(second)
         assert kind == ERROR and b"64 connections authenticated" in payload, payload
         conns.remove(second)
