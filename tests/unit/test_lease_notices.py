@@ -16,7 +16,7 @@ from hixl_connector.lease_notices import LeaseNotifier
 from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint
 from hixl_connector.side_channel import SideChannelClient, SideChannelServer
 
-DEAD_TIMEOUT_S = 1.0  # each notice to a dead address waits this long for its reply
+DEAD_TIMEOUT_S = 2.0  # each notice to a dead address waits this long for its reply
 DEAD_ADDRESSES = 4
 
 
