@@ -49,16 +49,19 @@ class CmaTransport final : public Transport {
   void abort() override { aborted_.store(true); }
   bool usable() const override { return !aborted_.load(); }
 
-  Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) override {
+  Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
+              PeerView* seen) override {
     uint64_t before = 0, after = 0;
     Status s = read_unregistrations(&before, deadline);
     if (!s.ok()) return s;
+    seen->unregistrations = before;
     if (before != basis.unregistrations) {
       return Status::Error(plan::kStale, "the peer unregistered caches");
     }
     Status copied = copy(ops, deadline);
     s = read_unregistrations(&after, deadline);
     if (!s.ok()) return s;
+    seen->unregistrations = after;
     if (after == before) return copied;
     // A read that failed while the count moved (EFAULT on memory just freed) is a stale
     // plan, not a broken link; a timeout or an abort stays what it is.

@@ -141,10 +141,11 @@ class Engine::Impl {
       Status s = build_ops(r, dst, dst_range, *src, &ops, &runs);
       if (!s.ok()) return s;
       MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
-      s = link.transport().pull(ops, {remote->unregistrations(), src->serial}, deadline);
+      PeerView seen;
+      s = link.transport().pull(ops, {remote->unregistrations(), src->serial}, deadline, &seen);
       if (s.code == plan::kStale || s.code == plan::kTableMoved) {
         const uint64_t read_from = src->serial;
-        Status checked = link.drop_unregistered(remote.get(), deadline);
+        Status checked = link.drop_unregistered(remote.get(), seen.unregistrations, deadline);
         if (!checked.ok()) return checked;
         // Every byte came from a registration that outlived the read: the data is good.
         if (s.code == plan::kTableMoved && link.table()->has_serial(read_from)) s = Status::Ok();

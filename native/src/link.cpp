@@ -97,10 +97,10 @@ std::shared_ptr<const RemoteTable> Link::table() const {
   return table_;
 }
 
-Status Link::drop_unregistered(const RemoteTable* checked, Deadline deadline) {
+Status Link::drop_unregistered(const RemoteTable* checked, uint64_t seen, Deadline deadline) {
   std::lock_guard<std::mutex> control(control_mu_);
   std::shared_ptr<const RemoteTable> copy = table();
-  if (copy.get() != checked) return Status::Ok();
+  if (copy.get() != checked && copy->unregistrations() >= seen) return Status::Ok();
   RemoteTable current;
   Status s = fetch_table(control_.get(), deadline, &current, "cluster " + std::to_string(cluster_));
   if (!s.ok()) {

@@ -38,9 +38,9 @@ class Link {
   // far as checked); pulls plan from one copy from start to end.
   std::shared_ptr<const RemoteTable> table() const;
   // Fetches the peer's table and drops from the copy what it no longer holds, unless another
-  // pull already replaced `checked`. A failure marks the link broken: the control connection
-  // may be mid-frame.
-  Status drop_unregistered(const RemoteTable* checked, Deadline deadline);
+  // pull already replaced `checked` with a copy that counts at least `seen` unregistrations.
+  // A failure marks the link broken: the control connection may be mid-frame.
+  Status drop_unregistered(const RemoteTable* checked, uint64_t seen, Deadline deadline);
   Transport& transport() { return *transport_; }
   const char* transport_name() const { return transport_->name(); }
 

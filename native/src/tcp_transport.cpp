@@ -40,7 +40,9 @@ class TcpTransport final : public Transport {
     return !aborted_;
   }
 
-  Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) override {
+  // The server checks the source serial itself, under a pin, so `seen` stays 0.
+  Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
+              PeerView* /*seen*/) override {
     try {
       return pull_shares(ops, basis, deadline);
     } catch (const std::exception& e) {

@@ -19,6 +19,12 @@ struct PlanBasis {
   uint64_t source_serial = 0;
 };
 
+// The peer's unregistration count as a transport last read it (0 when it cannot read it):
+// a table fetched to settle plan::kStale or plan::kTableMoved must count at least as many.
+struct PeerView {
+  uint64_t unregistrations = 0;
+};
+
 // Internal results of Transport::pull; the engine turns them into a retry or a status code
 // and never lets them reach a caller.
 namespace plan {
@@ -37,7 +43,8 @@ class Transport {
   // Copies every op's remote range into its local range before `deadline`. Returns TIMEOUT
   // when the deadline passed, FAILED on any transport error, plan::kStale or
   // plan::kTableMoved when the peer unregistered caches since `basis`, or the peer's refusal.
-  virtual Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) = 0;
+  virtual Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
+                      PeerView* seen) = 0;
   // Makes in-flight and later pulls fail fast (unlink, close, failure). Idempotent.
   virtual void abort() = 0;
   // False once the transport aborted itself or was aborted: the link cannot carry pulls.
