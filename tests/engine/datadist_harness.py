@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import subprocess
 import sys
 import time
@@ -15,14 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from .native_peer import stop_peer_process
+from .native_peer import start_ready, stop_peer_process
 
 HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:  # the package, also when it is not pip-installed
     sys.path.insert(0, str(HERE.parents[1]))
 PEER_SCRIPT = HERE / "datadist_peer.py"
-READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -42,17 +38,7 @@ def start_peer(cluster_id: int, backend: str, auth_token: str = "") -> Peer:
     cmd = [sys.executable, str(PEER_SCRIPT), "--cluster-id", str(cluster_id), "--backend", backend]
     if auth_token:
         cmd += ["--auth-token", auth_token]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True, env=env
-    )
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        proc.wait(timeout=STOP_TIMEOUT_S)
-        raise RuntimeError(f"peer {cluster_id} did not become ready within {READY_TIMEOUT_S}s")
-    info = json.loads(line)
+    proc, info = start_ready(cmd, f"peer {cluster_id}", env)
     return Peer(cluster_id, info["port"], info["pid"], info["caches"], proc)
 
 

@@ -123,6 +123,22 @@ def stop_peer_process(proc: subprocess.Popen[str]) -> None:
                 pass
 
 
+def start_ready(
+    cmd: list[str], what: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], Any]:
+    """Starts a peer process with stdin/stdout pipes and returns it with the JSON of its
+    first stdout line, its ready signal (bounded wait; killed if it never comes)."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+        raise RuntimeError(f"{what} did not become ready within {READY_TIMEOUT_S}s")
+    return proc, json.loads(line)
+
+
 def start_peer(cluster_id: int, token: str = "", **geometry: int) -> NativePeer:
     """Starts a peer and waits (bounded) for its ready line."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--cluster-id", str(cluster_id)]
@@ -130,15 +146,8 @@ def start_peer(cluster_id: int, token: str = "", **geometry: int) -> NativePeer:
         cmd += ["--token", token]
     for name, value in geometry.items():
         cmd += ["--" + name.replace("_", "-"), str(value)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        proc.wait(timeout=STOP_TIMEOUT_S)
-        raise RuntimeError(f"peer {cluster_id} did not become ready in {READY_TIMEOUT_S}s")
-    return NativePeer(cluster_id, proc, json.loads(line))
+    proc, info = start_ready(cmd, f"peer {cluster_id}")
+    return NativePeer(cluster_id, proc, info)
 
 
 def main() -> None:

@@ -253,7 +253,7 @@ def test_config_generates_cann_option_keys() -> None:
     with pytest.raises(LLMException, match=r"\[1, 16\]"):
         config.hixl_tcp_connections = 17
     with pytest.raises(AttributeError, match="'sync_kv_timout'.*sync_kv_timeout"):
-        config.sync_kv_timout = 5000  # type: ignore[attr-defined]  # a misspelled option
+        config.sync_kv_timout = 5000  # a misspelled option
     with pytest.raises(LLMException):
         config.sync_kv_timeout = 0
     with pytest.raises(TypeError):

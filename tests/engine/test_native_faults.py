@@ -21,7 +21,7 @@ from .native_peer import (
     start_peer,
     stop_process,
 )
-from .test_native_transfer import BLOCK_BYTES, BLOCKS, Puller
+from .test_native_transfer import BLOCK_BYTES, BLOCKS, Puller, pull_ok
 from .wire_client import (
     DATA,
     ERROR,
@@ -33,6 +33,7 @@ from .wire_client import (
     TABLE_REQ,
     VERSION,
     closed_by_server,
+    connect,
     frame,
     handshake,
     read_request,
@@ -44,10 +45,6 @@ MARGIN_S = 0.2
 TOKEN = "native-faults-token-0123456789abcdef"
 # As long as a real token, so the refusal comes from the HMAC check, not the length rule.
 WRONG_TOKEN = "native-faults-wrong-token-0123456789abcdef"
-
-
-def connect(peer: NativePeer) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", peer.port), timeout=5)
 
 
 @pytest.fixture()
@@ -62,18 +59,6 @@ def token_peer() -> Iterator[NativePeer]:
     p = start_peer(22, token=TOKEN, tensors=4, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
     yield p
     p.stop()
-
-
-def pull_ok(puller: Puller, cluster: int, src: list[int], dst: list[int]) -> None:
-    puller.reset()
-    assert puller.pull_blocks(src, dst, cluster=cluster) == (0, "")
-    for t, data in enumerate(puller.tensors):
-        expected = pattern(cluster, BLOCKS_CACHE_ID, t, BLOCKS * BLOCK_BYTES)
-        for s, d in zip(src, dst, strict=True):
-            assert np.array_equal(
-                data[d * BLOCK_BYTES : (d + 1) * BLOCK_BYTES],
-                expected[s * BLOCK_BYTES : (s + 1) * BLOCK_BYTES],
-            )
 
 
 def test_stopped_peer_times_out_then_relinks() -> None:
@@ -142,25 +127,25 @@ def test_killed_peer_fails_bounded_and_others_keep_working(
 
 def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) -> None:
     # Random bytes: bad magic -> closed at once.
-    with connect(peer) as s:
+    with connect(peer.port) as s:
         s.sendall(np.random.default_rng(1).bytes(300))
         assert closed_by_server(s, 2.0)
     # Oversized length in a well-formed header.
-    with connect(peer) as s:
+    with connect(peer.port) as s:
         s.sendall(HEADER.pack(MAGIC, VERSION, HELLO, 1 << 40))
         assert closed_by_server(s, 2.0)
     # Truncated frame: the rest never comes; the server gives up after its frame timeout.
-    with connect(peer) as s:
+    with connect(peer.port) as s:
         s.sendall(frame(HELLO, b"\x00" * 49)[:30])
         assert closed_by_server(s, 8.0)
     # Requests before the handshake.
-    with connect(peer) as s:
+    with connect(peer.port) as s:
         s.sendall(read_request(1, (peer.info["blocks_addrs"][0], 64)))
         assert closed_by_server(s, 2.0)
     # Authenticated (no token needed) but asking for memory outside the registered regions.
     base = peer.info["blocks_addrs"][0]
     size = peer.info["blocks_tensor_bytes"]
-    with connect(peer) as s:
+    with connect(peer.port) as s:
         handshake(s, 21)
         serial = table_serials(s)[BLOCKS_CACHE_ID]
         s.sendall(read_request(serial + 1000, (base, 64)))  # planned from another table
@@ -185,7 +170,7 @@ def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) 
         kind, _ = recv_frame(s)
         assert kind == ERROR
         assert closed_by_server(s, 2.0)
-    with connect(peer) as s:
+    with connect(peer.port) as s:
         handshake(s, 21)
         s.sendall(frame(99))  # unknown frame type
         assert closed_by_server(s, 2.0)
@@ -200,16 +185,16 @@ def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) 
 
 def test_token_peer_refuses_unauthenticated_clients(token_peer: NativePeer) -> None:
     base = token_peer.info["blocks_addrs"][0]
-    with connect(token_peer) as s:
+    with connect(token_peer.port) as s:
         s.sendall(frame(TABLE_REQ))
         assert closed_by_server(s, 2.0)
-    with connect(token_peer) as s:
+    with connect(token_peer.port) as s:
         with pytest.raises(AssertionError):
             handshake(s, 22, token="")  # zero proof
-    with connect(token_peer) as s:
+    with connect(token_peer.port) as s:
         with pytest.raises(AssertionError):
             handshake(s, 22, token=WRONG_TOKEN)
-    with connect(token_peer) as s:
+    with connect(token_peer.port) as s:
         handshake(s, 22, token=TOKEN)
         s.sendall(read_request(table_serials(s)[BLOCKS_CACHE_ID], (base, 256)))
         kind, payload = recv_frame(s)

@@ -16,13 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hixl_connector import _native
 
 from .native_peer import BLOCKS_CACHE_ID, CONTIGUOUS_CACHE_ID, NativePeer, pattern, start_peer
-from .test_native_transfer import BLOCK_BYTES, Puller
+from .test_native_transfer import BLOCK_BYTES, Puller, pull_ok
 from .wire_client import (
     AUTH,
     CHALLENGE,
@@ -31,6 +30,7 @@ from .wire_client import (
     HEADER,
     WELCOME,
     client_proof,
+    connect,
     frame,
     handshake,
     read_request,
@@ -55,15 +55,6 @@ MARGIN_S = 1.5
 PEER_BLOCKS = 256  # 1 MiB tensors: a READ of 64 of them dwarfs every socket buffer
 TCP_ESTABLISHED = 1
 KEEPALIVE_TIMER = 2  # /proc/net/tcp "tr" column
-
-
-def connect(peer: NativePeer, rcvbuf: int = 0) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if rcvbuf:  # before connect, so the advertised window stays small
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.settimeout(5)
-    sock.connect(("127.0.0.1", peer.port))
-    return sock
 
 
 @dataclass(frozen=True)
@@ -116,16 +107,6 @@ def closed_within(socks: list[socket.socket], seconds: float) -> set[int]:
     return closed
 
 
-def pull_ok(puller: Puller, src: list[int], dst: list[int]) -> None:
-    puller.reset()
-    assert puller.pull_blocks(src, dst, cluster=CLUSTER) == (0, "")
-    for t, data in enumerate(puller.tensors):
-        expected = pattern(CLUSTER, BLOCKS_CACHE_ID, t, (max(src) + 1) * BLOCK_BYTES)
-        for s, d in zip(src, dst, strict=True):
-            got = data[d * BLOCK_BYTES : (d + 1) * BLOCK_BYTES]
-            assert np.array_equal(got, expected[s * BLOCK_BYTES : (s + 1) * BLOCK_BYTES])
-
-
 @pytest.fixture()
 def peer() -> Iterator[NativePeer]:
     p = start_peer(CLUSTER, token=TOKEN, tensors=4, blocks=PEER_BLOCKS, block_bytes=BLOCK_BYTES)
@@ -143,14 +124,14 @@ def linked(peer: NativePeer) -> Iterator[Puller]:
 
 def test_handshake_squatters_cannot_starve_links(peer: NativePeer, linked: Puller) -> None:
     start = time.monotonic()
-    squatters = [connect(peer) for _ in range(MAX_HANDSHAKING + EXTRA_SQUATTERS)]
+    squatters = [connect(peer.port) for _ in range(MAX_HANDSHAKING + EXTRA_SQUATTERS)]
     try:
         # The sockets beyond the handshake cap are closed at once; the rest are held.
         closed = closed_within(squatters, 1.0)
         assert closed == set(range(MAX_HANDSHAKING, len(squatters))), sorted(closed)
         # Links made before the flood keep working over their authenticated connections.
         for i in range(3):
-            pull_ok(linked, [i, 40 + i, 200 + i], [0, 1, 2 + i])
+            pull_ok(linked, CLUSTER, [i, 40 + i, 200 + i], [0, 1, 2 + i])
         # A new link is refused at once while every handshake slot is taken ...
         newcomer = Puller(401, "tcp", auth_token=TOKEN)
         try:
@@ -164,7 +145,7 @@ def test_handshake_squatters_cannot_starve_links(peer: NativePeer, linked: Pulle
             left = start + HANDSHAKE_TIMEOUT_S + MARGIN_S - time.monotonic()
             assert len(closed_within(held, left)) == MAX_HANDSHAKING
             assert newcomer.engine.link(CLUSTER, "127.0.0.1", peer.port, 3000) == (0, "")
-            pull_ok(newcomer, [7, 8], [9, 10])
+            pull_ok(newcomer, CLUSTER, [7, 8], [9, 10])
         finally:
             newcomer.engine.close()
     finally:
@@ -179,11 +160,11 @@ def test_authenticated_cap_names_its_limit(peer: NativePeer) -> None:
     conns: list[socket.socket] = []
     try:
         for _ in range(MAX_AUTHENTICATED - 1):
-            conns.append(connect(peer))
+            conns.append(connect(peer.port))
             handshake(conns[-1], CLUSTER, TOKEN)
         # Two handshakes pass the check on accept while one slot is left: the first to prove
         # the token takes it, the other gets an ERROR in place of WELCOME.
-        first, second = connect(peer), connect(peer)
+        first, second = connect(peer.port), connect(peer.port)
         conns += [first, second]
         nonces = [send_hello(s, CLUSTER) for s in (first, second)]
         challenges = [recv_frame(s) for s in (first, second)]
@@ -195,7 +176,7 @@ def test_authenticated_cap_names_its_limit(peer: NativePeer) -> None:
         assert kind == ERROR and b"64 connections authenticated" in payload, payload
         conns.remove(second)
         second.close()
-        with connect(peer) as extra:
+        with connect(peer.port) as extra:
             send_hello(extra, CLUSTER)
             kind, payload = recv_frame(extra)
             assert kind == ERROR
@@ -203,7 +184,7 @@ def test_authenticated_cap_names_its_limit(peer: NativePeer) -> None:
         conns.pop().close()  # frees one slot once the server noticed the close
         deadline = time.monotonic() + 2.0
         while True:
-            with connect(peer) as again:
+            with connect(peer.port) as again:
                 send_hello(again, CLUSTER)
                 kind, _ = recv_frame(again)
                 if kind == CHALLENGE:
@@ -220,7 +201,7 @@ def test_stalled_reader_is_dropped_and_a_slow_one_is_not(peer: NativePeer, linke
     base = peer.info["blocks_addrs"][0]
     tensor_bytes = peer.info["blocks_tensor_bytes"]
     request = [(base, tensor_bytes)] * 64  # 64 MiB
-    stalled, slow = connect(peer, rcvbuf=16 << 10), connect(peer, rcvbuf=256 << 10)
+    stalled, slow = connect(peer.port, rcvbuf=16 << 10), connect(peer.port, rcvbuf=256 << 10)
     try:
         for sock in (stalled, slow):
             handshake(sock, CLUSTER, TOKEN)
@@ -249,7 +230,7 @@ def test_stalled_reader_is_dropped_and_a_slow_one_is_not(peer: NativePeer, linke
                 if row is None or row.state != TCP_ESTABLISHED:
                     dropped_after = time.monotonic() - start
             if pulls < 5:  # the server keeps serving a real link meanwhile
-                pull_ok(linked, [pulls, 100 + pulls], [3, 4])
+                pull_ok(linked, CLUSTER, [pulls, 100 + pulls], [3, 4])
                 pulls += 1
             time.sleep(0.2)
         assert dropped_after is not None, "the stalled reader was never dropped"
@@ -278,7 +259,7 @@ def stalled_gets_less_than(sock: socket.socket, total: int) -> bool:
 
 
 def test_idle_link_sockets_have_keepalive(peer: NativePeer, linked: Puller) -> None:
-    pull_ok(linked, [1], [1])  # every connection of the link has been used once
+    pull_ok(linked, CLUSTER, [1], [1])  # every connection of the link has been used once
     time.sleep(0.2)  # and is idle now
     hz = os.sysconf("SC_CLK_TCK")
     rows = [r for r in tcp_rows() if r.state == TCP_ESTABLISHED]

@@ -80,6 +80,17 @@ class Puller:
         return (self.engine.submit_pull if submit else self.engine.pull)(**args)
 
 
+def pull_ok(puller: Puller, cluster: int, src: list[int], dst: list[int]) -> None:
+    """Pulls src -> dst from `cluster`'s blocks cache; each dst block holds its src block."""
+    puller.reset()
+    assert puller.pull_blocks(src, dst, cluster=cluster) == (0, "")
+    for t, data in enumerate(puller.tensors):
+        expected = pattern(cluster, BLOCKS_CACHE_ID, t, (max(src) + 1) * BLOCK_BYTES)
+        for s, d in zip(src, dst, strict=True):
+            got = data[d * BLOCK_BYTES : (d + 1) * BLOCK_BYTES]
+            assert np.array_equal(got, expected[s * BLOCK_BYTES : (s + 1) * BLOCK_BYTES])
+
+
 def block(data: np.ndarray, index: int) -> np.ndarray:
     return data[index * BLOCK_BYTES : (index + 1) * BLOCK_BYTES]
 

@@ -16,6 +16,17 @@ STALE, ERROR = 11, 15
 DATA_CHANNEL = 1
 
 
+def connect(port: int, rcvbuf: int = 0) -> socket.socket:
+    """A TCP connection to 127.0.0.1:port with a 5 s timeout; `rcvbuf` fixes the receive
+    buffer before connecting, so the advertised window stays that small."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
 def frame(kind: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(MAGIC, VERSION, kind, len(payload)) + payload
 
