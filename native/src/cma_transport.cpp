@@ -35,8 +35,8 @@ bool process_alive(int pidfd) {
 
 class CmaTransport final : public Transport {
  public:
-  CmaTransport(int pid, UniqueFd pidfd, uint64_t unregistrations_addr, ThreadPool& pool, int threads,
-               MemoryMeter& meter)
+  CmaTransport(int pid, UniqueFd pidfd, uint64_t unregistrations_addr, ThreadPool& pool,
+               int threads, MemoryMeter& meter)
       : pid_(pid),
         pidfd_(std::move(pidfd)),
         unregistrations_addr_(unregistrations_addr),
@@ -100,8 +100,9 @@ class CmaTransport final : public Transport {
   }
 
   // One process_vm_readv call's ranges. A piece that continues the previous range on one
-  // side extends it there: the kernel pins remote pages per range (16 at most at a time), so
-  // blocks adjacent on the peer cost one range even when they land apart here.
+  // side extends it there: the kernel locks the peer's address space and pins its pages once
+  // per remote range, so blocks adjacent on the peer cost one range even when they land
+  // apart here.
   struct Batch {
     iovec local[kIovMax];
     iovec remote[kIovMax];
@@ -195,9 +196,9 @@ class CmaTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd, uint64_t unregistrations_addr,
-                                              ThreadPool& pool, int threads,
-                                              MemoryMeter& meter) {
+std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd,
+                                              uint64_t unregistrations_addr, ThreadPool& pool,
+                                              int threads, MemoryMeter& meter) {
   return std::make_unique<CmaTransport>(pid, std::move(pidfd), unregistrations_addr, pool, threads,
                                         meter);
 }

@@ -62,7 +62,8 @@ enum FrameType : uint16_t {
   kHello = 1,       // c->s: i64 client cluster, i64 expected server cluster, u8 channel, nonce
   kChallenge = 2,   // s->c: u8 server has token, server nonce, server proof
   kAuth = 3,        // c->s: client proof
-  kWelcome = 4,     // s->c: identity (cluster, pid, pidns, boot id, host, probe, unregistration count addr)
+  kWelcome = 4,     // s->c: identity (cluster, pid, pidns, boot id, host, probe, addr of the
+                    // table's unregistration count)
   kTableRequest = 5,
   kTable = 6,
   kRead = 7,        // c->s: u64 source cache serial, u32 n, n x (u64 addr, u64 len)
