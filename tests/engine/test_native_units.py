@@ -1,0 +1,75 @@
+"""Native engine pieces checked without a peer: the planner's runs, option and bind errors,
+the transfer pool under throwing work, and the HMAC primitives."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from hixl_connector import _native
+
+
+def test_plan_runs() -> None:
+    assert _native.plan_runs([3, 4, 5], [10, 11, 12]) == [(3, 10, 3)]
+    assert _native.plan_runs([5, 4, 3], [12, 11, 10]) == [(5, 12, 1), (4, 11, 1), (3, 10, 1)]
+    assert _native.plan_runs(np.array([1, 2, 7, 8], np.uint64), np.array([0, 1, 2, 3])) == [
+        (1, 0, 2),
+        (7, 2, 2),
+    ]
+    assert _native.plan_runs([], []) == []
+    assert _native.time_plan(list(range(128)), list(range(128)), 64, 3) > 0
+
+
+def test_engine_options_and_bind_errors() -> None:
+    with pytest.raises(ValueError):
+        _native.Engine(1, transport="rdma")
+    with pytest.raises(ValueError):
+        _native.Engine(1, tcp_connections=0)
+    with pytest.raises(ValueError, match=r"\[1, 16\]"):
+        _native.Engine(1, tcp_connections=17)  # a link must fit in the peer's 64 connections
+    with pytest.raises(ValueError):
+        _native.Engine(1, listen_port=0)  # listening needs an explicit host
+    with pytest.raises(ValueError, match="at least 32 characters"):
+        _native.Engine(1, auth_token="short-token")  # guessable offline from one handshake
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
+            _native.Engine(1, listen_host="127.0.0.1", listen_port=port)
+    engine = _native.Engine(1, listen_host="127.0.0.1", listen_port=0)
+    assert engine.listen_port > 0 and engine.cluster_id == 1
+    engine.close()
+
+
+def test_thread_pool_survives_throwing_tasks_and_shares() -> None:
+    """A task or pull share that throws (std::bad_alloc, say) must not end the process, hang
+    a caller, or leave a share running after run_shares returned."""
+    result = _native.thread_pool_selftest()
+    assert result["rethrown"] == 1  # the caller got the share's exception
+    assert result["shares_run_after_return"] == 0
+    # 1 ms shares: the 5 before the throw and the few in flight ran, the rest were skipped.
+    assert result["shares_run_before_failure_or_in_flight"] < 32
+    assert result["second_call_shares"] == 64  # the pool is intact
+    assert result["task_after_throwing_task_ran"] == 1
+    assert result["task_failures"] == 1
+
+
+def test_hmac_sha256_known_vectors() -> None:
+    assert _native.sha256(b"abc").hex().startswith("ba7816bf8f01cfea")
+    # RFC 4231 test cases 1 and 2.
+    assert _native.hmac_sha256(b"\x0b" * 20, b"Hi There").hex() == (
+        "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+    )
+    assert _native.hmac_sha256(b"Jefe", b"what do ya want for nothing?").hex() == (
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+    )
+    # RFC 4231 case 6: a key longer than the block size is hashed first.
+    assert (
+        _native.hmac_sha256(
+            b"\xaa" * 131, b"Test Using Larger Than Block-Size Key - Hash Key First"
+        ).hex()
+        == "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+    )
