@@ -46,8 +46,7 @@ class LeaseNotifier:
 
     def release(self, remote: RemoteEndpoint, remote_request_id: str, lease_id: int) -> None:
         """Tells P now (on the caller's thread) that D is done with the lease."""
-        consumers = max(1, self._tp_size // max(1, remote.tp_size))
-        notice = LeaseNotice(remote_request_id, lease_id, consumers)
+        notice = LeaseNotice(remote_request_id, lease_id, remote.consumers(self._tp_size))
         try:
             client = self._client_for(remote)
         except (ValueError, RuntimeError) as e:

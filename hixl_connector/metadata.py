@@ -36,6 +36,11 @@ class RemoteEndpoint:
     tp_size: int
     cluster_id: int  # cluster id of P's tp rank 0; rank r is cluster_id + r
 
+    def consumers(self, local_tp_size: int) -> int:
+        """How many of D's tp ranks read each lease of one of this P's ranks; P frees the
+        lease once that many "done" or "release" notices arrived."""
+        return max(1, local_tp_size // max(1, self.tp_size))
+
 
 # Stands in for the peer when kv_transfer_params were unusable: such a spec carries an error.
 UNKNOWN_ENDPOINT = RemoteEndpoint(engine_id="", host="", port=0, tp_size=1, cluster_id=0)

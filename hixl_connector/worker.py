@@ -269,7 +269,7 @@ class HixlWorker:
             pause = min(2 * pause, 0.05)
 
     def _lease_request(self, client: SideChannelClient, kind: str, spec: RecvSpec) -> str:
-        consumers = max(1, self._tp_size // max(1, spec.remote.tp_size))
+        consumers = spec.remote.consumers(self._tp_size)
         notice = LeaseNotice(
             spec.remote_request_id, spec.lease_id, consumers, spec.remote_block_ids
         )
