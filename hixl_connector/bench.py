@@ -193,6 +193,7 @@ class Measurement:
         self.cache = _register(dd, layout, self.pool, None)
         # The same bytes as the server's pool, so a copy from it is the pull's physical limit.
         self.replica = _alloc_pool(layout, fill=True)
+        self.pool_bases, self.replica_bases = _bases(self.pool), _bases(self.replica)
         self.rng = np.random.default_rng(11)
 
     def pull(self, count: int) -> float:
@@ -209,14 +210,16 @@ class Measurement:
 
     def copy(self, count: int) -> float:
         src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
-        bases = (_bases(self.replica), _bases(self.pool))
-        ops = _ops(self.native, src, dst, *bases, self.layout.block_bytes)
+        ops = _ops(
+            self.native, src, dst, self.replica_bases, self.pool_bases, self.layout.block_bytes
+        )
         return float(self.native.scatter_copy(*ops, self.threads))
 
     def raw_read(self, count: int) -> float:
         src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
-        bases = (self.server.bases, _bases(self.pool))
-        ops = _ops(self.native, src, dst, *bases, self.layout.block_bytes)
+        ops = _ops(
+            self.native, src, dst, self.server.bases, self.pool_bases, self.layout.block_bytes
+        )
         elapsed = float(self.native.scatter_read_process(self.server.pid, *ops, self.threads))
         if elapsed < 0:
             raise RuntimeError("process_vm_readv from the benchmark server failed")
