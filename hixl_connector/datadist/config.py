@@ -27,6 +27,7 @@ OPT_TCP_CONNECTIONS = "hixl.tcpConnections"
 # A link takes one control and this many data connections of the 64 a native engine serves.
 MAX_TCP_CONNECTIONS = 16
 OPT_TRANSFER_THREADS = "hixl.transferThreads"
+MAX_TRANSFER_THREADS = 64
 TRANSPORTS = ("auto", "cma", "tcp")
 
 
@@ -315,7 +316,7 @@ class LLMConfig:
     )
     hixl_transfer_threads = property(
         lambda self: self._hixl_transfer_threads,
-        lambda self, v: self._count_setter("hixl_transfer_threads", v, 64),
+        lambda self, v: self._count_setter("hixl_transfer_threads", v, MAX_TRANSFER_THREADS),
     )
 
     # --- options --------------------------------------------------------------------------

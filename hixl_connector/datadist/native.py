@@ -14,6 +14,7 @@ from hixl_connector.datadist.cache_manager import CacheManager
 from hixl_connector.datadist.checks import check_int32, check_isinstance, check_uint64, to_int64
 from hixl_connector.datadist.config import (
     MAX_TCP_CONNECTIONS,
+    MAX_TRANSFER_THREADS,
     OPT_AUTH_TOKEN,
     OPT_TCP_CONNECTIONS,
     OPT_TRANSFER_THREADS,
@@ -168,7 +169,7 @@ class LLMDataDist:
             f"option {OPT_TRANSPORT}={transport!r} must be one of {TRANSPORTS}",
         )
         connections = _int_option(opts, OPT_TCP_CONNECTIONS, 2, 1, MAX_TCP_CONNECTIONS)
-        threads = _int_option(opts, OPT_TRANSFER_THREADS, 2, 1, 64)
+        threads = _int_option(opts, OPT_TRANSFER_THREADS, 2, 1, MAX_TRANSFER_THREADS)
         return host, port, token, transport, connections, threads
 
     def _check_is_inited(self) -> None:

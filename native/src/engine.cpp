@@ -19,6 +19,10 @@ namespace hixl {
 namespace {
 
 constexpr size_t kMaxOutstandingPulls = 4096;
+// A link takes one control and tcp_connections data connections of the peer's 64.
+constexpr int kMaxTcpConnections = 16;
+static_assert(1 + kMaxTcpConnections <= Server::kMaxConnections, "one link must fit a peer");
+constexpr int kMaxTransferThreads = 64;
 
 struct AsyncPull {
   std::mutex mu;
@@ -33,12 +37,13 @@ void validate(const EngineOptions& o) {
   if (o.transport != "auto" && o.transport != "cma" && o.transport != "tcp") {
     throw std::invalid_argument("transport must be auto, cma or tcp, not '" + o.transport + "'");
   }
-  // A link takes one control and tcp_connections data connections of the peer's 64.
-  if (o.tcp_connections < 1 || o.tcp_connections > 16) {
-    throw std::invalid_argument("tcp_connections must be in [1, 16]");
+  if (o.tcp_connections < 1 || o.tcp_connections > kMaxTcpConnections) {
+    throw std::invalid_argument("tcp_connections must be in [1, " +
+                                std::to_string(kMaxTcpConnections) + "]");
   }
-  if (o.transfer_threads < 1 || o.transfer_threads > 64) {
-    throw std::invalid_argument("transfer_threads must be in [1, 64]");
+  if (o.transfer_threads < 1 || o.transfer_threads > kMaxTransferThreads) {
+    throw std::invalid_argument("transfer_threads must be in [1, " +
+                                std::to_string(kMaxTransferThreads) + "]");
   }
   if (o.listen_port < -1 || o.listen_port > 65535) {
     throw std::invalid_argument("listen_port must be -1 (no listener) or in [0, 65535]");

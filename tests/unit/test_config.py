@@ -170,3 +170,12 @@ def test_from_vllm_config_reads_extra_config() -> None:
     assert config.cluster_id_base == derived_cluster_id_base("engine-z")
     with pytest.raises(ValueError, match="kv_transfer_config"):
         HixlConfig.from_vllm_config(VllmConfig())
+
+
+def test_connection_limit_matches_the_engines() -> None:
+    # The scheduler half repeats the engine's limit rather than import the engine's package.
+    from hixl_connector.config import MAX_TCP_CONNECTIONS
+    from hixl_connector.datadist.config import MAX_TCP_CONNECTIONS as ENGINE_LIMIT
+
+    assert MAX_TCP_CONNECTIONS == ENGINE_LIMIT
+    HixlConfig.from_dict({"tcp_connections": ENGINE_LIMIT}, "e")
