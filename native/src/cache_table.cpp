@@ -182,7 +182,8 @@ bool RemoteTable::decode(const uint8_t* data, size_t len, RemoteTable* out, std:
     uint8_t is_blocks = 0;
     uint32_t nkeys = 0, ntensors = 0;
     if (!dec.i64(&c.id) || !dec.u64(&c.serial) || !dec.u8(&is_blocks) ||
-        !dec.u64(&c.tensor_bytes) || !dec.u64(&c.num_blocks) || !dec.i64(&c.blocks_model_id) || !dec.u32(&nkeys) ||
+        !dec.u64(&c.tensor_bytes) || !dec.u64(&c.num_blocks) ||
+        !dec.i64(&c.blocks_model_id) || !dec.u32(&nkeys) ||
         nkeys > kMaxKeysPerCache) {
       return fail("cache header");
     }

@@ -149,17 +149,18 @@ class Engine::Impl {
       PeerView seen;
       s = link.transport().pull(ops, {remote->unregistrations(), src->serial}, deadline, &seen);
       if (s.code == plan::kStale || s.code == plan::kTableMoved) {
-        const uint64_t read_from = src->serial;
         Status checked = link.drop_unregistered(remote.get(), seen.unregistrations, deadline);
         if (!checked.ok()) return checked;
-        // Every byte came from a registration that outlived the read: the data is good.
-        if (s.code == plan::kTableMoved && link.table()->has_serial(read_from)) s = Status::Ok();
-      }
-      if (s.code == plan::kStale || s.code == plan::kTableMoved) {
-        if (attempt < kMaxPlans) continue;
-        return Status::Error(status::kKvCacheNotExist,
-                             "the peer unregistered caches during each of " +
-                                 std::to_string(kMaxPlans) + " attempts");
+        // `src` lives in `remote`, which this pull still holds after the link's copy changed.
+        if (s.code == plan::kTableMoved && link.table()->has_serial(src->serial)) {
+          s = Status::Ok();  // every byte came from a registration that outlived the read
+        } else if (attempt < kMaxPlans) {
+          continue;
+        } else {
+          return Status::Error(status::kKvCacheNotExist,
+                               "the peer unregistered caches during each of " +
+                                   std::to_string(kMaxPlans) + " attempts");
+        }
       }
       if (!s.ok()) return s;
       stats.bytes += static_cast<int64_t>(total_bytes(ops));
