@@ -12,6 +12,7 @@
 
 #include "planner.h"
 #include "thread_pool.h"
+#include "transport.h"
 #include "wire.h"
 
 namespace hixl {
@@ -125,7 +126,6 @@ std::map<std::string, int64_t> thread_pool_selftest() {
 double scatter_read_process(int pid, const std::vector<uint64_t>& dst,
                             const std::vector<uint64_t>& src,
                             const std::vector<uint64_t>& lengths, int threads) {
-  constexpr size_t kIovMax = 1024;
   auto read_chunk = [pid](const std::vector<Op>& ops, OpCursor begin, OpCursor end) {
     iovec local[kIovMax];
     iovec remote[kIovMax];

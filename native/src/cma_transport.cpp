@@ -19,8 +19,6 @@
 namespace hixl {
 namespace {
 
-constexpr size_t kIovMax = 1024;
-
 int pidfd_open(int pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
 
 // A pidfd becomes readable once its process has exited.

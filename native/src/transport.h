@@ -12,6 +12,9 @@
 
 namespace hixl {
 
+// process_vm_readv takes at most this many iovecs per side in one call (UIO_MAXIOV).
+constexpr size_t kIovMax = 1024;
+
 // What a pull was planned from: the unregistration count of the peer's table copy and the
 // serial of the source registration in it.
 struct PlanBasis {
