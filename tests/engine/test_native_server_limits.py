@@ -9,7 +9,6 @@ inside the engine.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from .wire_client import (
     HEADER,
     WELCOME,
     client_proof,
+    closed_within,
     connect,
     frame,
     handshake,
@@ -88,23 +88,6 @@ def server_side(peer: NativePeer, client: socket.socket) -> TcpRow | None:
     port = client.getsockname()[1]
     rows = [r for r in tcp_rows() if r.local_port == peer.port and r.remote_port == port]
     return rows[0] if rows else None
-
-
-def closed_within(socks: list[socket.socket], seconds: float) -> set[int]:
-    """Indexes of the sockets the server closed (EOF or reset) within `seconds`."""
-    closed: set[int] = set()
-    deadline = time.monotonic() + seconds
-    while len(closed) < len(socks) and (left := deadline - time.monotonic()) > 0:
-        waiting = [s for i, s in enumerate(socks) if i not in closed]
-        readable, _, _ = select.select(waiting, [], [], left)
-        for s in readable:
-            try:
-                if s.recv(65536):
-                    continue  # an ERROR frame before the close
-            except ConnectionResetError:
-                pass
-            closed.add(socks.index(s))
-    return closed
 
 
 @pytest.fixture()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
+import time
 
 HEADER = struct.Struct("<IHHQ")  # magic, version, frame type, payload length
 MAGIC, VERSION = 0x4C584948, 2
@@ -47,17 +49,26 @@ def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
     return kind, recv_exact(sock, length)
 
 
+def closed_within(socks: list[socket.socket], seconds: float) -> set[int]:
+    """Indexes of the sockets the server closed (EOF or reset) within `seconds`."""
+    closed: set[int] = set()
+    deadline = time.monotonic() + seconds
+    while len(closed) < len(socks) and (left := deadline - time.monotonic()) > 0:
+        waiting = [s for i, s in enumerate(socks) if i not in closed]
+        readable, _, _ = select.select(waiting, [], [], left)
+        for s in readable:
+            try:
+                if s.recv(65536):
+                    continue  # an ERROR frame before the close
+            except ConnectionResetError:
+                pass
+            closed.add(socks.index(s))
+    return closed
+
+
 def closed_by_server(sock: socket.socket, within_s: float) -> bool:
     """True when the server closes the connection (after at most one error frame)."""
-    sock.settimeout(within_s)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
+    return closed_within([sock], within_s) == {0}
 
 
 def send_hello(sock: socket.socket, cluster: int) -> bytes:
