@@ -118,6 +118,7 @@ class HixlConfig:
         engine_id = kv_transfer_config.engine_id
         if not engine_id:
             raise ValueError("kv_transfer_config.engine_id is not set")
+        check_parallelism(vllm_config.parallel_config)
         return cls.from_dict(kv_transfer_config.kv_connector_extra_config, engine_id)
 
     def rank_offset(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
@@ -145,6 +146,27 @@ class HixlConfig:
                 f"> {MAX_PORT} for dp_rank={dp_rank} tp_rank={tp_rank} tp_size={tp_size}"
             )
         return port
+
+
+# Parallel layouts whose ranks hold a part of the layers or of the tokens: a rank's blocks
+# are then not a whole request's KV for its heads, which is what a pull moves.
+UNSUPPORTED_PARALLELISM = (
+    ("pipeline_parallel_size", "--pipeline-parallel-size", "layers"),
+    ("decode_context_parallel_size", "--decode-context-parallel-size", "tokens"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size", "tokens"),
+)
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Refuses, at start, parallel layouts hixl_connector cannot move KV for."""
+    for name, flag, part in UNSUPPORTED_PARALLELISM:
+        size = getattr(parallel_config, name, 1)
+        if size != 1:
+            raise ValueError(
+                f"hixl_connector does not support {name}={size}: each rank would hold only "
+                f"some of a request's {part}. Run this server with {flag} 1 (tensor and data "
+                "parallelism are supported)"
+            )
 
 
 def cluster_id_for_rank(config: HixlConfig, dp_rank: int, tp_rank: int, tp_size: int) -> int:

@@ -31,7 +31,7 @@ class CacheGroup:
 
     model_id: int
     addrs: tuple[int, ...]
-    block_bytes: int
+    unit_bytes: int  # the registered "block": one KV head of a block, or a whole block
     tensors_per_layer: int
 
 
@@ -55,7 +55,8 @@ class Engine:
         return self.caches[0].cache
 
     def pull_blocks(self, remote_cluster_id: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Pulls ``src[i]`` of the peer into ``dst[i]`` here, for every registered cache.
+        """Pulls unit ``src[i]`` of the peer into unit ``dst[i]`` here, for every registered
+        cache (a unit: one KV head of a block where heads split, else a whole block).
 
         Each call of the synchronous ``pull_blocks`` stays under the back-end's request-size
         limit; the first failure raises (LLMException) and stops the rest.
@@ -84,7 +85,7 @@ def cache_groups(layout: KVLayout) -> list[CacheGroup]:
     if not layout.part_block_bytes:
         return [
             CacheGroup(
-                BLOCKS_MODEL_ID, layout.tensor_addrs, layout.block_bytes, layout.tensors_per_layer
+                BLOCKS_MODEL_ID, layout.tensor_addrs, layout.unit_bytes, layout.tensors_per_layer
             )
         ]
     per_layer = len(layout.part_block_bytes)
@@ -177,7 +178,7 @@ def _register(
 ) -> RegisteredCache:
     desc = api.CacheDesc(
         len(group.addrs),
-        [layout.num_blocks, group.block_bytes],
+        [layout.num_blocks * layout.units_per_block, group.unit_bytes],
         api.DataType.DT_UINT8,  # block bytes are opaque to the engine
         placement,
     )

@@ -12,16 +12,16 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from hixl_connector.metadata import RemoteEndpoint
+from hixl_connector.metadata import PeerRank
 from hixl_connector.notifications import LeaseNotice
 
-PeerKey = tuple[str, str, int]  # (engine_id, side-channel host, port)
+PeerKey = tuple[str, str, int]  # (engine_id, side-channel host, port of the rank)
 
 
 @dataclass(frozen=True)
 class DueHeartbeat:
     key: PeerKey
-    remote: RemoteEndpoint
+    target: PeerRank
     items: tuple[LeaseNotice, ...]
 
 
@@ -32,14 +32,14 @@ class HeartbeatSchedule:
         self._in_flight: set[PeerKey] = set()
         self._lock = threading.Lock()  # the step thread schedules, the control thread finishes
 
-    def due(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> list[DueHeartbeat]:
+    def due(self, beats: list[tuple[PeerRank, str, int]], now: float) -> list[DueHeartbeat]:
         """The heartbeats to send now for this step's waiting leases (marked in flight)."""
         waiting: dict[PeerKey, list[LeaseNotice]] = {}
-        remotes: dict[PeerKey, RemoteEndpoint] = {}
-        for remote, remote_request_id, lease_id in beats:
-            key = (remote.engine_id, remote.host, remote.port)
+        targets: dict[PeerKey, PeerRank] = {}
+        for target, remote_request_id, lease_id in beats:
+            key = target.key
             waiting.setdefault(key, []).append(LeaseNotice(remote_request_id, lease_id))
-            remotes[key] = remote
+            targets[key] = target
         due = []
         with self._lock:
             # A peer no waiting request names any more is forgotten: its next heartbeat, if it
@@ -57,7 +57,7 @@ class HeartbeatSchedule:
                     continue
                 self._last_sent[key] = now
                 self._in_flight.add(key)
-                due.append(DueHeartbeat(key, remotes[key], tuple(items)))
+                due.append(DueHeartbeat(key, targets[key], tuple(items)))
         return due
 
     def finished(self, key: PeerKey) -> None:

@@ -7,8 +7,11 @@
 - Ascend: a tuple `(k_cache, v_cache)` per layer; MLA: `(latent, rope)` parts of different
   block shapes (each part is registered as a cache of its own).
 Whatever the form, each registered tensor must be block-major: block b of tensor t starts at
-`addr[t] + b * block_bytes` and is `block_bytes` contiguous bytes. The block's interior is
-opaque: only peers with an identical layout may exchange blocks (the handshake checks it).
+`addr[t] + b * block_bytes` and is `block_bytes` contiguous bytes. Where KV heads are
+contiguous inside a block (CPU: heads are the block's outermost dimension), a block is
+`units_per_block` units, one KV head each, so a rank of another TP size can read or fill a
+head slice in place. A unit's interior is opaque: only peers with an identical layout may
+exchange units (the handshake checks it).
 """
 
 from __future__ import annotations
@@ -33,10 +36,22 @@ class KVLayout:
     # Layers of unlike parts (MLA: latent and rope): bytes per block of each part, in layer
     # order; empty when every tensor has the same block shape.
     part_block_bytes: tuple[int, ...] = ()
+    # Each block holds its KV heads one after another (block_shape[0] heads).
+    head_major: bool = False
 
     @property
     def num_tensors(self) -> int:
         return len(self.tensor_addrs)
+
+    @property
+    def units_per_block(self) -> int:
+        """Units (one KV head each) a block of a tensor is registered as; 1 when heads do
+        not split a block."""
+        return self.block_shape[0] if self.head_major else 1
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.block_bytes // self.units_per_block
 
     def compatibility_fields(self) -> dict[str, Any]:
         return {
@@ -44,8 +59,8 @@ class KVLayout:
             "num_layers": self.num_layers,
             "tensors_per_layer": self.tensors_per_layer,
             "num_tensors": self.num_tensors,
-            "block_bytes": self.block_bytes,
-            "block_shape": list(self.block_shape),
+            "unit_bytes": self.unit_bytes,
+            "part_block_bytes": list(self.part_block_bytes),
         }
 
 
@@ -63,8 +78,14 @@ def _block_major_views(entry: Any, num_blocks: int) -> list[Any]:
     )
 
 
-def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> KVLayout:
-    """Derives the engine's view of vLLM's KV caches; refuses layouts it cannot move."""
+def describe_kv_caches(
+    kv_caches: Mapping[str, Any], num_blocks: int, heads_outermost: int = 0
+) -> KVLayout:
+    """Derives the engine's view of vLLM's KV caches; refuses layouts it cannot move.
+
+    ``heads_outermost``: the number of KV heads of this rank when the platform lays each
+    block out head-major (the block's first dimension); 0 when heads do not split a block.
+    """
     if not kv_caches:
         raise ValueError("register_kv_caches got no KV-cache tensors")
     per_layer = [_block_major_views(entry, num_blocks) for entry in kv_caches.values()]
@@ -88,6 +109,12 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> KVLayou
         part.dtype != first.dtype or tuple(part.shape[1:]) != tuple(first.shape[1:])
         for part in first_layer
     )
+    head_major = bool(heads_outermost) and not unlike and len(first_layer) == 1
+    if head_major and int(first.shape[1]) != heads_outermost:
+        raise ValueError(
+            f"KV tensor {list(first.shape)} should hold {heads_outermost} KV heads in "
+            "dimension 1 of its head-major blocks"
+        )
     addrs = tuple(int(view.data_ptr()) for view in views)
     sizes = [part_bytes[i % len(part_bytes)] * num_blocks for i in range(len(views))]
     _check_disjoint(addrs, sizes)
@@ -103,6 +130,7 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> KVLayou
         block_shape=tuple(int(d) for d in first.shape[1:]),
         views=tuple(views),
         part_block_bytes=tuple(part_bytes) if unlike else (),
+        head_major=head_major,
     )
 
 

@@ -10,11 +10,11 @@ the latter cannot hold up the former.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from hixl_connector.heartbeats import DueHeartbeat, HeartbeatSchedule
-from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint
+from hixl_connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
 from hixl_connector.notifications import MAX_NOTIFICATION_ITEMS, LeaseNotice, Notification
 from hixl_connector.side_channel import SideChannelClient, SideChannelError
 
@@ -22,33 +22,41 @@ logger = logging.getLogger(__name__)
 
 
 class LeaseNotifier:
+    """``targets(remote)``: the P ranks this D rank notifies, each with the number of distinct
+    D ranks that P rank waits for (see tp_mapping); ``rank``: this D rank."""
+
     def __init__(
         self,
-        client_for: Callable[[RemoteEndpoint], SideChannelClient],
-        is_linked: Callable[[RemoteEndpoint], bool],
+        client_for: Callable[[PeerRank], SideChannelClient],
+        is_linked: Callable[[PeerRank], bool],
+        targets: Callable[[RemoteEndpoint], Mapping[int, int]],
         heartbeat_s: float,
-        tp_size: int,
+        rank: int,
         record: Callable[[str], None],
     ) -> None:
         self._client_for = client_for
         self._is_linked = is_linked
-        self._tp_size = tp_size
+        self._targets = targets
+        self._rank = rank
         self._record = record  # counts "failed_notifications"
         self._heartbeats = HeartbeatSchedule(heartbeat_s)
         self._linked = ThreadPoolExecutor(1, thread_name_prefix="hixl-notices")
         self._unlinked = ThreadPoolExecutor(1, thread_name_prefix="hixl-notices-new")
 
     def release_later(self, spec: ReleaseSpec) -> None:
-        """Queues a release the scheduler asked for: nothing to pull, or aborted first."""
-        self._lane(spec.remote).submit(
-            self.release, spec.remote, spec.remote_request_id, spec.lease_id
-        )
+        """Queues a release to every P rank this D rank answers for: nothing to pull, aborted
+        first, or the pull failed."""
+        for target, consumers in self._ranks(spec.remote):
+            self._lane(target).submit(
+                self.release_rank, target, spec.remote_request_id, spec.lease_id, consumers
+            )
 
-    def release(self, remote: RemoteEndpoint, remote_request_id: str, lease_id: int) -> None:
-        """Tells P now (on the caller's thread) that D is done with the lease."""
-        notice = LeaseNotice(remote_request_id, lease_id, remote.consumers(self._tp_size))
+    def release_rank(
+        self, target: PeerRank, remote_request_id: str, lease_id: int, consumers: int
+    ) -> None:
+        notice = LeaseNotice(remote_request_id, lease_id, consumers, rank=self._rank)
         try:
-            client = self._client_for(remote)
+            client = self._client_for(target)
         except (ValueError, RuntimeError) as e:
             logger.warning("hixl: release for %s not sent: %s", remote_request_id, e)
             return
@@ -61,9 +69,15 @@ class LeaseNotifier:
             client.close()
 
     def heartbeats(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> None:
-        """Schedules this step's heartbeats for the leases D still waits on."""
-        for due in self._heartbeats.due(beats, now):
-            self._lane(due.remote).submit(self._heartbeat, due)
+        """Schedules this step's heartbeats for the leases D still waits on, to every P rank
+        that holds one of them for this D rank."""
+        per_rank = [
+            (target, remote_request_id, lease_id)
+            for remote, remote_request_id, lease_id in beats
+            for target, _ in self._ranks(remote)
+        ]
+        for due in self._heartbeats.due(per_rank, now):
+            self._lane(due.target).submit(self._heartbeat, due)
 
     def tracked_peers(self) -> int:
         return self._heartbeats.tracked_peers()
@@ -72,12 +86,19 @@ class LeaseNotifier:
         self._linked.shutdown(wait=True, cancel_futures=True)
         self._unlinked.shutdown(wait=True, cancel_futures=True)
 
-    def _lane(self, remote: RemoteEndpoint) -> ThreadPoolExecutor:
-        return self._linked if self._is_linked(remote) else self._unlinked
+    def _ranks(self, remote: RemoteEndpoint) -> list[tuple[PeerRank, int]]:
+        try:
+            return [(remote.rank(p), n) for p, n in self._targets(remote).items()]
+        except ValueError as e:  # params named ranks or ports that cannot exist
+            logger.warning("hixl: no lease notice to %s: %s", remote.engine_id, e)
+            return []
+
+    def _lane(self, target: PeerRank) -> ThreadPoolExecutor:
+        return self._linked if self._is_linked(target) else self._unlinked
 
     def _heartbeat(self, due: DueHeartbeat) -> None:
         try:
-            client = self._client_for(due.remote)
+            client = self._client_for(due.target)
             try:
                 for first in range(0, len(due.items), MAX_NOTIFICATION_ITEMS):
                     batch = due.items[first : first + MAX_NOTIFICATION_ITEMS]
@@ -86,6 +107,6 @@ class LeaseNotifier:
                 client.close()
         except Exception as e:  # a lost heartbeat costs a lease, never the worker
             self._record("failed_notifications")
-            logger.warning("hixl: heartbeat to %s failed: %s", due.remote.engine_id, e)
+            logger.warning("hixl: heartbeat to %s failed: %s", due.target.remote.engine_id, e)
         finally:
             self._heartbeats.finished(due.key)

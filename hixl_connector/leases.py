@@ -1,7 +1,8 @@
 """P-side block leases: which prefilled requests still pin their blocks, and until when.
 
 A lease starts when P's scheduler hands a finished prefill to the worker (SendSpec). It ends
-when every expected consumer on D said "done" (or "release"), or when no heartbeat arrived
+when every expected D rank said "done" (or "release"), counted by distinct rank so a repeated
+notice (a lost reply, then a release) never stands in for another rank, or when no heartbeat arrived
 for `lease_s` seconds. Either way the request is reported in `finished_sending` exactly once
 and vLLM frees its blocks. Pure and clock-injected, so it is unit-tested without processes.
 
@@ -26,7 +27,7 @@ class Lease:
     lease_id: int
     block_ids: tuple[int, ...]
     expires_at: float
-    consumers_done: int = 0
+    ranks_done: set[int] = field(default_factory=set)
     consumers_expected: int = 1
 
 
@@ -34,7 +35,7 @@ class Lease:
 class _EarlyNotice:
     lease_id: int
     consumers: int
-    done: int
+    ranks_done: set[int]
     received_at: float
 
 
@@ -55,7 +56,7 @@ class LeaseTable:
             early = self._early.pop(request_id, None)
             if early is not None and early.lease_id == lease_id:
                 lease.consumers_expected = early.consumers
-                lease.consumers_done = early.done
+                lease.ranks_done = early.ranks_done
                 self._finish_if_complete(lease)
 
     def heartbeat(self, request_id: str, lease_id: int, now: float) -> bool:
@@ -87,17 +88,19 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             return lease is not None and lease.lease_id == lease_id
 
-    def consumer_done(self, request_id: str, lease_id: int, consumers: int, now: float) -> str:
-        """Records one consumer's "done"; returns "held", "finished", "early" or "unknown"."""
+    def consumer_done(
+        self, request_id: str, lease_id: int, consumers: int, now: float, *, rank: int
+    ) -> str:
+        """Records D rank ``rank``'s "done"; returns "held", "finished", "early" or "unknown"."""
         consumers = max(1, consumers)
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
-                return self._park_early(request_id, lease_id, consumers, now)
+                return self._park_early(request_id, lease_id, consumers, rank, now)
             if lease.lease_id != lease_id:
                 return "unknown"
             lease.consumers_expected = consumers
-            lease.consumers_done += 1
+            lease.ranks_done.add(rank)
             return "finished" if self._finish_if_complete(lease) else "held"
 
     def expire(self, now: float) -> list[str]:
@@ -121,7 +124,7 @@ class LeaseTable:
             return len(self._leases)
 
     def _finish_if_complete(self, lease: Lease) -> bool:
-        if lease.consumers_done < lease.consumers_expected:
+        if len(lease.ranks_done) < lease.consumers_expected:
             return False
         self._end(lease)
         return True
@@ -133,14 +136,16 @@ class LeaseTable:
         if len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
 
-    def _park_early(self, request_id: str, lease_id: int, consumers: int, now: float) -> str:
+    def _park_early(
+        self, request_id: str, lease_id: int, consumers: int, rank: int, now: float
+    ) -> str:
         if self._ended.get(request_id) == lease_id:
             return "unknown"
         early = self._early.get(request_id)
         if early is not None and early.lease_id == lease_id:
-            early.done += 1
+            early.ranks_done.add(rank)
             return "early"
         if len(self._early) >= _EARLY_NOTICE_LIMIT:
             return "unknown"
-        self._early[request_id] = _EarlyNotice(lease_id, consumers, 1, now)
+        self._early[request_id] = _EarlyNotice(lease_id, consumers, {rank}, now)
         return "early"

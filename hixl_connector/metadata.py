@@ -20,9 +20,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_U64 = 2**64 - 1
 MAX_CLUSTER_ID = 2**63 - 1
+MAX_PORT = 65535
+# A prefill engine's ranks share one window of ports and cluster ids (config.CLUSTER_ID_STEP).
+MAX_TP_SIZE = 1024
 
 
 # --- scheduler -> worker
@@ -30,16 +33,43 @@ MAX_CLUSTER_ID = 2**63 - 1
 
 @dataclass(frozen=True)
 class RemoteEndpoint:
+    """A prefill engine as its kv_transfer_params name it: rank 0's side channel and cluster id."""
+
     engine_id: str
     host: str
     port: int  # side channel port of P's tp rank 0; rank r listens on port + r
     tp_size: int
     cluster_id: int  # cluster id of P's tp rank 0; rank r is cluster_id + r
 
-    def consumers(self, local_tp_size: int) -> int:
-        """How many of D's tp ranks read each lease of one of this P's ranks; P frees the
-        lease once that many "done" or "release" notices arrived."""
-        return max(1, local_tp_size // max(1, self.tp_size))
+    def rank(self, p_rank: int) -> PeerRank:
+        """One TP rank of this engine; raises ValueError when it has no such rank or port."""
+        if not _is_int(p_rank) or not 0 <= p_rank < self.tp_size:
+            raise ValueError(
+                f"prefill engine {self.engine_id} has tp_size {self.tp_size}, no rank {p_rank!r}"
+            )
+        if self.port + p_rank > MAX_PORT:
+            raise ValueError(
+                f"prefill engine {self.engine_id}: side channel port {self.port} + rank "
+                f"{p_rank} exceeds {MAX_PORT}"
+            )
+        return PeerRank(self, p_rank)
+
+
+@dataclass(frozen=True)
+class PeerRank:
+    """One TP rank of a prefill engine: what D handshakes, links, pulls from and notifies."""
+
+    remote: RemoteEndpoint
+    rank: int
+
+    @property
+    def port(self) -> int:
+        return self.remote.port + self.rank
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """(engine id, side-channel host, port): a restarted engine gets a new key."""
+        return (self.remote.engine_id, self.remote.host, self.port)
 
 
 # Stands in for the peer when kv_transfer_params were unusable: such a spec carries an error.
@@ -91,6 +121,8 @@ class HixlConnectorMetadata(KVConnectorMetadata):
     to_send: list[SendSpec] = field(default_factory=list)
     # D: (remote, remote_request_id, lease_id) of requests still waiting for their KV.
     heartbeats: list[tuple[RemoteEndpoint, str, int]] = field(default_factory=list)
+    # Nothing was scheduled this step: vLLM runs it only to collect finished transfers.
+    idle: bool = False
 
 
 # --- kv_transfer_params
@@ -139,7 +171,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             engine_id=check("remote_engine_id", params, str),
             host=check("remote_host", params, str),
             port=check("remote_port", params, int, 1, 65535),
-            tp_size=check("tp_size", params, int, 1),
+            tp_size=check("tp_size", params, int, 1, MAX_TP_SIZE),
             cluster_id=check("remote_cluster_id", params, int, 0, MAX_CLUSTER_ID),
         )
         return RemotePrefill(
@@ -203,14 +235,18 @@ def _single_group(value: Any) -> tuple[int, ...]:
 
 # --- handshake
 
-# What must be equal on both sides for whole KV blocks to be copied byte for byte. A payload
-# may carry further fields (msgpack primitives); they are hashed and compared the same way.
+# What must be equal on both sides for KV to be copied byte for byte, whatever the TP sizes.
+# A block of one tensor is ``units_per_block`` units of ``unit_bytes`` (one KV head each when
+# ``kv_split`` is "heads"); TP shapes those counts per rank, so they travel beside the fields.
+# A payload may carry further fields (msgpack primitives); they are hashed and compared too.
 COMPATIBILITY_FIELD_TYPES: dict[str, type] = {
-    **dict.fromkeys(("model", "dtype", "kv_layout"), str),
-    # block_bytes: bytes of one block in one tensor.
+    **dict.fromkeys(("model", "dtype", "kv_layout", "kv_split"), str),
     **dict.fromkeys(("num_layers", "num_kv_heads", "head_size", "block_size"), int),
-    **dict.fromkeys(("block_bytes", "tensors_per_layer", "num_tensors"), int),
+    **dict.fromkeys(("unit_bytes", "tensors_per_layer", "num_tensors"), int),
 }
+# How a block divides between TP ranks: by KV head (heads contiguous inside a block), not at
+# all because every rank holds the whole (MLA-style) cache, or not at all (interleaved heads).
+KV_SPLITS = ("heads", "replicated", "none")
 
 
 def compatibility_hash(fields: Mapping[str, Any]) -> str:
@@ -243,6 +279,10 @@ def validate_compatibility_fields(fields: Any) -> dict[str, Any]:
         raise ValueError(f"{where} must be a dict, got {type(fields).__name__}")
     for name, kind in COMPATIBILITY_FIELD_TYPES.items():
         _check(where, name, fields, kind, 1 if kind is int else None)
+    if fields["kv_split"] not in KV_SPLITS:
+        raise ValueError(
+            f"{where} field 'kv_split' must be one of {KV_SPLITS}, got {fields['kv_split']!r}"
+        )
     for name, value in fields.items():
         if not isinstance(name, str) or not _is_primitive(value):
             raise ValueError(f"{where} field {name!r} holds a non-primitive value {value!r}")
@@ -261,6 +301,7 @@ class HandshakePayload:
     engine_host: str
     engine_port: int
     num_blocks: int
+    units_per_block: int  # registered units per block: this rank's KV heads, or 1
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
@@ -296,6 +337,7 @@ class HandshakePayload:
             engine_host=_check(where, "engine_host", data, str),
             engine_port=_check(where, "engine_port", data, int, 1, 65535),
             num_blocks=_check(where, "num_blocks", data, int, 1),
+            units_per_block=_check(where, "units_per_block", data, int, 1, 65535),
         )
 
 

@@ -4,7 +4,8 @@
 - done:      after a pull: I read them; the answer says whether the lease held throughout;
 - release:   nothing will be pulled (full local hit, abort, failure): free now;
 - heartbeat: still waiting for my turn: extend the leases.
-P frees a lease once `consumers` done/release notices arrived (one per D rank reading it).
+P frees a lease once done/release notices arrived from `consumers` distinct D ranks (each
+names its TP rank), so a repeated or lost-then-resent notice never counts a rank twice.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ MAX_U64 = 2**64 - 1
 # The wire form of one item per kind: [request_id, lease_id, <third field>] or shorter.
 ITEM_FIELDS = {
     "check": ("request_id", "lease_id", "block_ids"),
-    "done": ("request_id", "lease_id", "consumers"),
-    "release": ("request_id", "lease_id", "consumers"),
+    "done": ("request_id", "lease_id", "consumers", "rank"),
+    "release": ("request_id", "lease_id", "consumers", "rank"),
     "heartbeat": ("request_id", "lease_id"),
 }
 NOTIFICATION_KINDS = tuple(ITEM_FIELDS)
@@ -31,8 +32,9 @@ NOTIFICATION_KINDS = tuple(ITEM_FIELDS)
 class LeaseNotice:
     remote_request_id: str  # P's request id
     lease_id: int
-    consumers: int = 1  # done/release: notices P waits for before it frees
+    consumers: int = 1  # done/release: distinct D ranks P waits for before it frees
     block_ids: tuple[int, ...] = ()  # check: P's block ids D is about to read
+    rank: int = 0  # done/release: the D TP rank that sends it
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Notification:
                 )
             _check_int("lease_id", item.lease_id, 0, MAX_U64)
             _check_int("consumers", item.consumers, 1, 65535)
+            _check_int("rank", item.rank, 0, 65534)
             if len(item.block_ids) > MAX_CHECKED_BLOCKS:
                 raise ValueError(
                     f"notification checks {len(item.block_ids)} > {MAX_CHECKED_BLOCKS} blocks"
@@ -101,6 +104,7 @@ class Notification:
                     values["lease_id"],
                     values.get("consumers", 1),
                     tuple(blocks),
+                    values.get("rank", 0),
                 )
             )
         return cls(kind=kind, items=tuple(items))

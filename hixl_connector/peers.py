@@ -1,7 +1,8 @@
-"""D side: the prefill peers this worker pulls from, each handshaken and linked once.
+"""D side: the prefill ranks this worker pulls from, each handshaken and linked once.
 
-A peer is keyed by its engine id (a restarted P engine has a new one) and the side-channel
-address. The first request for a peer runs the handshake (schema and compatibility check),
+A peer is one TP rank of a prefill engine (a D rank may read several when the TP sizes
+differ), keyed by its engine id (a restarted P engine has a new one) and side-channel address.
+The first request for a peer runs the handshake (schema and compatibility check),
 then `link_clusters`; later requests reuse the link. A pull that timed out or lost its link
 marks the peer broken; the next request unlinks with force and does both steps again, as
 LLM-DataDist requires after LLM_TIMEOUT.
@@ -20,10 +21,11 @@ from hixl_connector.config import HixlConfig
 from hixl_connector.metadata import (
     SCHEMA_VERSION,
     HandshakePayload,
-    RemoteEndpoint,
+    PeerRank,
     describe_mismatch,
 )
 from hixl_connector.side_channel import SideChannelClient
+from hixl_connector.tp_mapping import TPMismatch, check_tp_pair, heads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,8 @@ class PeerRegistry:
         self._locks: dict[tuple[str, int], _AddressLock] = {}
         self._guard = threading.Lock()
 
-    def get(self, remote: RemoteEndpoint) -> Peer:
-        key = (remote.engine_id, remote.host, remote.port)
+    def get(self, target: PeerRank) -> Peer:
+        key = target.key
         address = key[1:]
         with self._guard:
             entry = self._locks.setdefault(address, _AddressLock(threading.Lock()))
@@ -80,7 +82,7 @@ class PeerRegistry:
                 peer = self._peers.get(key)
                 if peer is not None and not peer.broken:
                     return peer
-                return self._connect(key, remote)
+                return self._connect(key, target)
         finally:
             with self._guard:
                 entry.users -= 1
@@ -92,21 +94,21 @@ class PeerRegistry:
         with self._guard:
             return len(self._peers), len(self._locks)
 
-    def is_linked(self, remote: RemoteEndpoint) -> bool:
-        """True iff a handshake with this engine at this address succeeded and still holds."""
+    def is_linked(self, target: PeerRank) -> bool:
+        """True iff a handshake with this engine rank succeeded and still holds."""
         with self._guard:
-            peer = self._peers.get((remote.engine_id, remote.host, remote.port))
+            peer = self._peers.get(target.key)
         return peer is not None and not peer.broken
 
     def mark_broken(self, peer: Peer) -> None:
         peer.broken = True
 
-    def client_for(self, remote: RemoteEndpoint) -> SideChannelClient:
+    def client_for(self, target: PeerRank) -> SideChannelClient:
         """A side-channel client for notifications, without handshaking or linking."""
         return SideChannelClient(
             self._context,
-            remote.host,
-            self._rank_port(remote),
+            target.remote.host,
+            target.port,
             self._config.handshake_timeout_s,
             self._config.auth_token,
         )
@@ -118,22 +120,14 @@ class PeerRegistry:
             self._unlink(peer, force=False)
             peer.client.close()
 
-    def _rank_port(self, remote: RemoteEndpoint) -> int:
-        if remote.tp_size != self._local.tp_size:
-            raise PeerError(
-                f"prefill engine {remote.engine_id} runs tp_size={remote.tp_size}, this decode "
-                f"engine tp_size={self._local.tp_size}; hixl_connector needs equal TP sizes"
-            )
-        return remote.port + self._local.tp_rank
-
-    def _connect(self, key: tuple[str, str, int], remote: RemoteEndpoint) -> Peer:
-        client = self.client_for(remote)
+    def _connect(self, key: tuple[str, str, int], target: PeerRank) -> Peer:
+        client = self.client_for(target)
         try:
             reply = client.request(
-                {"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": self._local.tp_rank}
+                {"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": target.rank}
             )
             payload = HandshakePayload.from_dict(reply["payload"])
-            self._check_compatible(remote, payload)
+            self._check_compatible(target, payload)
             # The handshake proved this engine serves the address now: links to engines it
             # replaced there (P restarted), and a broken link to itself, go first.
             with self._guard:
@@ -169,10 +163,11 @@ class PeerRegistry:
             self._peers[key] = peer
         return peer
 
-    def _check_compatible(self, remote: RemoteEndpoint, payload: HandshakePayload) -> None:
+    def _check_compatible(self, target: PeerRank, payload: HandshakePayload) -> None:
+        remote = target.remote
         if payload.engine_id != remote.engine_id:
             raise PeerError(
-                f"side channel {remote.host}:{remote.port} serves engine {payload.engine_id}, "
+                f"side channel {remote.host}:{target.port} serves engine {payload.engine_id}, "
                 f"the request expects {remote.engine_id} (prefill restarted?)"
             )
         if payload.compatibility_hash != self._local.compatibility_hash:
@@ -180,8 +175,23 @@ class PeerRegistry:
                 f"prefill engine {payload.engine_id} is incompatible with this decode engine: "
                 + describe_mismatch(self._local.compatibility, payload.compatibility)
             )
-        if payload.tp_rank != self._local.tp_rank:
-            raise PeerError(f"asked rank {self._local.tp_rank}, got rank {payload.tp_rank}")
+        if payload.tp_rank != target.rank or payload.tp_size != remote.tp_size:
+            raise PeerError(
+                f"asked rank {target.rank} of tp_size {remote.tp_size}, got rank "
+                f"{payload.tp_rank} of tp_size {payload.tp_size}"
+            )
+        check_shardable(self._local.compatibility, payload.tp_size, self._local.tp_size)
+        fields = self._local.compatibility
+        expected = (
+            heads_per_rank(fields["num_kv_heads"], payload.tp_size)
+            if fields["kv_split"] == "heads"
+            else 1
+        )
+        if payload.units_per_block != expected:
+            raise PeerError(
+                f"prefill rank {payload.tp_rank} registered {payload.units_per_block} units "
+                f"per block, {expected} expected for tp_size {payload.tp_size}"
+            )
 
     def _link(self, payload: HandshakePayload) -> None:
         api = self._api
@@ -212,3 +222,18 @@ class PeerRegistry:
             self._datadist.unlink_clusters([info], 1000, force=force)
         except Exception as e:  # unlinking a dead peer may fail; the link is gone either way
             logger.warning("hixl: unlink of cluster %d failed: %s", peer.cluster_id, e)
+
+
+def check_shardable(fields: dict[str, Any], p_tp: int, d_tp: int) -> None:
+    """Raises PeerError unless this D rank can read a P engine of TP size ``p_tp``."""
+    split = fields["kv_split"]
+    if p_tp != d_tp and split == "none":
+        raise PeerError(
+            f"prefill tp_size={p_tp} and decode tp_size={d_tp} differ, but the KV layout "
+            f"{fields['kv_layout']!r} interleaves KV heads inside a block (kv_split 'none'); "
+            "run equal TP sizes on this platform"
+        )
+    try:
+        check_tp_pair(fields["num_kv_heads"], p_tp, d_tp, replicated=split == "replicated")
+    except TPMismatch as exc:
+        raise PeerError(f"tp_size mismatch: {exc}") from None

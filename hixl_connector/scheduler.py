@@ -222,6 +222,7 @@ class HixlScheduler:
             to_release=self._to_release,
             to_send=self._to_send,
             heartbeats=list(self._waiting.values()),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._to_recv, self._to_release, self._to_send = [], [], []
         return meta

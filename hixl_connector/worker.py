@@ -1,8 +1,11 @@
 """The worker half: registers the KV caches, pulls on D, leases on P.
 
 D: every RecvSpec becomes one job on a small transfer pool (handshake + link on first use of
-a peer, one `pull_blocks`, then "done" to P), so vLLM's forward pass never waits on a
-transfer. Results are reported through `get_transfer_results` by every rank.
+each P rank it reads, `pull_blocks` per P rank, then "done" to each), so vLLM's forward pass
+never waits on a transfer. When the TP sizes differ, `tp_mapping` says which P ranks a D
+rank reads and which KV heads land where; the KV caches are registered one unit per KV head
+of a block, so a head slice is read straight into place. Results are reported through
+`get_transfer_results` by every rank.
 P: a side-channel server answers handshakes and turns "done"/"release" notifications and
 lease expiry into `finished_sending`, so vLLM frees the blocks exactly once.
 """
@@ -30,14 +33,23 @@ from hixl_connector.metadata import (
     HandshakePayload,
     HixlConnectorMetadata,
     RecvSpec,
+    ReleaseSpec,
+    RemoteEndpoint,
     compatibility_hash,
 )
 from hixl_connector.notifications import LeaseNotice, Notification
 from hixl_connector.peers import Peer, PeerRegistry
 from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from hixl_connector.stats import HixlKVConnectorStats
+from hixl_connector.tp_mapping import HeadRead, RankPlan, TPMismatch, plan_rank, unit_ids
 
 logger = logging.getLogger(__name__)
+
+# vLLM steps in a tight loop while KV sends or receives are pending, even with nothing to
+# compute: on a TP engine that keeps every worker busy and can starve the very peer it waits
+# for. Such an idle step waits up to this long for a transfer to finish (a finished pull or
+# lease wakes it at once), so a new request waits at most this long to be scheduled.
+IDLE_STEP_WAIT_S = 0.002
 
 
 class LeaseError(RuntimeError):
@@ -66,8 +78,14 @@ class HixlWorker:
         # The index, not the rank: vLLM resets data_parallel_rank to 0 for dense models.
         self._dp_rank = int(parallel.data_parallel_index)
         self._cluster_id = config.cluster_id_for_rank(self._dp_rank, self._tp_rank, self._tp_size)
+        model = vllm_config.model_config
+        self._num_kv_heads = int(model.get_total_num_kv_heads())
+        self._mla = bool(getattr(model, "use_mla", False))
+        self._plans: dict[int, RankPlan] = {}  # P's tp_size -> this rank's reads
         self._leases = LeaseTable(config.lease_s)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+        self._wake = threading.Event()  # a pull ended or a lease may have finished
+        self._idle_step = False
         self._stats = HixlKVConnectorStats()
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-pull")
         self._context = zmq.Context()
@@ -82,8 +100,13 @@ class HixlWorker:
     # -- registration -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.platforms import current_platform
+
         num_blocks = int(self._vllm_config.cache_config.num_gpu_blocks or 0)
-        layout = describe_kv_caches(kv_caches, num_blocks)
+        # vLLM's CPU layout keeps each KV head of a block contiguous (heads outermost).
+        heads = self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config)
+        head_major = current_platform.device_type == "cpu" and not self._mla
+        layout = describe_kv_caches(kv_caches, num_blocks, int(heads) if head_major else 0)
         engine = open_engine(
             self._config, layout, self._cluster_id, self._is_producer, self._is_consumer
         )
@@ -95,8 +118,9 @@ class HixlWorker:
         self._notices = LeaseNotifier(
             self._peers.client_for,
             self._peers.is_linked,
+            self._notify_targets,
             self._config.heartbeat_s,
-            self._tp_size,
+            self._tp_rank,
             self._record,
         )
         if self._is_producer:
@@ -123,14 +147,20 @@ class HixlWorker:
         )
 
     def _side_channel_port(self) -> int:
-        return self._config.side_channel_port + self._dp_rank * self._tp_size + self._tp_rank
+        return self._config.side_channel_port_for_rank(self._dp_rank, self._tp_rank, self._tp_size)
+
+    def _kv_split(self, layout: KVLayout) -> str:
+        if self._mla:
+            return "replicated"
+        return "heads" if layout.head_major else "none"
 
     def _handshake_payload(self, layout: KVLayout, engine_port: int) -> HandshakePayload:
         model = self._vllm_config.model_config
         fields = {
             "model": str(model.model),
             "kv_layout": _kv_layout_name(layout),
-            "num_kv_heads": int(model.get_total_num_kv_heads()),
+            "kv_split": self._kv_split(layout),
+            "num_kv_heads": self._num_kv_heads,
             "head_size": int(model.get_head_size()),
             "block_size": int(self._vllm_config.cache_config.block_size),
             "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
@@ -147,11 +177,13 @@ class HixlWorker:
             engine_host=self._config.engine_host,
             engine_port=engine_port,
             num_blocks=layout.num_blocks,
+            units_per_block=layout.units_per_block,
         )
 
     # -- per step -----------------------------------------------------------------------
 
     def start_load_kv(self, metadata: HixlConnectorMetadata) -> None:
+        self._idle_step = metadata.idle
         now = time.monotonic()
         for send in metadata.to_send:
             self._leases.start(send.request_id, send.lease_id, send.block_ids, now)
@@ -164,6 +196,9 @@ class HixlWorker:
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
+        if self._idle_step and self._outcomes.empty():
+            self._wake.wait(IDLE_STEP_WAIT_S)
+        self._wake.clear()
         recving: set[str] = set()
         failed: set[str] = set()
         while True:
@@ -212,32 +247,74 @@ class HixlWorker:
 
     # -- D side jobs (transfer pool) ----------------------------------------------------
 
+    def _plan(self, p_tp: int) -> RankPlan:
+        """Which P ranks this rank reads (and which heads), for a P engine of TP ``p_tp``;
+        raises TPMismatch when the sizes cannot be mapped."""
+        plan = self._plans.get(p_tp)
+        if plan is None:
+            assert self._layout is not None
+            split = self._kv_split(self._layout)
+            if split == "none" and p_tp != self._tp_size:
+                raise TPMismatch(
+                    f"prefill tp_size={p_tp} and decode tp_size={self._tp_size} differ, but "
+                    f"the KV layout {_kv_layout_name(self._layout)!r} interleaves KV heads "
+                    "inside a block; run equal TP sizes on this platform"
+                )
+            if split == "none":  # whole blocks, from the rank of the same index
+                r = self._tp_rank
+                plan = RankPlan((HeadRead(r, 0, 0, 1),), (r,), {r: 1})
+            else:
+                plan = plan_rank(
+                    self._num_kv_heads, p_tp, self._tp_size, self._tp_rank, split == "replicated"
+                )
+            self._plans[p_tp] = plan
+        return plan
+
+    def _notify_targets(self, remote: RemoteEndpoint) -> dict[int, int]:
+        """P rank -> distinct D ranks it waits for, for every P rank this rank notifies.
+
+        When the TP sizes cannot be mapped, every D rank tells every P rank, so P still frees.
+        """
+        try:
+            return self._plan(remote.tp_size).consumers
+        except TPMismatch:
+            return dict.fromkeys(range(remote.tp_size), self._tp_size)
+
     def _receive(self, spec: RecvSpec, queued_at: float) -> None:
-        peer = None
+        peers: dict[int, Peer] = {}
         try:
             assert self._peers is not None and self._layout is not None
             assert self._engine is not None
             if spec.error:
                 raise LeaseError(spec.error)
-            peer = self._peers.get(spec.remote)
-            self._confirm_lease(peer.client, spec)
+            plan = self._plan(spec.remote.tp_size)
+            for p_rank in plan.notify:
+                peers[p_rank] = self._peers.get(spec.remote.rank(p_rank))
+            readers = [p for p in plan.notify if plan.reads_from(p)]
+            for p_rank in readers:
+                self._confirm_lease(peers[p_rank].client, spec, plan.consumers[p_rank])
             if self._config.test_pull_delay_s:
                 time.sleep(self._config.test_pull_delay_s)
             started = time.monotonic()
-            # One or more pull_blocks calls: every cache, chunked under the request limit.
-            self._engine.pull_blocks(peer.cluster_id, spec.remote_block_ids, spec.local_block_ids)
+            for read in plan.reads:
+                self._pull_heads(peers[read.p_rank], read, spec)
             finished = time.monotonic()
             # The read is good only if P still held the lease after it: P never reuses
-            # leased blocks, and a lease that ended never comes back.
-            answer = self._lease_request(peer.client, "done", spec)
-            if answer not in ("held", "finished"):
-                self._record("stale_pulls")
-                raise LeaseError(
-                    f"lease {spec.lease_id} of prefill request {spec.remote_request_id} ended "
-                    f"during the pull ({answer}); its blocks may have been reused"
+            # leased blocks, and a lease that ended never comes back. Unread replicas are
+            # told to free ("release"); their answer does not matter.
+            for p_rank in plan.notify:
+                kind = "done" if p_rank in readers else "release"
+                answer = self._lease_request(
+                    peers[p_rank].client, kind, spec, plan.consumers[p_rank]
                 )
+                if kind == "done" and answer not in ("held", "finished"):
+                    self._record("stale_pulls")
+                    raise LeaseError(
+                        f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
+                        f"ended during the pull ({answer}); its blocks may have been reused"
+                    )
         except Exception as e:
-            self._fail(spec, peer, e)
+            self._fail(spec, peers, e)
             return
         if self._config.test_corrupt_received_kv:
             self._corrupt(spec.local_block_ids)
@@ -250,13 +327,25 @@ class HixlWorker:
                 blocks,
             )
         self._outcomes.put(_Outcome(spec.request_id, True))
+        self._wake.set()
 
-    def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec) -> None:
+    def _pull_heads(self, peer: Peer, read: HeadRead, spec: RecvSpec) -> None:
+        """One P rank's heads of the request's blocks, straight into their slots here."""
+        assert self._engine is not None and self._layout is not None
+        src = unit_ids(
+            spec.remote_block_ids, peer.payload.units_per_block, read.src_head, read.count
+        )
+        dst = unit_ids(
+            spec.local_block_ids, self._layout.units_per_block, read.dst_head, read.count
+        )
+        self._engine.pull_blocks(peer.cluster_id, src, dst)
+
+    def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec, consumers: int) -> None:
         """Reads nothing unless P confirms these blocks are leased to this request now."""
         deadline = time.monotonic() + self._config.handshake_timeout_s
         pause = 0.002
         while True:
-            answer = self._lease_request(client, "check", spec)
+            answer = self._lease_request(client, "check", spec, consumers)
             if answer == "held":
                 return
             if answer != "early" or time.monotonic() > deadline:
@@ -268,10 +357,15 @@ class HixlWorker:
             time.sleep(pause)  # P has not yet started the lease: its next step will
             pause = min(2 * pause, 0.05)
 
-    def _lease_request(self, client: SideChannelClient, kind: str, spec: RecvSpec) -> str:
-        consumers = spec.remote.consumers(self._tp_size)
+    def _lease_request(
+        self, client: SideChannelClient, kind: str, spec: RecvSpec, consumers: int
+    ) -> str:
         notice = LeaseNotice(
-            spec.remote_request_id, spec.lease_id, consumers, spec.remote_block_ids
+            spec.remote_request_id,
+            lease_id=spec.lease_id,
+            consumers=consumers,
+            block_ids=spec.remote_block_ids,
+            rank=self._tp_rank,
         )
         reply = client.request(Notification(kind, (notice,)).to_dict())
         results = reply.get("results")
@@ -279,16 +373,21 @@ class HixlWorker:
             raise SideChannelError(f"malformed {kind} reply: {reply!r:.200}")
         return results[0]
 
-    def _fail(self, spec: RecvSpec, peer: Peer | None, error: Exception) -> None:
+    def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
-        self._record("failed_pulls" if peer is not None else "failed_handshakes")
-        if peer is not None and self._link_suspect(error):
-            self._peers.mark_broken(peer)  # type: ignore[union-attr]
+        self._record("failed_pulls" if peers else "failed_handshakes")
+        if peers and self._link_suspect(error):
+            for peer in peers.values():
+                self._peers.mark_broken(peer)  # type: ignore[union-attr]
         self._outcomes.put(_Outcome(spec.request_id, False))
+        self._wake.set()
         if spec.remote.engine_id:
-            # Tell P at once so it frees instead of waiting for the lease to expire.
+            # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
+            # waiting for the lease to expire.
             assert self._notices is not None
-            self._notices.release(spec.remote, spec.remote_request_id, spec.lease_id)
+            self._notices.release_later(
+                ReleaseSpec(spec.request_id, spec.remote_request_id, spec.lease_id, spec.remote)
+            )
 
     def _link_suspect(self, error: Exception) -> bool:
         """Timeouts, dead peers and lost replies call for a fresh handshake and link."""
@@ -327,12 +426,14 @@ class HixlWorker:
         )
 
     def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
-        return _answer_each(
+        answer = _answer_each(
             message,
             lambda n, now: self._leases.consumer_done(
-                n.remote_request_id, n.lease_id, n.consumers, now
+                n.remote_request_id, n.lease_id, n.consumers, now, rank=n.rank
             ),
         )
+        self._wake.set()
+        return answer
 
     def _on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
         return _answer_each(
@@ -356,5 +457,7 @@ def _kv_layout_name(layout: KVLayout) -> str:
     kernels = current_platform.device_type
     if kernels == "cpu":  # the CPU attention kernels pack blocks per ISA
         kernels += ":" + torch.backends.cpu.get_cpu_capability()
-    shape = "x".join(str(d) for d in layout.block_shape)
+    # The shape of one registered unit: a KV head of a block where heads split.
+    unit_shape = layout.block_shape[1:] if layout.head_major else layout.block_shape
+    shape = "x".join(str(d) for d in unit_shape)
     return f"{kernels}/{layout.tensors_per_layer}x[{shape}]"

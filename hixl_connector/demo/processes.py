@@ -29,6 +29,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_range(count: int, host: str = "127.0.0.1", tries: int = 100) -> int:
+    """The first of ``count`` consecutive TCP ports that were free a moment ago (a server
+    whose ranks listen on ``port + rank``)."""
+    for _ in range(tries):
+        base = free_port(host)
+        if base + count - 1 > 65535:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base + 1, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise ProcessFailed(f"no {count} consecutive free ports found in {tries} tries")
+
+
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     """True when a GET on ``url`` answers 200."""
     try:

@@ -84,9 +84,17 @@ def vllm_server_argv(
     max_model_len: int = 1024,
     block_size: int = 32,
     extra_args: Sequence[str] = (),
+    nice: int = 0,
 ) -> list[str]:
-    """Command line of one lean vLLM OpenAI server bound to 127.0.0.1:``port``."""
+    """Command line of one lean vLLM OpenAI server bound to 127.0.0.1:``port``.
+
+    ``nice`` lowers the server's CPU priority: on a small host, a TP-2 server's engine and
+    workers busy-step while its KV sends are pending and would otherwise starve the decode
+    server that is about to pull from it.
+    """
     argv: list[str] = []
+    if nice:
+        argv += ["nice", "-n", str(nice)]
     pinned = _pick_core(core)
     if pinned is not None and shutil.which("taskset"):
         argv += ["taskset", "-c", str(pinned)]
@@ -130,11 +138,17 @@ def start_vllm_server(
     port: int | None = None,
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
+    nice: int = 0,
 ) -> VllmServer:
     """Start a server (not yet healthy: call ``wait_healthy``). Logs go to ``log_dir/name.log``."""
     chosen = port if port is not None else free_port()
     argv = vllm_server_argv(
-        model_dir, chosen, core=core, kv_transfer_config=kv_transfer_config, extra_args=extra_args
+        model_dir,
+        chosen,
+        core=core,
+        kv_transfer_config=kv_transfer_config,
+        extra_args=extra_args,
+        nice=nice,
     )
     server = VllmServer(name, argv, Path(log_dir) / f"{name}.log", chosen, lean_env(extra_env))
     server.start()

@@ -4,6 +4,7 @@
 - ``e2e_log_dir`` (session): where every server and router writes its log.
 - ``plain_server`` (session): a vLLM server without a connector, for reference outputs.
 - ``reference_outputs`` (session): greedy token ids of the plain server for the test prompts.
+- ``plain_outputs`` (session): the same for the token prompts of ``harness.PROMPTS`` and chat.
 - ``pd_factory`` (function): ``pd_factory(prefill_config, decode_config, with_router=True)``
   starts P and D (and the router) and returns a ``PDDeployment``; all stopped at teardown.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +27,7 @@ from hixl_connector.demo.tiny_model import build_tiny_model
 from .harness import (
     CHAT_MESSAGES,
     MAX_TOKENS,
+    PROMPTS,
     PDLauncher,
     ProcessRegistry,
     e2e_prompts,
@@ -84,6 +87,19 @@ def reference_outputs(plain_server: VllmServer) -> dict[str, Generation]:
     outputs = {
         prompt: complete(plain_server.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
         for prompt in e2e_prompts()
+    }
+    outputs["chat"] = chat(
+        plain_server.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
+    )
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(plain_server: VllmServer) -> dict[Any, Generation]:
+    """Greedy outputs of the plain server for the token prompts of ``PROMPTS``, plus "chat"."""
+    outputs: dict[Any, Generation] = {
+        n: complete(plain_server.url, p, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+        for n, p in PROMPTS.items()
     }
     outputs["chat"] = chat(
         plain_server.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS

@@ -11,15 +11,17 @@ The fixtures in ``conftest.py`` wrap these; tests may also call them directly.
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hixl_connector.demo.client import metric_total, read_metrics
-from hixl_connector.demo.processes import ManagedProcess, free_port
+from hixl_connector.demo.processes import ManagedProcess, free_port_range
 from hixl_connector.demo.servers import (
     RouterProcess,
     VllmServer,
@@ -38,6 +40,41 @@ CHAT_MESSAGES: tuple[dict[str, str], ...] = (
     {"role": "system", "content": "answer with the cache block token layer of the model"},
     {"role": "user", "content": " ".join(random.Random(7).choice(WORDS) for _ in range(90))},
 )
+
+
+# Lengths in tokens: sub-block, exact multiples, k * block_size + 1, and several blocks.
+PROMPT_LENGTHS = (5, 32, 33, 64, 65, 97, 129, 160, 230, 300)
+# fp32 tiny model: per block and layer, 2 KV heads x 32 tokens x (2 x 32 head dims) x 4 bytes.
+BLOCK_BYTES_PER_LAYER = 2 * BLOCK_SIZE * 64 * 4
+NUM_LAYERS = 2
+
+
+def token_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 450) for _ in range(length)]  # 0..2 are special tokens
+
+
+PROMPTS = {n: token_prompt(n, seed=n) for n in PROMPT_LENGTHS}
+
+
+def pulled(server: VllmServer) -> tuple[float, float, float]:
+    """(pulls, blocks, bytes) a decode server reports, summed over its ranks."""
+    samples = read_metrics(server.url)
+    return (
+        metric_total(samples, "vllm:hixl_pulls_total"),
+        metric_total(samples, "vllm:hixl_pull_blocks_total"),
+        metric_total(samples, "vllm:hixl_pull_bytes_total"),
+    )
+
+
+def wait_for_pulls(server: VllmServer, at_least: float, timeout_s: float = 10.0) -> tuple:
+    """Metrics reach the API server a step after the pull; wait for them, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = pulled(server)
+        if current[0] >= at_least or time.monotonic() > deadline:
+            return current
+        time.sleep(0.05)
 
 
 def make_prompt(seed: int, n_words: int) -> str:
@@ -79,8 +116,9 @@ def example_connector_config(storage_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def hixl_connector_config(role: str, **extra: Any) -> dict[str, Any]:
-    """``configs/<role>.json`` ("prefill" or "decode") with a free side-channel port.
+def hixl_connector_config(role: str, ranks: int = 1, **extra: Any) -> dict[str, Any]:
+    """``configs/<role>.json`` ("prefill" or "decode") with free side-channel ports for
+    ``ranks`` TP ranks.
 
     ``extra`` overrides keys of ``kv_connector_extra_config``.
     """
@@ -88,7 +126,7 @@ def hixl_connector_config(role: str, **extra: Any) -> dict[str, Any]:
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
     config = json.loads((CONFIG_DIR / f"{role}.json").read_text())
     extra_config = dict(config.get("kv_connector_extra_config", {}))
-    extra_config["side_channel_port"] = free_port()
+    extra_config["side_channel_port"] = free_port_range(ranks)
     extra_config.update(extra)
     config["kv_connector_extra_config"] = extra_config
     return dict(config)
@@ -202,6 +240,48 @@ class PDLauncher:
         return deployment
 
     __call__ = start
+
+    def server(
+        self, name: str, config: Mapping[str, Any] | None, *, tp: int = 1, core: int | None = None
+    ) -> VllmServer:
+        """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
+        by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority:
+        its engine and workers busy-step while KV sends or receives are pending, and on a
+        2-core host would starve the peer they wait for."""
+        env: dict[str, str] = {}
+        args: list[str] = []
+        nice = 0
+        if tp > 1:
+            nice = 10
+            cores = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(cores[i % len(cores)]) for i in range(tp)
+            )
+            args = ["--tensor-parallel-size", str(tp)]
+            core = None
+        server = start_vllm_server(
+            self.model_dir,
+            self.log_dir / name,
+            name,
+            core=core,
+            kv_transfer_config=config,
+            extra_env=env,
+            extra_args=args,
+            nice=nice,
+        )
+        self._track(server)
+        return server
+
+    def router(
+        self, name: str, prefills: Sequence[VllmServer], decodes: Sequence[VllmServer]
+    ) -> RouterProcess:
+        """Starts the router in front of healthy servers and waits until it is healthy."""
+        router = start_router(
+            [p.url for p in prefills], [d.url for d in decodes], self.log_dir / name
+        )
+        self._track(router)
+        router.wait_healthy(60.0)
+        return router
 
     def stop_all(self) -> None:
         # Router first, so no request reaches a server that is going away.

@@ -8,8 +8,6 @@ metrics show the blocks and bytes it pulled, and corrupting the pulled KV change
 from __future__ import annotations
 
 import math
-import random
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,64 +15,25 @@ from typing import Any
 
 import pytest
 
-from hixl_connector.demo.client import Generation, chat, complete, metric_total, read_metrics
-from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer
+from hixl_connector.demo.client import Generation, chat, complete
+from hixl_connector.demo.servers import SERVED_MODEL_NAME
 
 from .harness import (
+    BLOCK_BYTES_PER_LAYER,
     BLOCK_SIZE,
     CHAT_MESSAGES,
     MAX_TOKENS,
+    NUM_LAYERS,
+    PROMPT_LENGTHS,
+    PROMPTS,
     PDDeployment,
     PDLauncher,
     ProcessRegistry,
     external_prompt_tokens,
     hixl_connector_config,
+    pulled,
+    wait_for_pulls,
 )
-
-# Lengths in tokens: sub-block, exact multiples, k * block_size + 1, and several blocks.
-PROMPT_LENGTHS = (5, 32, 33, 64, 65, 97, 129, 160, 230, 300)
-# fp32 tiny model: per block and layer, 2 KV heads x 32 tokens x (2 x 32 head dims) x 4 bytes.
-BLOCK_BYTES_PER_LAYER = 2 * BLOCK_SIZE * 64 * 4
-NUM_LAYERS = 2
-
-
-def token_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 450) for _ in range(length)]  # 0..2 are special tokens
-
-
-PROMPTS = {n: token_prompt(n, seed=n) for n in PROMPT_LENGTHS}
-
-
-def pulled(server: VllmServer) -> tuple[float, float, float]:
-    samples = read_metrics(server.url)
-    return (
-        metric_total(samples, "vllm:hixl_pulls_total"),
-        metric_total(samples, "vllm:hixl_pull_blocks_total"),
-        metric_total(samples, "vllm:hixl_pull_bytes_total"),
-    )
-
-
-def wait_for_pulls(server: VllmServer, at_least: float, timeout_s: float = 10.0) -> tuple:
-    """Metrics reach the API server a step after the pull; wait for them, bounded."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        current = pulled(server)
-        if current[0] >= at_least or time.monotonic() > deadline:
-            return current
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(plain_server: VllmServer) -> dict[Any, Generation]:
-    outputs: dict[Any, Generation] = {
-        n: complete(plain_server.url, p, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
-        for n, p in PROMPTS.items()
-    }
-    outputs["chat"] = chat(
-        plain_server.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
-    )
-    return outputs
 
 
 @pytest.fixture(scope="module")

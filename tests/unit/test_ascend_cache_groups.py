@@ -32,7 +32,7 @@ def _mla() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def test_mha_is_one_blocks_cache_in_k_v_order() -> None:
     kv = _mha()
     (group,) = cache_groups(describe_kv_caches(kv, NUM_BLOCKS))
-    assert (group.model_id, group.tensors_per_layer, group.block_bytes) == (0, 2, 16 * 2 * 32 * 4)
+    assert (group.model_id, group.tensors_per_layer, group.unit_bytes) == (0, 2, 16 * 2 * 32 * 4)
     expected = [t.data_ptr() for layer in kv.values() for t in layer]  # K0, V0, K1, V1, ...
     assert list(group.addrs) == expected
 

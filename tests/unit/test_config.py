@@ -179,3 +179,27 @@ def test_connection_limit_matches_the_engines() -> None:
 
     assert MAX_TCP_CONNECTIONS == ENGINE_LIMIT
     HixlConfig.from_dict({"tcp_connections": ENGINE_LIMIT}, "e")
+
+
+@pytest.mark.parametrize(
+    ("name", "flag"),
+    [
+        ("pipeline_parallel_size", "--pipeline-parallel-size 1"),
+        ("decode_context_parallel_size", "--decode-context-parallel-size 1"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size 1"),
+    ],
+)
+def test_pipeline_and_context_parallelism_are_refused_at_start(name: str, flag: str) -> None:
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    kv = KVTransferConfig(
+        kv_connector="HixlConnector",
+        kv_connector_module_path="hixl_unit_connector",
+        kv_role="kv_producer",
+        engine_id="engine-pp",
+    )
+    vllm_config = VllmConfig(kv_transfer_config=kv)
+    HixlConfig.from_vllm_config(vllm_config)  # TP and DP sizes alone are fine
+    setattr(vllm_config.parallel_config, name, 2)
+    with pytest.raises(ValueError, match=f"{name}=2.*{flag}"):
+        HixlConfig.from_vllm_config(vllm_config)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from hixl_connector.heartbeats import HeartbeatSchedule
-from hixl_connector.metadata import RemoteEndpoint
+from hixl_connector.metadata import PeerRank, RemoteEndpoint
 from hixl_connector.notifications import LeaseNotice
 
 
-def _remote(port: int, engine_id: str = "p-engine") -> RemoteEndpoint:
-    return RemoteEndpoint(engine_id, "127.0.0.1", port, 1, 0)
+def _remote(port: int, engine_id: str = "p-engine") -> PeerRank:
+    return RemoteEndpoint(engine_id, "127.0.0.1", port, 1, 0).rank(0)
 
 
 def test_one_message_per_peer_carries_all_its_leases() -> None:
     schedule = HeartbeatSchedule(interval_s=1.0)
     beats = [(_remote(7000), "a", 1), (_remote(7001), "b", 2), (_remote(7000), "c", 3)]
-    due = {d.remote.port: d.items for d in schedule.due(beats, now=0.0)}
+    due = {d.target.port: d.items for d in schedule.due(beats, now=0.0)}
     assert due == {
         7000: (LeaseNotice("a", 1), LeaseNotice("c", 3)),
         7001: (LeaseNotice("b", 2),),

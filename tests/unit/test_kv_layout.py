@@ -56,3 +56,15 @@ def test_the_same_bytes_are_never_registered_twice() -> None:
     buffer = torch.zeros(5, 4)
     with pytest.raises(ValueError, match="overlap"):
         describe_kv_caches({"a": buffer, "b": buffer}, 5)
+
+
+def test_head_major_blocks_register_one_unit_per_kv_head() -> None:
+    num_blocks, heads, block, head2 = 6, 4, 32, 64
+    buffer = torch.zeros(2, num_blocks, heads, block, head2)
+    layout = describe_kv_caches({f"l{i}": buffer[i] for i in range(2)}, num_blocks, heads)
+    assert layout.units_per_block == heads
+    assert layout.unit_bytes == block * head2 * 4 == layout.block_bytes // heads
+    # Whole blocks when heads do not split (the default), and a wrong head count is refused.
+    assert describe_kv_caches({"l": buffer[0]}, num_blocks).units_per_block == 1
+    with pytest.raises(ValueError, match="should hold 2 KV heads"):
+        describe_kv_caches({"l": buffer[0]}, num_blocks, 2)

@@ -51,10 +51,11 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
     dead = [endpoint(f"dead-{i}", s.getsockname()[1]) for i, s in enumerate(silent)]
     failures: list[str] = []
     notifier = LeaseNotifier(
-        lambda r: SideChannelClient(context, r.host, r.port, DEAD_TIMEOUT_S),
-        lambda r: r.engine_id == "p-live",  # only the live peer completed a handshake
+        lambda t: SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S),
+        lambda t: t.remote.engine_id == "p-live",  # only the live peer completed a handshake
+        lambda remote: {0: 1},  # equal TP: rank 0 of P, read by this rank alone
         heartbeat_s=0.01,
-        tp_size=1,
+        rank=0,
         record=failures.append,
     )
     try:

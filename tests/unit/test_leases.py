@@ -11,19 +11,35 @@ from hixl_connector.leases import LeaseTable
 def test_done_by_all_consumers_finishes_once() -> None:
     table = LeaseTable(lease_s=10)
     table.start("r1", 7, (1, 2, 3), now=0)
-    assert table.consumer_done("r1", 7, consumers=2, now=1) == "held"
+    assert table.consumer_done("r1", 7, consumers=2, now=1, rank=0) == "held"
     assert table.take_finished() == set()
-    assert table.consumer_done("r1", 7, consumers=2, now=1) == "finished"
+    assert table.consumer_done("r1", 7, consumers=2, now=1, rank=1) == "finished"
     assert table.take_finished() == {"r1"}
     assert table.take_finished() == set()
-    assert table.consumer_done("r1", 7, consumers=2, now=2) == "unknown"
+    assert table.consumer_done("r1", 7, consumers=2, now=2, rank=0) == "unknown"
     assert len(table) == 0
+
+
+def test_a_rank_counts_once_however_often_it_notifies() -> None:
+    """A "done" whose reply was lost, then a "release" from the same rank: still one rank."""
+    table = LeaseTable(lease_s=10)
+    table.start("r1", 7, (1, 2), now=0)
+    for _ in range(3):
+        assert table.consumer_done("r1", 7, consumers=2, now=1, rank=1) == "held"
+    assert table.take_finished() == set()
+    assert table.consumer_done("r1", 7, consumers=2, now=1, rank=0) == "finished"
+    # The same before the lease starts: early notices count ranks too.
+    assert table.consumer_done("r2", 8, consumers=2, now=1, rank=0) == "early"
+    assert table.consumer_done("r2", 8, consumers=2, now=1, rank=0) == "early"
+    table.start("r2", 8, (3,), now=2)
+    assert table.take_finished() == {"r1"}
+    assert table.consumer_done("r2", 8, consumers=2, now=2, rank=1) == "finished"
 
 
 def test_wrong_lease_id_is_ignored() -> None:
     table = LeaseTable(lease_s=10)
     table.start("r1", 7, (1,), now=0)
-    assert table.consumer_done("r1", 8, consumers=1, now=1) == "unknown"
+    assert table.consumer_done("r1", 8, consumers=1, now=1, rank=0) == "unknown"
     assert not table.heartbeat("r1", 8, now=1)
     assert table.is_held("r1", 7) and not table.is_held("r1", 8)
     assert table.take_finished() == set()
@@ -43,7 +59,7 @@ def test_expiry_and_heartbeat() -> None:
 
 def test_done_before_lease_start_is_applied() -> None:
     table = LeaseTable(lease_s=10)
-    assert table.consumer_done("r1", 3, consumers=1, now=0) == "early"
+    assert table.consumer_done("r1", 3, consumers=1, now=0, rank=0) == "early"
     table.start("r1", 3, (4, 5), now=0.5)
     assert table.take_finished() == {"r1"}
     assert len(table) == 0
@@ -51,7 +67,7 @@ def test_done_before_lease_start_is_applied() -> None:
 
 def test_early_notice_for_other_lease_does_not_finish() -> None:
     table = LeaseTable(lease_s=10)
-    table.consumer_done("r1", 3, consumers=1, now=0)
+    table.consumer_done("r1", 3, consumers=1, now=0, rank=0)
     table.start("r1", 4, (4,), now=0.5)
     assert table.take_finished() == set()
     assert table.is_held("r1", 4)
@@ -79,7 +95,7 @@ def test_each_started_lease_finishes_at_most_once(ops: list[tuple[str, int, floa
             started.add(request_id)
             table.start(request_id, n, (n,), now)
         elif op == "done":
-            table.consumer_done(request_id, n, consumers=1, now=now)
+            table.consumer_done(request_id, n, consumers=1, now=now, rank=0)
         elif op == "beat":
             table.heartbeat(request_id, n, now)
         else:
@@ -107,4 +123,4 @@ def test_done_after_expiry_is_not_a_good_read() -> None:
     table = LeaseTable(lease_s=1)
     table.start("r1", 5, (1,), now=0)
     table.expire(now=2)
-    assert table.consumer_done("r1", 5, consumers=1, now=2) == "unknown"
+    assert table.consumer_done("r1", 5, consumers=1, now=2, rank=0) == "unknown"

@@ -111,7 +111,8 @@ FIELDS: dict[str, Any] = {
     "head_size": 32,
     "block_size": 16,
     "kv_layout": "LBHNC",
-    "block_bytes": 8192,
+    "kv_split": "heads",
+    "unit_bytes": 8192,
     "tensors_per_layer": 1,
     "num_tensors": 2,
 }
@@ -129,6 +130,7 @@ def payload_dict(**overrides: Any) -> dict[str, Any]:
         "engine_host": "10.0.0.1",
         "engine_port": 40000,
         "num_blocks": 1024,
+        "units_per_block": 1,
     }
     data.update(overrides)
     if "compatibility_hash" not in data:
@@ -150,8 +152,9 @@ def test_extra_compatibility_fields_are_hashed_and_kept() -> None:
 
 
 def test_other_schema_version_is_refused_clearly() -> None:
-    with pytest.raises(ValueError, match="schema version 2 but this side speaks 1"):
-        HandshakePayload.from_dict(payload_dict(schema_version=2))
+    other = SCHEMA_VERSION + 1
+    with pytest.raises(ValueError, match=f"schema version {other} but this side speaks 2"):
+        HandshakePayload.from_dict(payload_dict(schema_version=other))
     with pytest.raises(ValueError, match="schema version None"):
         HandshakePayload.from_dict({"engine_id": "x"})
 
@@ -167,6 +170,8 @@ def test_other_schema_version_is_refused_clearly() -> None:
         ({"compatibility_hash": "0" * 64}, "does not match its own fields"),
         ({"extra": 1}, r"unknown \['extra'\]"),
         ({"compatibility": FIELDS | {"block_size": 0}}, "block_size"),
+        ({"compatibility": FIELDS | {"kv_split": "rows"}}, "kv_split"),
+        ({"units_per_block": 0}, "units_per_block"),
         ({"compatibility": {k: v for k, v in FIELDS.items() if k != "dtype"}}, "'dtype'"),
         ({"compatibility": FIELDS | {"blob": b"raw"}, "compatibility_hash": ""}, "non-primitive"),
     ],

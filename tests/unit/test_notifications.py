@@ -20,7 +20,8 @@ def notice(kind: str, request_id: str, lease_id: int) -> LeaseNotice:
     fields = ITEM_FIELDS[kind]
     consumers = 2 if "consumers" in fields else 1
     blocks = (4, 9, 2**40) if "block_ids" in fields else ()
-    return LeaseNotice(request_id, lease_id, consumers, blocks)
+    rank = 3 if "rank" in fields else 0
+    return LeaseNotice(request_id, lease_id, consumers, blocks, rank)
 
 
 @pytest.mark.parametrize("kind", sorted(ITEM_FIELDS))
@@ -36,18 +37,22 @@ def test_notification_round_trips(kind: str) -> None:
     ("data", "message"),
     [
         ({"type": "free", "items": []}, "type must be one of"),
-        ({"type": "done", "items": [["a", 1]]}, r"is not \[request_id, lease_id, consumers\]"),
+        (
+            {"type": "done", "items": [["a", 1]]},
+            r"is not \[request_id, lease_id, consumers, rank\]",
+        ),
         ({"type": "heartbeat", "items": [["a", 1, 2]]}, r"is not \[request_id, lease_id\]"),
         ({"type": "check", "items": [["a", 1, 5]]}, "'block_ids' must be a list"),
         ({"type": "check", "items": [["a", 1, [1, -2]]]}, "block_ids"),
         ({"type": "check", "items": [["a", 1, [0] * 65537]]}, "65537 > 65536 blocks"),
-        ({"type": "done", "items": [["a", -1, 1]]}, "lease_id"),
-        ({"type": "done", "items": [["a", 1, 0]]}, "consumers"),
-        ({"type": "done", "items": [["a", True, 1]]}, "lease_id"),
-        ({"type": "done", "items": [["", 1, 1]]}, "request_id"),
-        ({"type": "done", "items": [[1, 1, 1]]}, "request_id"),
+        ({"type": "done", "items": [["a", -1, 1, 0]]}, "lease_id"),
+        ({"type": "done", "items": [["a", 1, 0, 0]]}, "consumers"),
+        ({"type": "done", "items": [["a", 1, 1, -1]]}, "rank"),
+        ({"type": "done", "items": [["a", True, 1, 0]]}, "lease_id"),
+        ({"type": "done", "items": [["", 1, 1, 0]]}, "request_id"),
+        ({"type": "done", "items": [[1, 1, 1, 0]]}, "request_id"),
         ({"type": "done", "items": "a"}, "must be a list"),
-        ({"type": "done", "items": [["a", 1, 1]] * 4097}, "at most 4096"),
+        ({"type": "done", "items": [["a", 1, 1, 0]] * 4097}, "at most 4096"),
         (["done"], "must be a dict"),
     ],
 )

@@ -1,0 +1,1 @@
+"""Deployment shapes beyond one P and one D of equal TP, sharing one set of servers."""

@@ -1,0 +1,53 @@
+"""One fleet of real vLLM CPU servers for every deployment-shape test, started once.
+
+- ``p1``, ``p2``: prefill servers with TP 1 and TP 2;
+- ``d1``, ``d2``: decode servers with TP 1 and TP 2;
+- ``d1_corrupt``: a TP-1 decode server that overwrites what it pulled (the control).
+Routers are started per test from these (they are cheap); everything stops at the end of the
+package. No server is pinned to a core: a TP-2 server binds its workers' OpenMP threads to
+both cores, and a TP-1 server pinned beside one of them was starved for tens of seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hixl_connector.demo.servers import VllmServer
+
+from ..harness import PDLauncher, ProcessRegistry, hixl_connector_config
+
+
+@dataclass
+class Fleet:
+    launcher: PDLauncher
+    p1: VllmServer
+    p2: VllmServer
+    d1: VllmServer
+    d2: VllmServer
+    d1_corrupt: VllmServer
+
+
+@pytest.fixture(scope="package")
+def fleet(
+    tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
+) -> Iterator[Fleet]:
+    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "shapes", process_registry)
+    try:
+        corrupt = hixl_connector_config("decode", test_corrupt_received_kv=True)
+        servers = Fleet(
+            launcher,
+            p1=launcher.server("p1", hixl_connector_config("prefill")),
+            p2=launcher.server("p2", hixl_connector_config("prefill", ranks=2), tp=2),
+            d1=launcher.server("d1", hixl_connector_config("decode")),
+            d2=launcher.server("d2", hixl_connector_config("decode", ranks=2), tp=2),
+            d1_corrupt=launcher.server("d1_corrupt", corrupt),
+        )
+        for server in (servers.p1, servers.p2, servers.d1, servers.d2, servers.d1_corrupt):
+            server.wait_healthy(launcher.health_timeout_s)
+        yield servers
+    finally:
+        launcher.stop_all()

@@ -1,0 +1,79 @@
+"""Prefill and decode with different TP sizes, both directions, behind the real vllm-router.
+
+P tp 2 -> D tp 1: D's one rank reads KV head 0 from P rank 0 and head 1 from P rank 1, each
+straight into its slot of D's blocks. P tp 1 -> D tp 2: each D rank reads its own head from
+P's one rank, and P frees only after both D ranks said done.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+
+from hixl_connector.demo.client import Generation, chat, complete, metric_total, read_metrics
+from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer
+
+from ..harness import (
+    BLOCK_BYTES_PER_LAYER,
+    BLOCK_SIZE,
+    CHAT_MESSAGES,
+    MAX_TOKENS,
+    NUM_LAYERS,
+    PROMPT_LENGTHS,
+    PROMPTS,
+    external_prompt_tokens,
+    pulled,
+    wait_for_pulls,
+)
+from .conftest import Fleet
+
+
+def kv_usage(server: VllmServer) -> float:
+    return metric_total(read_metrics(server.url), "vllm:kv_cache_usage_perc")
+
+
+def wait_kv_idle(server: VllmServer, timeout_s: float = 10.0) -> None:
+    """P frees a request's blocks once every D rank that read them said done."""
+    deadline = time.monotonic() + timeout_s
+    while kv_usage(server) != 0.0:
+        assert time.monotonic() < deadline, f"{server.name} still holds KV blocks"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_token_identical_with_exactly_the_model_kv_pulled(
+    fleet: Fleet, plain_outputs: dict[Any, Generation], p_tp: int, d_tp: int
+) -> None:
+    prefill = fleet.p2 if p_tp == 2 else fleet.p1
+    decode = fleet.d2 if d_tp == 2 else fleet.d1
+    router = fleet.launcher.router(f"router_tp{p_tp}{d_tp}", [prefill], [decode])
+    pulls, blocks, nbytes = pulled(decode)
+    external = external_prompt_tokens(decode.url)
+    for n in PROMPT_LENGTHS:
+        out = complete(router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+        assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
+        expected_blocks = math.ceil(n / BLOCK_SIZE)
+        # Every D rank pulls its share once; together they hold the model's whole KV.
+        now = wait_for_pulls(decode, pulls + d_tp)
+        assert now[0] - pulls == d_tp, f"{n}-token prompt: {now[0] - pulls} pulls"
+        assert now[1] - blocks == expected_blocks * d_tp
+        assert now[2] - nbytes == expected_blocks * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
+        pulls, blocks, nbytes = now
+    assert external_prompt_tokens(decode.url) - external == sum(PROMPT_LENGTHS)
+    out = chat(router.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+    assert out.token_ids == plain_outputs["chat"].token_ids
+    wait_kv_idle(prefill)
+
+
+def test_corrupted_kv_from_two_prefill_ranks_changes_the_output(
+    fleet: Fleet, plain_outputs: dict[Any, Generation]
+) -> None:
+    router = fleet.launcher.router("router_corrupt", [fleet.p2], [fleet.d1_corrupt])
+    lengths = (64, 97, 160, 300)
+    for n in lengths:
+        out = complete(router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+        assert out.token_ids != plain_outputs[n].token_ids, f"{n}: corruption had no effect"
+    assert wait_for_pulls(fleet.d1_corrupt, len(lengths))[0] == len(lengths)

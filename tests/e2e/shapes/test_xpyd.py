@@ -1,0 +1,111 @@
+"""Several prefill instances serving one decode instance, and the reverse, behind vllm-router.
+
+The fleet mixes TP sizes on purpose: P tp 1 and P tp 2 feed one D, and one P feeds D tp 1
+and D tp 2, so each D handshakes with (and each P leases to) peers of more than one shape.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hixl_connector.demo.client import (
+    Generation,
+    RequestFailed,
+    complete,
+    metric_total,
+    read_metrics,
+)
+from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer
+
+from ..harness import MAX_TOKENS, PROMPTS, pulled, wait_for_pulls
+from .conftest import Fleet
+from .test_hetero_tp import wait_kv_idle
+
+LENGTHS = (64, 97, 129, 160, 230, 300)
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def served(server: VllmServer) -> float:
+    return metric_total(read_metrics(server.url), "vllm:request_success_total")
+
+
+def generate_all(url: str) -> dict[int, Generation]:
+    """Every prompt of LENGTHS at once, so peers are handshaken and used concurrently."""
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        futures = {
+            n: pool.submit(
+                complete, url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
+            )
+            for n in LENGTHS
+        }
+        return {n: future.result(timeout=120) for n, future in futures.items()}
+
+
+def test_two_prefill_instances_serve_one_decode(
+    fleet: Fleet, plain_outputs: dict[Any, Generation]
+) -> None:
+    router = fleet.launcher.router("router_2p1d", [fleet.p1, fleet.p2], [fleet.d1])
+    before = {p.name: served(p) for p in (fleet.p1, fleet.p2)}
+    pulls = pulled(fleet.d1)[0]
+    outputs = generate_all(router.url)
+    for n in LENGTHS:
+        assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
+    for prefill in (fleet.p1, fleet.p2):
+        assert served(prefill) > before[prefill.name], f"{prefill.name} served no prefill"
+        wait_kv_idle(prefill)
+    assert wait_for_pulls(fleet.d1, pulls + len(LENGTHS))[0] == pulls + len(LENGTHS)
+
+
+def test_one_prefill_instance_serves_two_decodes(
+    fleet: Fleet, plain_outputs: dict[Any, Generation]
+) -> None:
+    router = fleet.launcher.router("router_1p2d", [fleet.p1], [fleet.d1, fleet.d2])
+    before = {d.name: pulled(d)[0] for d in (fleet.d1, fleet.d2)}
+    outputs = generate_all(router.url)
+    for n in LENGTHS:
+        assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
+    for decode in (fleet.d1, fleet.d2):
+        assert wait_for_pulls(decode, before[decode.name] + 1)[0] > before[decode.name]
+    wait_kv_idle(fleet.p1)
+
+
+def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
+    fleet: Fleet,
+) -> None:
+    """Params that claim P runs TP 3 (3 does not fit 2 KV heads): D names the sizes, reads
+    nothing, and tells P to free at once instead of letting the lease run out."""
+    prompt = PROMPTS[97]
+    params = complete(
+        fleet.p1.url,
+        prompt,
+        model=SERVED_MODEL_NAME,
+        max_tokens=1,
+        extra={"kv_transfer_params": dict(REMOTE_DECODE)},
+    ).kv_transfer_params
+    assert params and params["tp_size"] == 1
+    params = dict(params, tp_size=3)
+    pulls = pulled(fleet.d1)[0]
+    failed = False
+    try:
+        out = complete(
+            fleet.d1.url,
+            prompt,
+            model=SERVED_MODEL_NAME,
+            max_tokens=MAX_TOKENS,
+            extra={"kv_transfer_params": params},
+        )
+        failed = out.finish_reason == "error"
+    except RequestFailed:
+        failed = True
+    assert failed, "D decoded although the TP sizes cannot be mapped"
+    assert "prefill tp_size=3 exceeds num_kv_heads=2" in fleet.d1.log_tail(200)
+    assert pulled(fleet.d1)[0] == pulls
+    wait_kv_idle(fleet.p1)  # well within the 30 s lease: D released it
