@@ -11,6 +11,9 @@ from collections.abc import Sequence
 # (src_start, dst_start, length): ``length`` blocks that are consecutive on both sides.
 Run = tuple[int, int, int]
 BlockIds = tuple[int, ...]
+# vLLM's null block: stands at the positions a KV-cache group does not hold (a sliding-window
+# group's blocks that fell out of the window); never a block of any request.
+NULL_BLOCK_ID = 0
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -34,6 +37,12 @@ def remote_at_positions(remote: Sequence[int], positions: Sequence[int]) -> Bloc
         raise ValueError(
             f"decode side needs prompt block {missing[0]} but the prefill side offers only "
             f"{len(remote)} blocks: the remote prefill covered fewer tokens than this prompt"
+        )
+    dropped = [p for p in positions if remote[p] == NULL_BLOCK_ID]
+    if dropped:
+        raise ValueError(
+            f"decode side needs prompt block {dropped[0]}, which the prefill side no longer "
+            "holds (out of its sliding window): the two sides' windows differ"
         )
     return tuple(remote[p] for p in positions)
 

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
     from hixl_connector.worker import HixlWorker
 
 
-class HixlConnector(KVConnectorBase_V1):
+class HixlConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports the hybrid KV-cache manager: each KV-cache group moves with its own block ids
+    (a sliding-window group only the blocks still in its window)."""
+
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
@@ -47,11 +51,11 @@ class HixlConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from hixl_connector.scheduler import HixlScheduler
 
-            self._scheduler = HixlScheduler(vllm_config, config, engine_id)
+            self._scheduler = HixlScheduler(vllm_config, config, engine_id, kv_cache_config)
         else:
             from hixl_connector.worker import HixlWorker
 
-            self._worker = HixlWorker(vllm_config, config, engine_id)
+            self._worker = HixlWorker(vllm_config, config, engine_id, kv_cache_config)
 
     # -- scheduler side -----------------------------------------------------------------
 
@@ -76,6 +80,12 @@ class HixlConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished_all_groups(request, block_ids)
 
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None

@@ -1,6 +1,7 @@
 """What vLLM's KV-cache tensors look like to the engine: addresses, block bytes, tensors.
 
-`register_kv_caches` hands over one entry per attention layer. Platforms differ:
+`register_kv_caches` hands over one entry per attention layer (with the hybrid KV-cache
+manager, layers of different groups share one buffer: it is registered once). Platforms differ:
 - CPU: one tensor per layer, `[num_blocks, kv_heads, block_size, 2 * head_size]`, every layer
   a view into one buffer;
 - GPU-style K/V split: one tensor per layer, `[2, num_blocks, ...]`;
@@ -79,17 +80,34 @@ def _block_major_views(entry: Any, num_blocks: int) -> list[Any]:
 
 
 def describe_kv_caches(
-    kv_caches: Mapping[str, Any], num_blocks: int, heads_outermost: int = 0
+    kv_caches: Mapping[str, Any],
+    num_blocks: int,
+    heads_outermost: int = 0,
+    groups_share_buffers: bool = False,
 ) -> KVLayout:
     """Derives the engine's view of vLLM's KV caches; refuses layouts it cannot move.
 
     ``heads_outermost``: the number of KV heads of this rank when the platform lays each
     block out head-major (the block's first dimension); 0 when heads do not split a block.
+    ``groups_share_buffers``: several KV-cache groups (the hybrid manager), whose layers
+    share buffers; otherwise a buffer named twice is refused.
     """
     if not kv_caches:
         raise ValueError("register_kv_caches got no KV-cache tensors")
-    per_layer = [_block_major_views(entry, num_blocks) for entry in kv_caches.values()]
-    counts = {len(views) for views in per_layer}
+    per_layer: list[list[Any]] = []
+    seen: dict[tuple[int, ...], list[tuple[Any, ...]]] = {}
+    for entry in kv_caches.values():
+        layer = _block_major_views(entry, num_blocks)
+        starts = tuple(int(view.data_ptr()) for view in layer)
+        forms = [(view.dtype, tuple(view.shape)) for view in layer]
+        # The hybrid KV-cache manager lays one layer of each group on the same buffer (a
+        # block id belongs to one group at a time): register such a buffer once. Any other
+        # sharing is left for the overlap check to refuse.
+        if groups_share_buffers and seen.get(starts) == forms:
+            continue
+        seen[starts] = forms
+        per_layer.append(layer)
+    counts = {len(layer) for layer in per_layer}
     if len(counts) != 1:
         raise ValueError(f"layers have different numbers of KV tensors: {sorted(counts)}")
     views: list[Any] = [view for layer_views in per_layer for view in layer_views]

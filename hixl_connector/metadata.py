@@ -145,7 +145,7 @@ class RemotePrefill:
     remote: RemoteEndpoint
     remote_request_id: str
     lease_id: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, by position in the prompt
     num_tokens: int | None
 
 
@@ -178,7 +178,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             remote=remote,
             remote_request_id=check("remote_request_id", params, str),
             lease_id=check("remote_lease_id", params, int, 0, MAX_U64),
-            block_ids=_single_group(params["remote_block_ids"]),
+            block_ids=_groups(params["remote_block_ids"]),
             num_tokens=num_tokens,
         )
     except InvalidTransferParams:
@@ -190,18 +190,19 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
 def build_remote_decode_params(
     endpoint: RemoteEndpoint,
     request_id: str,
-    block_ids: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
     num_tokens: int,
     lease_id: int,
 ) -> dict[str, Any]:
     """P's answer in request_finished: where and what D pulls (NixlConnector pull fields).
 
-    ``endpoint`` describes P itself: its rank-0 side channel port and cluster id.
+    ``endpoint`` describes P itself: its rank-0 side channel port and cluster id;
+    ``block_ids`` one list per KV-cache group.
     """
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [[int(block_id) for block_id in block_ids]],
+        "remote_block_ids": [[int(block_id) for block_id in group] for group in block_ids],
         "remote_engine_id": endpoint.engine_id,
         "remote_request_id": request_id,
         "remote_host": endpoint.host,
@@ -217,20 +218,24 @@ def build_remote_decode_params(
     }
 
 
-def _single_group(value: Any) -> tuple[int, ...]:
-    """Accepts list[int] or list[list[int]] with exactly one KV group."""
+MAX_KV_CACHE_GROUPS = 64
+
+
+def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
+    """Accepts list[list[int]] (one list per KV-cache group) or a flat list[int] (one group)."""
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"remote_block_ids must be a list, got {value!r}")
-    if value and all(isinstance(group, (list, tuple)) for group in value):
-        if len(value) != 1:
-            raise ValueError(
-                f"remote_block_ids has {len(value)} KV cache groups; only one is supported"
-            )
-        value = value[0]
-    for block_id in value:
-        if not _is_int(block_id) or block_id < 0:
-            raise ValueError(f"remote_block_ids holds {block_id!r}, not a block id >= 0")
-    return tuple(value)
+        raise ValueError(f"remote_block_ids must be a list, got {value!r:.200}")
+    if not (value and all(isinstance(group, (list, tuple)) for group in value)):
+        value = [value]
+    if len(value) > MAX_KV_CACHE_GROUPS:
+        raise ValueError(
+            f"remote_block_ids has {len(value)} KV cache groups, more than {MAX_KV_CACHE_GROUPS}"
+        )
+    for group in value:
+        for block_id in group:
+            if not _is_int(block_id) or block_id < 0:
+                raise ValueError(f"remote_block_ids holds {block_id!r}, not a block id >= 0")
+    return tuple(tuple(group) for group in value)
 
 
 # --- handshake

@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hixl_connector.blocks import blocks_for_tokens, remote_at_positions
+from hixl_connector.blocks import NULL_BLOCK_ID, blocks_for_tokens, remote_at_positions
 from hixl_connector.config import HixlConfig
 from hixl_connector.metadata import (
     UNKNOWN_ENDPOINT,
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -51,7 +52,13 @@ class HixlScheduler:
     which the worker reports as failed_recving, so vLLM's kv_load_failure_policy decides.
     """
 
-    def __init__(self, vllm_config: VllmConfig, config: HixlConfig, engine_id: str) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        config: HixlConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         from vllm.v1.request import RequestStatus
 
         kv_transfer_config = vllm_config.kv_transfer_config
@@ -61,7 +68,11 @@ class HixlScheduler:
         self._is_consumer = kv_transfer_config.is_kv_consumer
         parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
-        self._block_size = vllm_config.cache_config.block_size
+        # Block size of each KV-cache group (hybrid models have several groups).
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self._group_block_sizes = tuple(
+            int(group.kv_cache_spec.block_size) for group in groups
+        ) or (int(vllm_config.cache_config.block_size),)
         dp_rank = parallel.data_parallel_index
         # P announces rank 0's port and cluster id; D's rank r adds r.
         self._endpoint = RemoteEndpoint(
@@ -131,26 +142,39 @@ class HixlScheduler:
         # One transfer per request: a second call (after the load) must not pull again.
         params["do_remote_prefill"] = False
         request_id = request.request_id
+        unfilled = [_unhashed_blocks(group) for group in blocks.blocks]
+        local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         try:
             prefill = parse_remote_prefill(params)
         except InvalidTransferParams as exc:
             self._stop_heartbeat(request_id)
             if num_external_tokens > 0:
-                self._refuse(request_id, None, _unhashed_blocks(blocks)[1], str(exc))
+                self._refuse(request_id, None, local, str(exc))
             else:
                 logger.error("request %s: nothing to pull, P not notified: %s", request_id, exc)
             return
         if num_external_tokens <= 0:
             self._release(request_id, prefill)
             return
-        positions, local = _unhashed_blocks(blocks)
         try:
             if prefill.num_tokens is not None and prefill.num_tokens < request.num_prompt_tokens:
                 raise ValueError(
                     f"the prefill side computed {prefill.num_tokens} tokens, this prompt has "
                     f"{request.num_prompt_tokens}: not the same prompt"
                 )
-            remote = remote_at_positions(prefill.block_ids, positions)
+            if len(prefill.block_ids) != len(unfilled):
+                raise ValueError(
+                    f"the prefill side sent {len(prefill.block_ids)} KV-cache groups, this "
+                    f"engine has {len(unfilled)}: run both with the same model and the same "
+                    "hybrid KV-cache manager setting"
+                )
+            # Every group is moved with its own block ids; one pull takes them all, since a
+            # block id names the same bytes in every registered tensor.
+            remote = tuple(
+                block
+                for (positions, _), offered in zip(unfilled, prefill.block_ids, strict=True)
+                for block in remote_at_positions(offered, positions)
+            )
         except ValueError as exc:
             self._refuse(request_id, prefill, local, f"request {request_id}: {exc}")
             return
@@ -176,6 +200,12 @@ class HixlScheduler:
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Without the hybrid KV-cache manager: one KV-cache group."""
+        return self.request_finished_all_groups(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         request_id = request.request_id
         self._stop_heartbeat(request_id)
@@ -192,29 +222,37 @@ class HixlScheduler:
             return False, None
         if not (self._is_producer and params.get("do_remote_decode")):
             return False, None
-        if request.status not in self._deliverable_statuses or not block_ids:
+        if request.status not in self._deliverable_statuses:
             return False, None
+        if len(block_ids) != len(self._group_block_sizes):
+            raise ValueError(
+                f"request {request_id} has {len(block_ids)} KV-cache groups, this engine "
+                f"{len(self._group_block_sizes)}"
+            )
+        return self._lease(request, block_ids)
+
+    def _lease(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """P: keeps the prompt's blocks of every group under a fresh lease."""
+        request_id = request.request_id
         # D needs the prompt's KV only; blocks past it hold P's generated tokens (when the
-        # router asked P for more than one) and must not be offered.
+        # router asked P for more than one) and must not be offered. A sliding-window group
+        # holds the null block where its blocks left the window: offered as such, never
+        # leased, and D never reads it.
         prompt_blocks = tuple(
-            block_ids[: blocks_for_tokens(request.num_prompt_tokens, self._block_size)]
+            tuple(group[: blocks_for_tokens(request.num_prompt_tokens, block_size)])
+            for group, block_size in zip(block_ids, self._group_block_sizes, strict=True)
         )
+        leased = tuple(b for group in prompt_blocks for b in group if b != NULL_BLOCK_ID)
+        if not leased:
+            return False, None
         lease_id = self._new_lease_id()
         self._leased[request_id] = lease_id
-        self._to_send.append(SendSpec(request_id, prompt_blocks, lease_id))
+        self._to_send.append(SendSpec(request_id, leased, lease_id))
         return True, build_remote_decode_params(
             self._endpoint, request_id, prompt_blocks, request.num_prompt_tokens, lease_id
         )
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        if len(block_ids) != 1:
-            raise ValueError(
-                f"HixlScheduler supports one KV cache group, request {request.request_id} "
-                f"has {len(block_ids)}"
-            )
-        return self.request_finished(request, block_ids[0])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HixlConnectorMetadata:
         meta = HixlConnectorMetadata(
@@ -280,14 +318,13 @@ class HixlScheduler:
         )
 
 
-def _unhashed_blocks(blocks: KVCacheBlocks) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(positions, block ids) of this request's blocks that the local prefix cache did not
-    fill; a position is the block's index within the request."""
-    if len(blocks.blocks) != 1:
-        raise ValueError(f"HixlScheduler supports one KV cache group, got {len(blocks.blocks)}")
+def _unhashed_blocks(group: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(positions, block ids) of one group's blocks of this request that the local prefix
+    cache did not fill (and that the group holds at all: a sliding window's dropped blocks are
+    null); a position is the block's index within the request."""
     unfilled = [
         (position, block.block_id)
-        for position, block in enumerate(blocks.blocks[0])
+        for position, block in enumerate(group)
         if block.block_hash is None and not block.is_null
     ]
     return tuple(p for p, _ in unfilled), tuple(b for _, b in unfilled)

@@ -63,7 +63,13 @@ class _Outcome:
 
 
 class HixlWorker:
-    def __init__(self, vllm_config: Any, config: HixlConfig, engine_id: str) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        config: HixlConfig,
+        engine_id: str,
+        kv_cache_config: Any = None,
+    ) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self._vllm_config = vllm_config
@@ -82,6 +88,7 @@ class HixlWorker:
         self._num_kv_heads = int(model.get_total_num_kv_heads())
         self._mla = bool(getattr(model, "use_mla", False))
         self._plans: dict[int, RankPlan] = {}  # P's tp_size -> this rank's reads
+        self._kv_cache_groups = _describe_groups(kv_cache_config)
         self._leases = LeaseTable(config.lease_s)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._wake = threading.Event()  # a pull ended or a lease may have finished
@@ -106,7 +113,12 @@ class HixlWorker:
         # vLLM's CPU layout keeps each KV head of a block contiguous (heads outermost).
         heads = self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config)
         head_major = current_platform.device_type == "cpu" and not self._mla
-        layout = describe_kv_caches(kv_caches, num_blocks, int(heads) if head_major else 0)
+        layout = describe_kv_caches(
+            kv_caches,
+            num_blocks,
+            int(heads) if head_major else 0,
+            groups_share_buffers=len(self._kv_cache_groups) > 1,
+        )
         engine = open_engine(
             self._config, layout, self._cluster_id, self._is_producer, self._is_consumer
         )
@@ -164,6 +176,7 @@ class HixlWorker:
             "head_size": int(model.get_head_size()),
             "block_size": int(self._vllm_config.cache_config.block_size),
             "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
+            "kv_cache_groups": self._kv_cache_groups,
             **layout.compatibility_fields(),
         }
         return HandshakePayload(
@@ -447,6 +460,17 @@ def _answer_each(
     """Validates a D -> P notification and answers each of its items, in order."""
     now = time.monotonic()
     return {"results": [answer(notice, now) for notice in Notification.from_dict(message).items]}
+
+
+def _describe_groups(kv_cache_config: Any) -> list[str]:
+    """Each KV-cache group as "<spec>:<block size>:<sliding window>:<layers>": both sides must
+    agree, since a group's block ids index the same layers' bytes on both."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return [
+        f"{type(group.kv_cache_spec).__name__}:{group.kv_cache_spec.block_size}:"
+        f"{getattr(group.kv_cache_spec, 'sliding_window', None)}:{len(group.layer_names)}"
+        for group in groups
+    ]
 
 
 def _kv_layout_name(layout: KVLayout) -> str:

@@ -1,11 +1,16 @@
-"""Build a tiny random Llama model and byte-level BPE tokenizer, offline and deterministically.
+"""Build a tiny random model and byte-level BPE tokenizer, offline and deterministically.
 
-The model is small enough for vLLM on a 2-core CPU (411k parameters, 1.6 MB) yet its weights are
-scaled up (N(0, 0.2)) so that greedy outputs are varied rather than one repeated token. Two builds
-with the same recipe are byte-identical, so token ids from one build are valid for another.
+- ``llama`` (the default): small enough for vLLM on a 2-core CPU (411k parameters, 1.6 MB), yet
+  its weights are scaled up (N(0, 0.2)) so that greedy outputs are varied rather than one
+  repeated token.
+- ``gemma3``: a hybrid model, 4 layers alternating sliding-window (64 tokens) and full
+  attention, so vLLM's hybrid KV-cache manager runs two KV-cache groups. Weights N(0, 0.1);
+  Gemma's norms scale by 1 + w, so norm weights are drawn near 0.
+Two builds with the same recipe are byte-identical, so token ids from one build are valid for
+another (both architectures share the tokenizer).
 
-Usage: ``python -m hixl_connector.demo.tiny_model DIR``. Building is idempotent: a directory that
-already holds a complete build of the same recipe version is left untouched.
+Usage: ``python -m hixl_connector.demo.tiny_model DIR [--architecture gemma3]``. Building is
+idempotent: a directory that already holds a complete build of the same recipe is left alone.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ _CHAT_TEMPLATE = (
 _SEED_CORPUS = 1234
 _SEED_WEIGHTS = 0
 _INIT_STD = 0.2
+ARCHITECTURES = ("llama", "gemma3")
+GEMMA3_SLIDING_WINDOW = 64
+_GEMMA3_INIT_STD = 0.1
+_GEMMA3_NORM_STD = 0.02
 
 
 def _corpus() -> list[str]:
@@ -79,6 +88,36 @@ def _build_tokenizer(out_dir: Path) -> object:
     return wrapped
 
 
+def _build_gemma3(out_dir: Path, tokenizer: object) -> None:
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=GEMMA3_SLIDING_WINDOW,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(_SEED_WEIGHTS)
+    model = Gemma3ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, _GEMMA3_INIT_STD if param.dim() >= 2 else _GEMMA3_NORM_STD)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+
 def _build_model(out_dir: Path, tokenizer: object) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -106,39 +145,46 @@ def _build_model(out_dir: Path, tokenizer: object) -> None:
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
 
-def is_built(model_dir: Path) -> bool:
+def _recipe(architecture: str) -> dict[str, object]:
+    # The llama stamp keeps its original form, so existing builds stay valid.
+    if architecture == "llama":
+        return {"recipe": RECIPE_VERSION}
+    return {"recipe": RECIPE_VERSION, "architecture": architecture}
+
+
+def is_built(model_dir: Path, architecture: str = "llama") -> bool:
     """True when ``model_dir`` holds a complete build of the current recipe version."""
     stamp = model_dir / STAMP_NAME
     try:
         recorded = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return False
-    files = recorded.get("files", [])
-    return recorded.get("recipe") == RECIPE_VERSION and all(
-        (model_dir / f).is_file() for f in files
-    )
+    files = recorded.pop("files", [])
+    return recorded == _recipe(architecture) and all((model_dir / f).is_file() for f in files)
 
 
-def build_tiny_model(model_dir: str | os.PathLike[str]) -> Path:
+def build_tiny_model(model_dir: str | os.PathLike[str], architecture: str = "llama") -> Path:
     """Build the model into ``model_dir`` unless an identical-recipe build is already there.
 
     The build goes into a sibling temporary directory that is renamed into place, so readers
     never see a half-written model and a crashed build leaves nothing behind.
     """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
     target = Path(model_dir).resolve()
-    if is_built(target):
+    if is_built(target, architecture):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     staging.chmod(0o755)
     try:
         tokenizer = _build_tokenizer(staging)
-        _build_model(staging, tokenizer)
+        (_build_gemma3 if architecture == "gemma3" else _build_model)(staging, tokenizer)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
-        stamp = {"recipe": RECIPE_VERSION, "files": files}
+        stamp = {**_recipe(architecture), "files": files}
         (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=1, sort_keys=True) + "\n")
         if target.exists():
-            if is_built(target):  # another process finished first
+            if is_built(target, architecture):  # another process finished first
                 return target
             shutil.rmtree(target)
         os.rename(staging, target)
@@ -150,8 +196,9 @@ def build_tiny_model(model_dir: str | os.PathLike[str]) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", help="directory to build the model into")
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.model_dir))
+    print(build_tiny_model(args.model_dir, args.architecture))
     return 0
 
 

@@ -242,14 +242,20 @@ class PDLauncher:
     __call__ = start
 
     def server(
-        self, name: str, config: Mapping[str, Any] | None, *, tp: int = 1, core: int | None = None
+        self,
+        name: str,
+        config: Mapping[str, Any] | None,
+        *,
+        tp: int = 1,
+        core: int | None = None,
+        args: Sequence[str] = (),
     ) -> VllmServer:
         """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
         by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority:
         its engine and workers busy-step while KV sends or receives are pending, and on a
         2-core host would starve the peer they wait for."""
         env: dict[str, str] = {}
-        args: list[str] = []
+        extra = list(args)
         nice = 0
         if tp > 1:
             nice = 10
@@ -257,7 +263,7 @@ class PDLauncher:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
                 str(cores[i % len(cores)]) for i in range(tp)
             )
-            args = ["--tensor-parallel-size", str(tp)]
+            extra += ["--tensor-parallel-size", str(tp)]
             core = None
         server = start_vllm_server(
             self.model_dir,
@@ -266,7 +272,7 @@ class PDLauncher:
             core=core,
             kv_transfer_config=config,
             extra_env=env,
-            extra_args=args,
+            extra_args=extra,
             nice=nice,
         )
         self._track(server)

@@ -17,6 +17,8 @@ from hixl_connector.blocks import (
 )
 
 block_ids = st.lists(st.integers(min_value=0, max_value=200), max_size=60)
+# Blocks P offers: never vLLM's null block (0), which marks a position a group no longer holds.
+offered_ids = st.lists(st.integers(min_value=1, max_value=200), max_size=60)
 
 
 @st.composite
@@ -87,7 +89,7 @@ def test_chunks_preserve_order_and_respect_the_limit(
     assert len(chunks) == -(-len(src) // max_pairs)
 
 
-@given(block_ids, st.data())
+@given(offered_ids, st.data())
 def test_positions_pick_the_blocks_holding_the_same_tokens(
     remote: list[int], data: st.DataObject
 ) -> None:
@@ -96,6 +98,20 @@ def test_positions_pick_the_blocks_holding_the_same_tokens(
     mapped = remote_at_positions(remote, positions)
     assert list(mapped) == remote[hit:]  # D's prefix hits lead: it pulls P's tail
     assert remote[:hit] + list(mapped) == remote
+
+
+@given(offered_ids, st.data())
+def test_a_position_the_prefill_side_dropped_is_never_read(
+    remote: list[int], data: st.DataObject
+) -> None:
+    """A sliding-window group offers the null block where its blocks left the window."""
+    dropped = data.draw(st.integers(0, len(remote)))
+    window = [0] * dropped + remote
+    assert remote_at_positions(window, range(dropped, len(window))) == tuple(remote)
+    if dropped:
+        needed = data.draw(st.integers(0, dropped - 1))
+        with pytest.raises(ValueError, match=f"block {needed}, which the prefill side no"):
+            remote_at_positions(window, range(needed, len(window)))
 
 
 def test_no_positions_pull_nothing() -> None:

@@ -68,3 +68,20 @@ def test_head_major_blocks_register_one_unit_per_kv_head() -> None:
     assert describe_kv_caches({"l": buffer[0]}, num_blocks).units_per_block == 1
     with pytest.raises(ValueError, match="should hold 2 KV heads"):
         describe_kv_caches({"l": buffer[0]}, num_blocks, 2)
+
+
+def test_layers_of_hybrid_groups_sharing_a_buffer_are_registered_once() -> None:
+    num_blocks = 6
+    buffers = torch.zeros(2, num_blocks, 2, 32, 64)
+    # Gemma-3 style: sliding-window layers 0, 2 and full layers 1, 3 share buffers pairwise.
+    caches = {f"l{i}": buffers[i // 2] for i in range(4)}
+    layout = describe_kv_caches(caches, num_blocks, 2, groups_share_buffers=True)
+    assert layout.num_tensors == 2 and layout.num_layers == 2
+    assert layout.tensor_addrs == (buffers[0].data_ptr(), buffers[1].data_ptr())
+    # The same bytes seen as another shape are not a shared buffer: refused.
+    with pytest.raises(ValueError, match="overlap|differ"):
+        describe_kv_caches(
+            {"a": buffers[0], "b": buffers[0].view(num_blocks, 4, 16, 64)},
+            num_blocks,
+            groups_share_buffers=True,
+        )

@@ -31,7 +31,7 @@ def wire(message: dict[str, Any]) -> Any:
 
 
 def p_params(**overrides: Any) -> dict[str, Any]:
-    params = build_remote_decode_params(P, "req-1", [7, 8, 9], 40, 2**40)
+    params = build_remote_decode_params(P, "req-1", [[7, 8, 9]], 40, 2**40)
     params.update(overrides)
     return params
 
@@ -43,12 +43,20 @@ def test_params_round_trip_through_json_like_wire() -> None:
     prefill = parse_remote_prefill(wire(p_params()))
     assert prefill.remote == P
     assert (prefill.remote_request_id, prefill.lease_id) == ("req-1", 2**40)
-    assert prefill.block_ids == (7, 8, 9) and prefill.num_tokens == 40
+    assert prefill.block_ids == ((7, 8, 9),) and prefill.num_tokens == 40
 
 
 def test_flat_block_list_is_accepted() -> None:
-    assert parse_remote_prefill(p_params(remote_block_ids=[3, 4])).block_ids == (3, 4)
-    assert parse_remote_prefill(p_params(remote_block_ids=[[]])).block_ids == ()
+    assert parse_remote_prefill(p_params(remote_block_ids=[3, 4])).block_ids == ((3, 4),)
+    assert parse_remote_prefill(p_params(remote_block_ids=[[]])).block_ids == ((),)
+
+
+def test_one_block_list_per_kv_cache_group() -> None:
+    groups = [[3, 4, 5], [0, 9, 10]]  # a sliding-window group: its first block dropped (0)
+    assert parse_remote_prefill(p_params(remote_block_ids=groups)).block_ids == (
+        (3, 4, 5),
+        (0, 9, 10),
+    )
 
 
 def test_missing_fields_are_all_named() -> None:
@@ -61,7 +69,8 @@ def test_missing_fields_are_all_named() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"remote_block_ids": [[1], [2]]}, "2 KV cache groups"),
+        ({"remote_block_ids": [[1]] * 65}, "65 KV cache groups"),
+        ({"remote_block_ids": [[1], [2, -1]]}, "-1"),
         ({"remote_block_ids": [1, -2]}, "-2"),
         ({"remote_block_ids": [1, True]}, "True"),
         ({"remote_block_ids": "1,2"}, "must be a list"),

@@ -1,0 +1,123 @@
+"""A hybrid model (Gemma-3 style: sliding-window and full-attention layers) with vLLM's hybrid
+KV-cache manager on, so every request has two KV-cache groups, and with it off.
+
+With the manager on, each group moves with its own block ids and the sliding-window group
+only the blocks D still attends to; with it off every layer keeps and ships its whole
+history. Both must be token-identical to a plain server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hixl_connector.demo.client import complete
+from hixl_connector.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
+from hixl_connector.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
+
+from ..harness import (
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    PDLauncher,
+    ProcessRegistry,
+    hixl_connector_config,
+    pulled,
+    token_prompt,
+    wait_for_pulls,
+)
+from .test_hetero_tp import wait_kv_idle
+
+LENGTHS = (33, 65, 97, 160, 230, 300)
+PROMPTS = {n: token_prompt(n, seed=1000 + n) for n in LENGTHS}
+# Per block: 2 KV heads x 32 tokens x (2 x 32 head dims) x 4 bytes, in each registered buffer.
+BLOCK_BYTES = 2 * BLOCK_SIZE * 64 * 4
+NUM_LAYERS = 4
+HYBRID_OFF = ("--disable-hybrid-kv-cache-manager",)
+
+
+@dataclass
+class HybridFleet:
+    """Servers by name (plain, p_on/d_on with the manager on, p_off/d_off with it off,
+    d_corrupt fed by p_on) and a router per P/D pair (on, off, corrupt)."""
+
+    servers: dict[str, VllmServer]
+    routers: dict[str, RouterProcess]
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, e2e_log_dir: Path, process_registry: ProcessRegistry
+) -> Iterator[HybridFleet]:
+    model = build_tiny_model(tmp_path_factory.mktemp("gemma3") / "model", "gemma3")
+    launcher = PDLauncher(model, e2e_log_dir / "hybrid", process_registry)
+    try:
+        corrupt = hixl_connector_config("decode", test_corrupt_received_kv=True)
+        servers = {
+            "plain": launcher.server("plain", None),
+            "p_on": launcher.server("p_on", hixl_connector_config("prefill")),
+            "d_on": launcher.server("d_on", hixl_connector_config("decode")),
+            "p_off": launcher.server("p_off", hixl_connector_config("prefill"), args=HYBRID_OFF),
+            "d_off": launcher.server("d_off", hixl_connector_config("decode"), args=HYBRID_OFF),
+            "d_corrupt": launcher.server("d_corrupt", corrupt),
+        }
+        for server in servers.values():
+            server.wait_healthy(launcher.health_timeout_s)
+        pairs = {
+            "on": ("p_on", "d_on"),
+            "off": ("p_off", "d_off"),
+            "corrupt": ("p_on", "d_corrupt"),
+        }
+        routers = {
+            name: launcher.router(f"router_{name}", [servers[p]], [servers[d]])
+            for name, (p, d) in pairs.items()
+        }
+        yield HybridFleet(servers, routers)
+    finally:
+        launcher.stop_all()
+
+
+def generate(url: str, n: int) -> list[int]:
+    return complete(url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS).token_ids
+
+
+def test_the_manager_stays_on_with_the_connector(fleet: HybridFleet) -> None:
+    for name in ("p_on", "d_on"):
+        assert "Turning off hybrid kv cache manager" not in fleet.servers[name].log_tail(400)
+
+
+def test_token_identical_with_the_sliding_window_shipping_less(fleet: HybridFleet) -> None:
+    reference = {n: generate(fleet.servers["plain"].url, n) for n in LENGTHS}
+    # Varied outputs: the random weights do not collapse to one repeated token.
+    assert all(len(set(tokens)) >= MAX_TOKENS // 5 for tokens in reference.values())
+    moved = {}
+    for name in ("on", "off"):
+        decode = fleet.servers[f"d_{name}"]
+        total = 0.0
+        for n in LENGTHS:
+            pulls, blocks, nbytes = pulled(decode)
+            out = generate(fleet.routers[name].url, n)
+            assert out == reference[n], f"manager {name}: {n} tokens"
+            now = wait_for_pulls(decode, pulls + 1)
+            full = math.ceil(n / BLOCK_SIZE)
+            if name == "off":  # every layer its own buffer, every block of the prompt
+                assert now[1] - blocks == full
+                assert now[2] - nbytes == full * NUM_LAYERS * BLOCK_BYTES
+            else:  # two buffers, each shared by a sliding-window and a full layer
+                window = now[1] - blocks - full
+                assert 1 <= window <= math.ceil(GEMMA3_SLIDING_WINDOW / BLOCK_SIZE) + 1
+                assert now[2] - nbytes == (full + window) * 2 * BLOCK_BYTES
+            total += now[2] - nbytes
+        moved[name] = total
+        wait_kv_idle(fleet.servers[f"p_{name}"])
+    assert moved["on"] < moved["off"], moved
+
+
+def test_corrupted_kv_changes_the_output(fleet: HybridFleet) -> None:
+    for n in (97, 160, 300):
+        reference = generate(fleet.servers["plain"].url, n)
+        assert generate(fleet.routers["corrupt"].url, n) != reference, n
+    assert wait_for_pulls(fleet.servers["d_corrupt"], 3)[0] == 3
