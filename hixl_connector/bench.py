@@ -122,11 +122,17 @@ def serve(layout: Layout, threads: int) -> None:
     dd.finalize()
 
 
+def serve_command(layout: Layout, threads: int) -> list[str]:
+    cmd = [sys.executable, "-m", "hixl_connector.bench", "--serve"]
+    cmd += ["--block-tokens", str(layout.block_tokens), "--pool-bytes", str(layout.pool_bytes)]
+    return cmd + ["--threads", str(threads)]
+
+
 class Server:
-    def __init__(self, layout: Layout, threads: int) -> None:
-        cmd = [sys.executable, "-m", "hixl_connector.bench", "--serve"]
-        cmd += ["--block-tokens", str(layout.block_tokens), "--pool-bytes", str(layout.pool_bytes)]
-        cmd += ["--threads", str(threads)]
+    """A serving process started with ``cmd``: it prints one JSON line once ready (port, pid,
+    bases) and its engine's stats when its stdin closes."""
+
+    def __init__(self, cmd: list[str]) -> None:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
@@ -332,7 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for block_tokens in (16, 128):
         layout = Layout(block_tokens, pool_bytes)
         name = f"block{block_tokens}"
-        server = Server(layout, args.threads)
+        server = Server(serve_command(layout, args.threads))
         try:
             for transport in args.transports:
                 report["transports"][transport][name] = measure_transport(

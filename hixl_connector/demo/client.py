@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 120.0
+# The kv_transfer_params a P/D router sends with the prefill leg (vllm-router, NixlConnector
+# protocol): P computes the prompt and answers with what D needs to pull it.
+PREFILL_LEG_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 class RequestFailed(RuntimeError):

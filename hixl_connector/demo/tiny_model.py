@@ -22,6 +22,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # Bump when anything below changes the produced files.
 RECIPE_VERSION = 1
@@ -88,61 +89,57 @@ def _build_tokenizer(out_dir: Path) -> object:
     return wrapped
 
 
-def _build_gemma3(out_dir: Path, tokenizer: object) -> None:
+def _shared_config(tokenizer: Any) -> dict[str, Any]:
+    """What both tiny architectures have in common: the tokenizer's ids and the sizes."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+
+
+def _save_random(model_class: Any, config: Any, out_dir: Path, std: float, std_1d: float) -> None:
+    """Draws every matrix from N(0, std), and every vector from N(0, std_1d) unless 0."""
     import torch
+
+    torch.manual_seed(_SEED_WEIGHTS)
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std)
+            elif std_1d:
+                param.normal_(0.0, std_1d)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+def _build_gemma3(out_dir: Path, tokenizer: Any) -> None:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),  # type: ignore[arg-type]
-        hidden_size=128,
-        intermediate_size=256,
+        **_shared_config(tokenizer),
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         query_pre_attn_scalar=32,
         layer_types=["sliding_attention", "full_attention"] * 2,
         sliding_window=GEMMA3_SLIDING_WINDOW,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
-        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
-        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
-        tie_word_embeddings=False,
-        torch_dtype="float32",
     )
-    torch.manual_seed(_SEED_WEIGHTS)
-    model = Gemma3ForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, _GEMMA3_INIT_STD if param.dim() >= 2 else _GEMMA3_NORM_STD)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    _save_random(Gemma3ForCausalLM, config, out_dir, _GEMMA3_INIT_STD, _GEMMA3_NORM_STD)
 
 
-def _build_model(out_dir: Path, tokenizer: object) -> None:
-    import torch
+def _build_model(out_dir: Path, tokenizer: Any) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),  # type: ignore[arg-type]
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
-        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
-        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(_SEED_WEIGHTS)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, _INIT_STD)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    config = LlamaConfig(**_shared_config(tokenizer), num_hidden_layers=2)
+    _save_random(LlamaForCausalLM, config, out_dir, _INIT_STD, 0.0)
 
 
 def _recipe(architecture: str) -> dict[str, object]:

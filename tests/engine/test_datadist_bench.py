@@ -42,6 +42,23 @@ def test_bench_quick_json(tmp_path: Path) -> None:
                 assert (figures[key] > 0) if transport == "cma" else key not in figures
 
 
+def test_bench_tp_quick_json(tmp_path: Path) -> None:
+    """Each mismatched pull verifies the bytes of every head slot (it raises otherwise)."""
+    out = tmp_path / "bench_tp.json"
+    cmd = [sys.executable, "-m", "hixl_connector", "bench-tp", "--quick", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report) == {"cma", "tcp"}
+    for transport, cases in report.items():
+        assert set(cases) == {"P tp2 -> D tp1", "P tp1 -> D tp2"}
+        for name, figures in cases.items():
+            for key in ("gbps", "reference_gbps", "ratio"):
+                assert figures[key] > 0, (transport, name, key)
+            # Nothing staged: the engine's own memory stays far below one request's bytes.
+            assert figures["client_peak_internal_bytes"] < 1 << 20, (transport, name)
+
+
 def test_unknown_command_lists_commands() -> None:
     cmd = [sys.executable, "-m", "hixl_connector", "nope"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)

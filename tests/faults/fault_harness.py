@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hixl_connector.demo.client import (
+    PREFILL_LEG_PARAMS,
     Generation,
     RequestFailed,
     complete,
@@ -34,14 +35,6 @@ from hixl_connector.demo.servers import (
 
 HEALTH_TIMEOUT_S = 300.0
 MAX_TOKENS = 16
-REMOTE_DECODE_MARKER = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def token_prompt(length: int, seed: int) -> list[int]:
@@ -113,7 +106,7 @@ def prefill_leg(
         list(prompt),
         model=SERVED_MODEL_NAME,
         max_tokens=1,
-        extra={"kv_transfer_params": dict(REMOTE_DECODE_MARKER)},
+        extra={"kv_transfer_params": dict(PREFILL_LEG_PARAMS)},
         timeout_s=timeout_s,
     )
     if not out.kv_transfer_params:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hixl_connector.demo.client import (
+    PREFILL_LEG_PARAMS,
     Generation,
     RequestFailed,
     complete,
@@ -23,14 +24,6 @@ from .conftest import Fleet
 from .test_hetero_tp import wait_kv_idle
 
 LENGTHS = (64, 97, 129, 160, 230, 300)
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def served(server: VllmServer) -> float:
@@ -88,7 +81,7 @@ def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
         prompt,
         model=SERVED_MODEL_NAME,
         max_tokens=1,
-        extra={"kv_transfer_params": dict(REMOTE_DECODE)},
+        extra={"kv_transfer_params": dict(PREFILL_LEG_PARAMS)},
     ).kv_transfer_params
     assert params and params["tp_size"] == 1
     params = dict(params, tp_size=3)
