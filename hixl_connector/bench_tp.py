@@ -2,9 +2,9 @@
 
 Llama-8B KV shape (32 layers, K and V tensors = 64 tensors, 8 KV heads, head_dim 128, bf16),
 16-token blocks, every tensor registered one unit per KV head of a block, as the connector
-registers vLLM's CPU KV cache. The unit ids come from ``tp_mapping`` exactly as the worker
-builds them. Four pulls of fresh random block ids, rotating in order, each case paired with
-its reference:
+registers vLLM's CPU KV cache. The unit ids come from ``tp_mapping`` and the calls run through
+``engine_setup.run_pulls`` exactly as the worker does it (reads from several P ranks at
+once). Fresh random block ids for every pull; each case alternates with its reference:
 
 - "P tp2 -> D tp1": a D rank holding all 8 heads reads heads 0-3 from one 4-head P rank and
   4-7 from another (two ``pull_blocks``, each into half of every block), against the
@@ -40,6 +40,8 @@ from hixl_connector.bench import (
     _median_ratio,
     _options,
 )
+from hixl_connector.datadist import load_backend
+from hixl_connector.engine_setup import PullCall, run_pulls
 from hixl_connector.tp_mapping import plan_rank, unit_ids
 
 KV_HEADS, HEAD_DIM, DTYPE_BYTES, BLOCK_TOKENS = 8, 128, 2, 16
@@ -118,17 +120,20 @@ class DRank:
     def pull(self, ranks: list[PRank], d_tp: int, src: list[int], dst: list[int]) -> float:
         """Every read ``tp_mapping`` plans for rank 0 of a D engine of TP ``d_tp`` reading a
         P engine of these ranks, timed together."""
+        api = load_backend("native", None)
         plan = plan_rank(KV_HEADS, len(ranks), d_tp, 0)
-        key = _api().BlocksCacheKey
-        start = time.perf_counter()
-        for read in plan.reads:
-            rank = ranks[read.p_rank]
-            self.dd.cache_manager.pull_blocks(
-                key(rank.cluster, 0),
+        calls = [
+            PullCall(
+                api.BlocksCacheKey(ranks[read.p_rank].cluster, 0),
                 self.cache,
-                unit_ids(src, rank.heads, read.src_head, read.count),
+                unit_ids(src, ranks[read.p_rank].heads, read.src_head, read.count),
                 unit_ids(dst, self.heads, read.dst_head, read.count),
+                tensors_per_layer=2,  # K and V
             )
+            for read in plan.reads
+        ]
+        start = time.perf_counter()
+        run_pulls(api, self.dd.cache_manager, calls, concurrent=len(calls) > 1)
         elapsed = time.perf_counter() - start
         for read in plan.reads:  # each head slot holds the bytes of the P rank it came from
             unit = dst[0] * self.heads + read.dst_head

@@ -54,29 +54,67 @@ class Engine:
     def cache(self) -> Any:
         return self.caches[0].cache
 
-    def pull_blocks(self, remote_cluster_id: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Pulls unit ``src[i]`` of the peer into unit ``dst[i]`` here, for every registered
-        cache (a unit: one KV head of a block where heads split, else a whole block).
-
-        Each call of the synchronous ``pull_blocks`` stays under the back-end's request-size
-        limit; the first failure raises (LLMException) and stops the rest.
+    def pull(self, reads: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+        """For each ``(remote_cluster_id, src, dst)``: pulls unit ``src[i]`` of that peer into
+        unit ``dst[i]`` here, for every registered cache (a unit: one KV head of a block where
+        heads split, else a whole block). Each call stays under the back-end's request-size
+        limit; raises the first failure (LLMException).
         """
-        manager = self.datadist.cache_manager
-        chunks = (
-            chunk_pairs(src, dst, self.max_pairs_per_pull)
-            if self.max_pairs_per_pull is not None
-            else [(tuple(src), tuple(dst))]
-        )
-        for part in self.caches:
-            key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
-            for src_chunk, dst_chunk in chunks:
-                manager.pull_blocks(
-                    key,
-                    part.cache,
-                    list(src_chunk),
-                    list(dst_chunk),
-                    tensor_num_per_layer=part.tensors_per_layer,
+        calls = []
+        for remote_cluster_id, src, dst in reads:
+            chunks = (
+                chunk_pairs(src, dst, self.max_pairs_per_pull)
+                if self.max_pairs_per_pull is not None
+                else [(tuple(src), tuple(dst))]
+            )
+            for part in self.caches:
+                key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
+                calls += [
+                    PullCall(key, part.cache, list(s), list(d), part.tensors_per_layer)
+                    for s, d in chunks
+                ]
+        run_pulls(self.api, self.datadist.cache_manager, calls, concurrent=len(reads) > 1)
+
+
+@dataclass(frozen=True)
+class PullCall:
+    """One ``pull_blocks`` call: what and from where."""
+
+    key: Any
+    cache: Any
+    src: list[int]
+    dst: list[int]
+    tensors_per_layer: int
+
+
+def run_pulls(api: Any, manager: Any, calls: Sequence[PullCall], concurrent: bool) -> None:
+    """Runs the calls one after another, the first failure stopping the rest; or, for reads
+    from several peers (D reading several P ranks), all at once, so their transfers overlap.
+    Then every call ends before the first failure is raised, so nothing lands afterwards."""
+    if not concurrent:
+        for c in calls:
+            manager.pull_blocks(
+                c.key, c.cache, c.src, c.dst, tensor_num_per_layer=c.tensors_per_layer
+            )
+        return
+    handles = []
+    failure: Exception | None = None
+    try:
+        for c in calls:
+            handles.append(
+                api.pull_blocks_async(
+                    manager, c.key, c.cache, c.src, c.dst, tensor_num_per_layer=c.tensors_per_layer
                 )
+            )
+    except Exception as e:  # refused at submission: the ones in flight still end first
+        failure = e
+    for handle in handles:
+        try:
+            handle.wait()
+        except Exception as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 def cache_groups(layout: KVLayout) -> list[CacheGroup]:

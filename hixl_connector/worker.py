@@ -309,8 +309,7 @@ class HixlWorker:
             if self._config.test_pull_delay_s:
                 time.sleep(self._config.test_pull_delay_s)
             started = time.monotonic()
-            for read in plan.reads:
-                self._pull_heads(peers[read.p_rank], read, spec)
+            self._engine.pull([self._heads(peers[read.p_rank], read, spec) for read in plan.reads])
             finished = time.monotonic()
             # The read is good only if P still held the lease after it: P never reuses
             # leased blocks, and a lease that ended never comes back. Unread replicas are
@@ -342,16 +341,19 @@ class HixlWorker:
         self._outcomes.put(_Outcome(spec.request_id, True))
         self._wake.set()
 
-    def _pull_heads(self, peer: Peer, read: HeadRead, spec: RecvSpec) -> None:
-        """One P rank's heads of the request's blocks, straight into their slots here."""
-        assert self._engine is not None and self._layout is not None
+    def _heads(
+        self, peer: Peer, read: HeadRead, spec: RecvSpec
+    ) -> tuple[int, list[int], list[int]]:
+        """One P rank's heads of the request's blocks, to land straight in their slots here:
+        (peer cluster id, source unit ids, destination unit ids)."""
+        assert self._layout is not None
         src = unit_ids(
             spec.remote_block_ids, peer.payload.units_per_block, read.src_head, read.count
         )
         dst = unit_ids(
             spec.local_block_ids, self._layout.units_per_block, read.dst_head, read.count
         )
-        self._engine.pull_blocks(peer.cluster_id, src, dst)
+        return peer.cluster_id, src, dst
 
     def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec, consumers: int) -> None:
         """Reads nothing unless P confirms these blocks are leased to this request now."""

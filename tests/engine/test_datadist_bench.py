@@ -55,8 +55,9 @@ def test_bench_tp_quick_json(tmp_path: Path) -> None:
         for name, figures in cases.items():
             for key in ("gbps", "reference_gbps", "ratio"):
                 assert figures[key] > 0, (transport, name, key)
-            # Nothing staged: the engine's own memory stays far below one request's bytes.
-            assert figures["client_peak_internal_bytes"] < 1 << 20, (transport, name)
+            # Nothing staged: the engine's own memory (two pulls in flight at most) stays far
+            # below the 32 MiB one quick request moves.
+            assert figures["client_peak_internal_bytes"] < 4 << 20, (transport, name)
 
 
 def test_unknown_command_lists_commands() -> None:
