@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.client import complete
+from hixl_connector.demo.client import RequestFailed, complete
 from hixl_connector.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
 from hixl_connector.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
 
@@ -42,7 +42,7 @@ HYBRID_OFF = ("--disable-hybrid-kv-cache-manager",)
 @dataclass
 class HybridFleet:
     """Servers by name (plain, p_on/d_on with the manager on, p_off/d_off with it off,
-    d_corrupt fed by p_on) and a router per P/D pair (on, off, corrupt)."""
+    d_corrupt fed by p_on) and a router per P/D pair (on, off, corrupt, mismatch)."""
 
     servers: dict[str, VllmServer]
     routers: dict[str, RouterProcess]
@@ -70,6 +70,7 @@ def fleet(
             "on": ("p_on", "d_on"),
             "off": ("p_off", "d_off"),
             "corrupt": ("p_on", "d_corrupt"),
+            "mismatch": ("p_on", "d_off"),  # two groups on P, one on D
         }
         routers = {
             name: launcher.router(f"router_{name}", [servers[p]], [servers[d]])
@@ -121,3 +122,24 @@ def test_corrupted_kv_changes_the_output(fleet: HybridFleet) -> None:
         reference = generate(fleet.servers["plain"].url, n)
         assert generate(fleet.routers["corrupt"].url, n) != reference, n
     assert wait_for_pulls(fleet.servers["d_corrupt"], 3)[0] == 3
+
+
+def test_mismatched_groups_fail_the_request_naming_them_and_free_the_prefill(
+    fleet: HybridFleet,
+) -> None:
+    decode = fleet.servers["d_off"]
+    pulls = pulled(decode)[0]
+    failed = False
+    try:
+        failed = (
+            complete(
+                fleet.routers["mismatch"].url, PROMPTS[97], model=SERVED_MODEL_NAME, max_tokens=4
+            ).finish_reason
+            == "error"
+        )
+    except RequestFailed:
+        failed = True
+    assert failed, "D decoded KV from a prefill engine with other KV-cache groups"
+    assert "the prefill side sent 2 KV-cache groups, this engine has 1" in decode.log_tail(200)
+    assert pulled(decode)[0] == pulls
+    wait_kv_idle(fleet.servers["p_on"])  # D released at once: well within the 30 s lease
