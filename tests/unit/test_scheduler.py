@@ -28,6 +28,7 @@ from vllm_harness import (
 )
 
 from hixl_connector.config import HixlConfig
+from hixl_connector.demo.client import PREFILL_LEG_PARAMS
 from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
@@ -221,17 +222,11 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="prefill-1")
     config = HixlConfig.from_dict(EXTRA_CONFIG, "prefill-1")
     idle = free_blocks(scheduler)
-    router_params = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
     for request_id, seed in (("p1", 0), ("p2", 5)):
         scheduler.add_request(
-            make_request(request_id, prompt(40, seed), max_tokens=1, params=dict(router_params))
+            make_request(
+                request_id, prompt(40, seed), max_tokens=1, params=dict(PREFILL_LEG_PARAMS)
+            )
         )
     output = scheduler.schedule()
     blocks = {rid: block_ids(scheduler, rid) for rid in ("p1", "p2")}
