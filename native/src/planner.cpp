@@ -137,6 +137,12 @@ Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRan
   std::vector<int64_t> slice_ids;
   const std::vector<int64_t>* src_ids = &req.src_blocks;
   if (req.remote_kind == kBlocksByModel) {
+    // Block i of the source lands on block j here byte for byte: unequal block sizes would
+    // spread one source block over parts of two destination blocks.
+    if (src_stride != dst_stride) {
+      return invalid(sname + " has blocks of " + std::to_string(src_stride) +
+                     " bytes, the destination cache blocks of " + std::to_string(dst_stride));
+    }
     for (size_t i = 0; i < req.src_blocks.size(); ++i) {
       if (static_cast<uint64_t>(req.src_blocks[i]) >= src.num_blocks) {
         return invalid(list_entry("src_blocks", i, req.src_blocks[i]) + " is outside " + sname +

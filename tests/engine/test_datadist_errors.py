@@ -172,6 +172,18 @@ def test_row27_remote_ranges(env: Env) -> None:
     assert env.status_of(env.api.CacheKey(cid, 7), env.cache, [], too_many) == param
 
 
+def test_blocks_of_another_size_are_refused_naming_both(env: Env) -> None:
+    """The planner itself refuses a source whose blocks differ in size from the
+    destination's: nothing would land where it belongs."""
+    tokens, heads, dim = layout.BLOCK_SHAPE
+    halved, tensors = env.client.blocks_cache(layout.NUM_TENSORS, NB, (tokens // 2, heads, dim))
+    with pytest.raises(env.api.LLMException, match=f"blocks of {layout.BLOCK_BYTES} bytes") as e:
+        env.cm.pull_blocks(env.key, halved, [1], [1])
+    assert e.value.status_code == codes(env).LLM_PARAM_INVALID
+    assert not any(tensor.any() for tensor in tensors)  # nothing landed
+    env.cm.unregister_cache(halved.cache_id)
+
+
 def test_register_errors(env: Env) -> None:
     api = env.api
     host = api.CacheDesc(2, [4, 8], api.DataType.DT_UINT8, api.Placement.HOST)

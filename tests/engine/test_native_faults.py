@@ -63,7 +63,7 @@ def token_peer() -> Iterator[NativePeer]:
 
 def test_stopped_peer_times_out_then_relinks() -> None:
     big = start_peer(23, tensors=4, blocks=64, block_bytes=256 << 10)
-    puller = Puller(200, "tcp")
+    puller = Puller(200, "tcp", block_bytes=256 << 10)
     try:
         assert puller.engine.link(23, "127.0.0.1", big.port, 3000) == (0, "")
         stop_process(big.pid)

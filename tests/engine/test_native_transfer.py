@@ -37,13 +37,15 @@ MAX_OUTSTANDING_PULLS = 4096  # native/src/engine.cpp
 class Puller:
     """A client engine in this process with one blocks cache as pull destination."""
 
-    def __init__(self, cluster_id: int, transport: str, **options: Any) -> None:
+    def __init__(
+        self, cluster_id: int, transport: str, block_bytes: int = BLOCK_BYTES, **options: Any
+    ) -> None:
         self.engine = _native.Engine(cluster_id, transport=transport, **options)
-        self.tensors = [np.full(BLOCKS * BLOCK_BYTES, SENTINEL, np.uint8) for _ in range(TENSORS)]
+        self.tensors = [np.full(BLOCKS * block_bytes, SENTINEL, np.uint8) for _ in range(TENSORS)]
         status, msg = self.engine.register_cache(
             DST_CACHE,
             [t.ctypes.data for t in self.tensors],
-            BLOCKS * BLOCK_BYTES,
+            BLOCKS * block_bytes,
             BLOCKS,
             True,
             True,
