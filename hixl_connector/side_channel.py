@@ -92,34 +92,64 @@ class SideChannelServer:
         self._wake_rx.bind(wake_address)
         self._wake_tx = context.socket(zmq.PAIR)
         self._wake_tx.connect(wake_address)
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="hixl-side-channel", daemon=True)
         self._thread.start()
 
+    @property
+    def serving(self) -> bool:
+        """False once the serving thread has ended (closed, or died: see the error log)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
-        if not self._thread.is_alive():
+        """Stops serving and closes the sockets, within a bounded time, even if the serving
+        thread died (a socket left open would hang ``zmq.Context.term()`` forever)."""
+        if self._closed:
             return
-        self._wake_tx.send(b"stop")
-        self._thread.join(timeout=5)
+        self._closed = True
+        if self._thread.is_alive():
+            try:
+                self._wake_tx.send(b"stop", zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                logger.warning("side channel: stop signal not sent: %s", e)
+            self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                logger.error("side channel: serving thread did not stop within 5 s")
         for sock in (self._wake_tx, self._wake_rx, self._socket):
             sock.close(linger=0)
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll())
-            if self._wake_rx in events:
-                return
-            frames = self._socket.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"":
-                logger.warning("side channel: dropped a message with %d frames", len(frames))
-                continue
-            reply = self._answer(frames[2])
-            try:
-                self._socket.send_multipart([frames[0], b"", _pack(reply)], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                logger.warning("side channel: reply not sent: %s", e)
+        try:
+            poller = zmq.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            poller.register(self._wake_rx, zmq.POLLIN)
+            while True:
+                events = dict(poller.poll())
+                if self._wake_rx in events:
+                    return
+                try:
+                    self._serve_one()
+                except Exception:  # one bad message or reply must not end the channel
+                    logger.exception("side channel %s:%d: a message failed", self.host, self.port)
+        except BaseException as e:
+            logger.critical(
+                "side channel %s:%d stopped serving (%r): this prefill engine no longer answers "
+                "handshakes or lease checks, so every pull from it fails until it restarts",
+                self.host,
+                self.port,
+                e,
+            )
+
+    def _serve_one(self) -> None:
+        frames = self._socket.recv_multipart(zmq.NOBLOCK)
+        if len(frames) != 3 or frames[1] != b"":
+            logger.warning("side channel: dropped a message with %d frames", len(frames))
+            return
+        reply = self._answer(frames[2])
+        try:
+            self._socket.send_multipart([frames[0], b"", _pack(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("side channel: reply not sent: %s", e)
 
     def _answer(self, frame: bytes) -> dict[str, Any]:
         try:

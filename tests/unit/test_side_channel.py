@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,3 +111,53 @@ def test_bind_failure_names_the_address(context: zmq.Context) -> None:
             SideChannelServer(context, "127.0.0.1", server.port, {})
     finally:
         server.close()
+
+
+def test_a_failing_message_does_not_end_the_channel(
+    context: zmq.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = _serve(context)
+    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=0.5)
+    calls = {"n": 0}
+    answer = server._answer
+
+    def fail_once(frame: bytes) -> dict[str, Any]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected outside the handler guard")
+        return answer(frame)
+
+    monkeypatch.setattr(server, "_answer", fail_once)
+    try:
+        with pytest.raises(SideChannelError, match="no reply"):
+            client.request({"type": "echo", "value": 1})
+        assert server.serving
+        assert client.request({"type": "echo", "value": 2})["echo"] == 2
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_dead_serving_thread_is_reported_and_shutdown_stays_bounded(
+    context: zmq.Context, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = _serve(context)
+    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=0.5)
+
+    def die(frame: bytes) -> dict[str, Any]:
+        raise SystemExit("injected: the serving thread ends")
+
+    monkeypatch.setattr(server, "_answer", die)
+    try:
+        with pytest.raises(SideChannelError, match="no reply"):
+            client.request({"type": "echo", "value": 1})
+        server._thread.join(timeout=2)
+        assert not server.serving
+        assert "stopped serving" in caplog.text and "every pull from it fails" in caplog.text
+    finally:
+        client.close()
+        start = time.monotonic()
+        server.close()
+        server.close()  # idempotent
+        assert time.monotonic() - start < 1.0
+    # The context fixture's term() returns: every socket was closed although the thread died.
