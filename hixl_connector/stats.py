@@ -27,6 +27,7 @@ _COUNTS = (
     "expired_leases",
     "refused_pulls",  # P would not vouch for the blocks before the read
     "stale_pulls",  # the lease ended during the read: the data was thrown away
+    "invalid_requests",  # kv_transfer_params D cannot pull by (refused before any I/O)
 )
 
 

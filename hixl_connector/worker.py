@@ -390,7 +390,10 @@ class HixlWorker:
 
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
-        self._record("failed_pulls" if peers else "failed_handshakes")
+        if spec.error or isinstance(error, TPMismatch):
+            self._record("invalid_requests")  # refused before any peer was contacted
+        else:
+            self._record("failed_pulls" if peers else "failed_handshakes")
         if peers and self._link_suspect(error):
             for peer in peers.values():
                 self._peers.mark_broken(peer)  # type: ignore[union-attr]

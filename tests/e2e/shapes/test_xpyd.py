@@ -6,6 +6,7 @@ and D tp 2, so each D handshakes with (and each P leases to) peers of more than 
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +29,18 @@ LENGTHS = (64, 97, 129, 160, 230, 300)
 
 def served(server: VllmServer) -> float:
     return metric_total(read_metrics(server.url), "vllm:request_success_total")
+
+
+def counter(server: VllmServer, name: str) -> float:
+    return metric_total(read_metrics(server.url), f"vllm:hixl_{name}_total")
+
+
+def wait_for_counter(server: VllmServer, name: str, at_least: float) -> float:
+    """Metrics reach the API server a step after the event; wait for them, bounded."""
+    deadline = time.monotonic() + 10.0
+    while (value := counter(server, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
 
 
 def generate_all(url: str) -> dict[int, Generation]:
@@ -86,6 +99,8 @@ def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
     assert params and params["tp_size"] == 1
     params = dict(params, tp_size=3)
     pulls = pulled(fleet.d1)[0]
+    invalid = counter(fleet.d1, "invalid_requests")
+    handshakes = counter(fleet.d1, "failed_handshakes")
     failed = False
     try:
         out = complete(
@@ -101,4 +116,7 @@ def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
     assert failed, "D decoded although the TP sizes cannot be mapped"
     assert "prefill tp_size=3 exceeds num_kv_heads=2" in fleet.d1.log_tail(200)
     assert pulled(fleet.d1)[0] == pulls
+    # Counted as what it is: a request D could not pull for, not a failed handshake.
+    assert wait_for_counter(fleet.d1, "invalid_requests", invalid + 1) == invalid + 1
+    assert counter(fleet.d1, "failed_handshakes") == handshakes
     wait_kv_idle(fleet.p1)  # well within the 30 s lease: D released it
