@@ -158,8 +158,9 @@ def _configure(api: Any, config: HixlConfig, layout: KVLayout, cluster_id: int) 
         llm_config.hixl_transport = config.transport
         llm_config.hixl_tcp_connections = config.tcp_connections
         llm_config.hixl_transfer_threads = config.transfer_threads
-        if config.auth_token:
-            llm_config.hixl_auth_token = config.auth_token
+        # Always set, even empty: the connector's config is the one source of the token, so
+        # the engine never falls back to HIXL_AUTH_TOKEN behind an explicit "auth_token": "".
+        llm_config.hixl_auth_token = config.auth_token
     return llm_config, port
 
 
