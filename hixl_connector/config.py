@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -86,7 +87,7 @@ class HixlConfig:
         return cls(
             side_channel_host=side_channel_host,
             side_channel_port=_int(extra, "side_channel_port", 5701, low=1, high=MAX_PORT),
-            engine_host=_host(extra, "engine_host", side_channel_host),
+            engine_host=_ipv4(extra, "engine_host", side_channel_host),
             engine_port=_int(extra, "engine_port", 0, low=0, high=MAX_PORT),
             backend=_choice(extra, "backend", "auto", BACKENDS),
             transport=_choice(extra, "transport", "auto", TRANSPORTS),
@@ -258,6 +259,22 @@ def _host(extra: Mapping[str, Any], key: str, default: str) -> str:
     value = _str(extra, key, default)
     if not value or value != value.strip():
         raise _bad(key, value, "a non-empty host name or address without spaces")
+    return value
+
+
+def _ipv4(extra: Mapping[str, Any], key: str, default: str) -> str:
+    """The transfer engine links by IPv4 literal (as CANN's LLMClusterInfo does): a host name
+    or an IPv6 address would start fine and then fail every link, so refuse it now."""
+    value = _host(extra, key, default)
+    try:
+        ipaddress.IPv4Address(value)
+    except ValueError:
+        where = "" if key in extra else f" (it follows side_channel_host {default!r})"
+        raise ValueError(
+            f"kv_connector_extra_config key {key!r} must be an IPv4 address such as 10.0.0.5, "
+            f"got {value!r}{where}: the transfer engine links by IPv4 address; set {key!r} "
+            "to the IPv4 address peers reach this host at"
+        ) from None
     return value
 
 

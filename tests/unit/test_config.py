@@ -203,3 +203,19 @@ def test_pipeline_and_context_parallelism_are_refused_at_start(name: str, flag: 
     setattr(vllm_config.parallel_config, name, 2)
     with pytest.raises(ValueError, match=f"{name}=2.*{flag}"):
         HixlConfig.from_vllm_config(vllm_config)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"engine_host": "prefill-0.example"}, "'prefill-0.example': the transfer engine"),
+        ({"engine_host": "::1"}, "got '::1'"),
+        ({"side_channel_host": "localhost"}, "follows side_channel_host 'localhost'"),
+    ],
+)
+def test_engine_host_must_be_an_ipv4_address(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HixlConfig.from_dict(extra, "e")
+    # The side channel itself takes host names and IPv6 when the engine has its own address.
+    config = HixlConfig.from_dict({"side_channel_host": "::1", "engine_host": "127.0.0.1"}, "e")
+    assert (config.side_channel_host, config.engine_host) == ("::1", "127.0.0.1")
