@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,10 @@ class PeerRegistry:
         # Addresses come from kv_transfer_params, i.e. clients name them: an entry lives only
         # while a thread uses it, so the table never outgrows the transfer pool.
         self._locks: dict[tuple[str, int], _AddressLock] = {}
+        # A peer whose handshake or link just failed: (when, why). Requests queued behind it
+        # fail at once instead of each waiting out its own timeout; after one timeout's time
+        # a request tries again. Client-named, so old entries are dropped on every lookup.
+        self._failures: dict[tuple[str, str, int], tuple[float, str]] = {}
         self._guard = threading.Lock()
 
     def get(self, target: PeerRank) -> Peer:
@@ -82,12 +87,30 @@ class PeerRegistry:
                 peer = self._peers.get(key)
                 if peer is not None and not peer.broken:
                     return peer
-                return self._connect(key, target)
+                self._raise_if_just_failed(key)
+                try:
+                    return self._connect(key, target)
+                except Exception as e:
+                    with self._guard:
+                        self._failures[key] = (time.monotonic(), str(e))
+                    raise
         finally:
             with self._guard:
                 entry.users -= 1
                 if entry.users == 0:
                     del self._locks[address]
+
+    def _raise_if_just_failed(self, key: tuple[str, str, int]) -> None:
+        now = time.monotonic()
+        window = self._config.handshake_timeout_s
+        with self._guard:
+            self._failures = {k: f for k, f in self._failures.items() if now - f[0] < window}
+            failure = self._failures.get(key)
+        if failure is not None:
+            raise PeerError(
+                f"prefill engine {key[0]} at {key[1]}:{key[2]} failed {now - failure[0]:.1f} s "
+                f"ago ({failure[1]}); not retried for {window:g} s (handshake_timeout_s)"
+            )
 
     def tracked_addresses(self) -> tuple[int, int]:
         """(linked peers, address locks in use): what this registry holds per address."""
