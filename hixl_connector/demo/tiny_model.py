@@ -47,7 +47,8 @@ _CHAT_TEMPLATE = (
 _SEED_CORPUS = 1234
 _SEED_WEIGHTS = 0
 _INIT_STD = 0.2
-ARCHITECTURES = ("llama", "gemma3")
+# llama-kv4: the llama with 4 KV heads instead of 2, an incompatible peer for the handshake.
+ARCHITECTURES = ("llama", "gemma3", "llama-kv4")
 GEMMA3_SLIDING_WINDOW = 64
 _GEMMA3_INIT_STD = 0.1
 _GEMMA3_NORM_STD = 0.02
@@ -135,10 +136,12 @@ def _build_gemma3(out_dir: Path, tokenizer: Any) -> None:
     _save_random(Gemma3ForCausalLM, config, out_dir, _GEMMA3_INIT_STD, _GEMMA3_NORM_STD)
 
 
-def _build_model(out_dir: Path, tokenizer: Any) -> None:
+def _build_model(out_dir: Path, tokenizer: Any, kv_heads: int = 2) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**_shared_config(tokenizer), num_hidden_layers=2)
+    config = LlamaConfig(
+        **{**_shared_config(tokenizer), "num_key_value_heads": kv_heads}, num_hidden_layers=2
+    )
     _save_random(LlamaForCausalLM, config, out_dir, _INIT_STD, 0.0)
 
 
@@ -176,7 +179,10 @@ def build_tiny_model(model_dir: str | os.PathLike[str], architecture: str = "lla
     staging.chmod(0o755)
     try:
         tokenizer = _build_tokenizer(staging)
-        (_build_gemma3 if architecture == "gemma3" else _build_model)(staging, tokenizer)
+        if architecture == "gemma3":
+            _build_gemma3(staging, tokenizer)
+        else:
+            _build_model(staging, tokenizer, kv_heads=4 if architecture == "llama-kv4" else 2)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
         stamp = {**_recipe(architecture), "files": files}
         (staging / STAMP_NAME).write_text(json.dumps(stamp, indent=1, sort_keys=True) + "\n")

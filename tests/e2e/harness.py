@@ -249,6 +249,7 @@ class PDLauncher:
         tp: int = 1,
         core: int | None = None,
         args: Sequence[str] = (),
+        model_dir: Path | None = None,
     ) -> VllmServer:
         """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
         by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority:
@@ -266,7 +267,7 @@ class PDLauncher:
             extra += ["--tensor-parallel-size", str(tp)]
             core = None
         server = start_vllm_server(
-            self.model_dir,
+            model_dir or self.model_dir,
             self.log_dir / name,
             name,
             core=core,

@@ -2,7 +2,8 @@
 
 - ``p1``, ``p2``: prefill servers with TP 1 and TP 2;
 - ``d1``, ``d2``: decode servers with TP 1 and TP 2;
-- ``d1_corrupt``: a TP-1 decode server that overwrites what it pulled (the control).
+- ``d1_corrupt``: a TP-1 decode server that overwrites what it pulled (the control);
+- ``d_kv4``: a TP-1 decode server of the same model with 4 KV heads instead of 2 (refused).
 Routers are started per test from these (they are cheap); everything stops at the end of the
 package. No server is pinned to a core: a TP-2 server binds its workers' OpenMP threads to
 both cores, and a TP-1 server pinned beside one of them was starved for tens of seconds.
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from hixl_connector.demo.servers import VllmServer
+from hixl_connector.demo.tiny_model import build_tiny_model
 
 from ..harness import PDLauncher, ProcessRegistry, hixl_connector_config
 
@@ -29,12 +31,17 @@ class Fleet:
     d1: VllmServer
     d2: VllmServer
     d1_corrupt: VllmServer
+    d_kv4: VllmServer
 
 
 @pytest.fixture(scope="package")
 def fleet(
-    tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
+    tiny_model_dir: Path,
+    e2e_log_dir: Path,
+    process_registry: ProcessRegistry,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
+    kv4_model = build_tiny_model(tmp_path_factory.mktemp("llama_kv4") / "model", "llama-kv4")
     launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "shapes", process_registry)
     try:
         corrupt = hixl_connector_config("decode", test_corrupt_received_kv=True)
@@ -45,6 +52,7 @@ def fleet(
             d1=launcher.server("d1", hixl_connector_config("decode")),
             d2=launcher.server("d2", hixl_connector_config("decode", ranks=2), tp=2),
             d1_corrupt=launcher.server("d1_corrupt", corrupt),
+            d_kv4=launcher.server("d_kv4", hixl_connector_config("decode"), model_dir=kv4_model),
         )
         for server in (servers.p1, servers.p2, servers.d1, servers.d2, servers.d1_corrupt):
             server.wait_healthy(launcher.health_timeout_s)

@@ -120,3 +120,21 @@ def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
     assert wait_for_counter(fleet.d1, "invalid_requests", invalid + 1) == invalid + 1
     assert counter(fleet.d1, "failed_handshakes") == handshakes
     wait_kv_idle(fleet.p1)  # well within the 30 s lease: D released it
+
+
+def test_other_kv_head_counts_are_refused_naming_the_field(fleet: Fleet) -> None:
+    """D's model has 4 KV heads, P's 2: the handshake names num_kv_heads, nothing is read,
+    the request fails, and D tells P to free at once."""
+    router = fleet.launcher.router("router_kv4", [fleet.p1], [fleet.d_kv4])
+    handshakes = counter(fleet.d_kv4, "failed_handshakes")
+    failed = False
+    try:
+        out = complete(router.url, PROMPTS[97], model=SERVED_MODEL_NAME, max_tokens=4)
+        failed = out.finish_reason == "error"
+    except RequestFailed:
+        failed = True
+    assert failed, "D decoded KV of a model with another KV-head count"
+    assert "num_kv_heads: local=4 remote=2" in fleet.d_kv4.log_tail(200)
+    assert pulled(fleet.d_kv4)[0] == 0
+    assert wait_for_counter(fleet.d_kv4, "failed_handshakes", handshakes + 1) == handshakes + 1
+    wait_kv_idle(fleet.p1)
