@@ -26,7 +26,7 @@ from hixl_connector.metadata import (
     describe_mismatch,
 )
 from hixl_connector.side_channel import SideChannelClient
-from hixl_connector.tp_mapping import TPMismatch, check_tp_pair, heads_per_rank
+from hixl_connector.tp_mapping import heads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,8 @@ class PeerRegistry:
                 f"asked rank {target.rank} of tp_size {remote.tp_size}, got rank "
                 f"{payload.tp_rank} of tp_size {payload.tp_size}"
             )
-        check_shardable(self._local.compatibility, payload.tp_size, self._local.tp_size)
+        # Whether the TP sizes can be mapped at all was settled before the handshake
+        # (tp_mapping.check_shardable, in the worker's plan).
         fields = self._local.compatibility
         expected = (
             heads_per_rank(fields["num_kv_heads"], payload.tp_size)
@@ -245,18 +246,3 @@ class PeerRegistry:
             self._datadist.unlink_clusters([info], 1000, force=force)
         except Exception as e:  # unlinking a dead peer may fail; the link is gone either way
             logger.warning("hixl: unlink of cluster %d failed: %s", peer.cluster_id, e)
-
-
-def check_shardable(fields: dict[str, Any], p_tp: int, d_tp: int) -> None:
-    """Raises PeerError unless this D rank can read a P engine of TP size ``p_tp``."""
-    split = fields["kv_split"]
-    if p_tp != d_tp and split == "none":
-        raise PeerError(
-            f"prefill tp_size={p_tp} and decode tp_size={d_tp} differ, but the KV layout "
-            f"{fields['kv_layout']!r} interleaves KV heads inside a block (kv_split 'none'); "
-            "run equal TP sizes on this platform"
-        )
-    try:
-        check_tp_pair(fields["num_kv_heads"], p_tp, d_tp, replicated=split == "replicated")
-    except TPMismatch as exc:
-        raise PeerError(f"tp_size mismatch: {exc}") from None

@@ -74,6 +74,19 @@ def check_tp_pair(num_kv_heads: int, p_tp: int, d_tp: int, replicated: bool = Fa
             )
 
 
+def check_shardable(kv_split: str, kv_layout: str, num_kv_heads: int, p_tp: int, d_tp: int) -> None:
+    """Raises TPMismatch unless a D rank of TP ``d_tp`` can read a P engine of TP ``p_tp``:
+    ``kv_split`` "heads" and "replicated" map any valid pair, "none" (heads interleaved
+    inside a block, the layout named ``kv_layout``) only equal sizes."""
+    if p_tp != d_tp and kv_split == "none":
+        raise TPMismatch(
+            f"prefill tp_size={p_tp} and decode tp_size={d_tp} differ, but the KV layout "
+            f"{kv_layout!r} interleaves KV heads inside a block (kv_split 'none'); run equal "
+            "TP sizes on this platform"
+        )
+    check_tp_pair(num_kv_heads, p_tp, d_tp, replicated=kv_split == "replicated")
+
+
 def heads_per_rank(num_kv_heads: int, tp: int) -> int:
     """KV heads each rank holds (1 when heads are replicated over ranks)."""
     return max(1, num_kv_heads // tp)

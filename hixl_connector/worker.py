@@ -41,7 +41,14 @@ from hixl_connector.notifications import LeaseNotice, Notification
 from hixl_connector.peers import Peer, PeerRegistry
 from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from hixl_connector.stats import HixlKVConnectorStats
-from hixl_connector.tp_mapping import HeadRead, RankPlan, TPMismatch, plan_rank, unit_ids
+from hixl_connector.tp_mapping import (
+    HeadRead,
+    RankPlan,
+    TPMismatch,
+    check_shardable,
+    plan_rank,
+    unit_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -265,14 +272,10 @@ class HixlWorker:
         raises TPMismatch when the sizes cannot be mapped."""
         plan = self._plans.get(p_tp)
         if plan is None:
-            assert self._layout is not None
-            split = self._kv_split(self._layout)
-            if split == "none" and p_tp != self._tp_size:
-                raise TPMismatch(
-                    f"prefill tp_size={p_tp} and decode tp_size={self._tp_size} differ, but "
-                    f"the KV layout {_kv_layout_name(self._layout)!r} interleaves KV heads "
-                    "inside a block; run equal TP sizes on this platform"
-                )
+            assert self._payload is not None
+            fields = self._payload.compatibility
+            split = fields["kv_split"]
+            check_shardable(split, fields["kv_layout"], self._num_kv_heads, p_tp, self._tp_size)
             if split == "none":  # whole blocks, from the rank of the same index
                 r = self._tp_rank
                 plan = RankPlan((HeadRead(r, 0, 0, 1),), (r,), {r: 1})

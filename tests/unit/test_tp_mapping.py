@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hixl_connector.tp_mapping import (
     HeadRead,
     TPMismatch,
+    check_shardable,
     check_tp_pair,
     first_head,
     heads_per_rank,
@@ -164,17 +165,14 @@ def test_unit_ids_address_each_head_of_each_block(
         assert block == blocks[i // count] and head == first + i % count
 
 
-def test_the_handshake_refuses_what_cannot_be_read_naming_why() -> None:
-    from hixl_connector.peers import PeerError, check_shardable
-
-    fields = {"num_kv_heads": 8, "kv_split": "heads", "kv_layout": "cpu:AVX512/1x[32x64]"}
-    check_shardable(fields, 4, 2)
-    with pytest.raises(PeerError, match="tp_size mismatch: prefill tp_size=3"):
-        check_shardable(fields, 3, 2)
+def test_what_cannot_be_read_is_refused_naming_why() -> None:
+    cpu = "cpu:AVX512/1x[32x64]"
+    check_shardable("heads", cpu, 8, 4, 2)
+    with pytest.raises(TPMismatch, match="prefill tp_size=3"):
+        check_shardable("heads", cpu, 8, 3, 2)
     # Heads interleaved inside a block (Ascend's NHD): equal TP only, and the layout is named.
-    interleaved = fields | {"kv_split": "none", "kv_layout": "npu/2x[128x8x128]"}
-    check_shardable(interleaved, 2, 2)
-    with pytest.raises(PeerError, match=r"'npu/2x\[128x8x128\]' interleaves KV heads"):
-        check_shardable(interleaved, 2, 1)
+    check_shardable("none", "npu/2x[128x8x128]", 8, 2, 2)
+    with pytest.raises(TPMismatch, match=r"'npu/2x\[128x8x128\]' interleaves KV heads"):
+        check_shardable("none", "npu/2x[128x8x128]", 8, 2, 1)
     # MLA-style caches are whole on every rank: any pair where one size divides the other.
-    check_shardable(fields | {"num_kv_heads": 1, "kv_split": "replicated"}, 8, 2)
+    check_shardable("replicated", cpu, 1, 8, 2)
