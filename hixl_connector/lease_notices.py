@@ -48,10 +48,10 @@ class LeaseNotifier:
         first, or the pull failed."""
         for target, consumers in self._ranks(spec.remote):
             self._lane(target).submit(
-                self.release_rank, target, spec.remote_request_id, spec.lease_id, consumers
+                self._release_rank, target, spec.remote_request_id, spec.lease_id, consumers
             )
 
-    def release_rank(
+    def _release_rank(
         self, target: PeerRank, remote_request_id: str, lease_id: int, consumers: int
     ) -> None:
         notice = LeaseNotice(remote_request_id, lease_id, consumers, rank=self._rank)
