@@ -61,23 +61,28 @@ def _api() -> Any:
     return datadist
 
 
-def _alloc_pool(layout: Layout, fill: bool) -> list[np.ndarray]:
-    """One pool as NUM_TENSORS tensors, each starting on a 2 MiB boundary of one anonymous
-    mapping advised MADV_HUGEPAGE, so every pool (server source, client destination and the
-    memcpy reference's source) is the same kind of memory whatever numpy's own policy is."""
-    nbytes = layout.num_blocks * layout.block_bytes
+def alloc_tensors(nbytes: int, fills: list[int]) -> list[np.ndarray]:
+    """One tensor of ``nbytes`` per fill byte, each starting on a 2 MiB boundary of one
+    anonymous mapping advised MADV_HUGEPAGE, so every pool (server source, client destination
+    and the memcpy reference's source) is the same kind of memory whatever numpy's own policy
+    is."""
     stride = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    size = NUM_TENSORS * stride + HUGE_PAGE
+    size = len(fills) * stride + HUGE_PAGE
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     whole = np.frombuffer(region, np.uint8)
     first = -whole.ctypes.data % HUGE_PAGE
     # Filled pages: an untouched pool would be served from the shared zero page.
-    tensors = [whole[first + t * stride :][:nbytes] for t in range(NUM_TENSORS)]
-    for t, tensor in enumerate(tensors):
-        tensor.fill((t + 1) & 0xFF if fill else 0)
+    tensors = [whole[first + t * stride :][:nbytes] for t in range(len(fills))]
+    for tensor, fill in zip(tensors, fills, strict=True):
+        tensor.fill(fill)
     return tensors
+
+
+def _alloc_pool(layout: Layout, fill: bool) -> list[np.ndarray]:
+    fills = [(t + 1) & 0xFF if fill else 0 for t in range(NUM_TENSORS)]
+    return alloc_tensors(layout.num_blocks * layout.block_bytes, fills)
 
 
 def _register(dd: Any, layout: Layout, tensors: list[np.ndarray], key: Any) -> Any:

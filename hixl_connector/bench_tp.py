@@ -32,13 +32,13 @@ from typing import Any
 import numpy as np
 
 from hixl_connector.bench import (
-    HUGE_PAGE,
     LAYERS,
     NUM_TENSORS,
     Server,
     _api,
     _median_ratio,
     _options,
+    alloc_tensors,
 )
 from hixl_connector.datadist import load_backend
 from hixl_connector.engine_setup import PullCall, run_pulls
@@ -50,14 +50,7 @@ CLIENT_CLUSTER = 100
 
 
 def _pool(num_units: int, fill: int) -> list[np.ndarray]:
-    nbytes = num_units * UNIT_BYTES
-    stride = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    whole = np.zeros(NUM_TENSORS * stride + HUGE_PAGE, np.uint8)
-    first = -whole.ctypes.data % HUGE_PAGE
-    tensors = [whole[first + t * stride :][:nbytes] for t in range(NUM_TENSORS)]
-    for tensor in tensors:
-        tensor.fill(fill)
-    return tensors
+    return alloc_tensors(num_units * UNIT_BYTES, [fill] * NUM_TENSORS)
 
 
 def _register(dd: Any, tensors: list[np.ndarray], num_units: int, key: Any) -> Any:
