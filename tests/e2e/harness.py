@@ -15,10 +15,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hixl_connector.demo.client import metric_total, read_metrics
 from hixl_connector.demo.processes import ManagedProcess, free_port_range
@@ -30,6 +30,7 @@ from hixl_connector.demo.servers import (
 )
 from hixl_connector.demo.tiny_model import WORDS
 
+T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 BLOCK_SIZE = 32
@@ -67,14 +68,36 @@ def pulled(server: VllmServer) -> tuple[float, float, float]:
     )
 
 
-def wait_for_pulls(server: VllmServer, at_least: float, timeout_s: float = 10.0) -> tuple:
-    """Metrics reach the API server a step after the pull; wait for them, bounded."""
+def settled(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 10.0) -> T:
+    """Reads until ``done`` holds or the timeout passes; returns the last reading. Metrics
+    reach the API server a step after the event they count."""
     deadline = time.monotonic() + timeout_s
     while True:
-        current = pulled(server)
-        if current[0] >= at_least or time.monotonic() > deadline:
+        current = read()
+        if done(current) or time.monotonic() > deadline:
             return current
         time.sleep(0.05)
+
+
+def wait_for_pulls(server: VllmServer, at_least: float, timeout_s: float = 10.0) -> tuple:
+    return settled(lambda: pulled(server), lambda now: now[0] >= at_least, timeout_s)
+
+
+def hixl_counter(server: VllmServer, name: str) -> float:
+    return metric_total(read_metrics(server.url), f"vllm:hixl_{name}_total")
+
+
+def wait_for_counter(server: VllmServer, name: str, at_least: float) -> float:
+    return settled(lambda: hixl_counter(server, name), lambda value: value >= at_least)
+
+
+def wait_kv_idle(server: VllmServer) -> None:
+    """P frees a request's blocks once every D rank that read them said done."""
+    usage = settled(
+        lambda: metric_total(read_metrics(server.url), "vllm:kv_cache_usage_perc"),
+        lambda value: value == 0.0,
+    )
+    assert usage == 0.0, f"{server.name} still holds KV blocks"
 
 
 def make_prompt(seed: int, n_words: int) -> str:

@@ -8,13 +8,12 @@ P's one rank, and P frees only after both D ranks said done.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import pytest
 
-from hixl_connector.demo.client import Generation, chat, complete, metric_total, read_metrics
-from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer
+from hixl_connector.demo.client import Generation, chat, complete
+from hixl_connector.demo.servers import SERVED_MODEL_NAME
 
 from ..harness import (
     BLOCK_BYTES_PER_LAYER,
@@ -27,20 +26,9 @@ from ..harness import (
     external_prompt_tokens,
     pulled,
     wait_for_pulls,
+    wait_kv_idle,
 )
 from .conftest import Fleet
-
-
-def kv_usage(server: VllmServer) -> float:
-    return metric_total(read_metrics(server.url), "vllm:kv_cache_usage_perc")
-
-
-def wait_kv_idle(server: VllmServer, timeout_s: float = 10.0) -> None:
-    """P frees a request's blocks once every D rank that read them said done."""
-    deadline = time.monotonic() + timeout_s
-    while kv_usage(server) != 0.0:
-        assert time.monotonic() < deadline, f"{server.name} still holds KV blocks"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])

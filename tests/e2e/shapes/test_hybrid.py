@@ -28,8 +28,8 @@ from ..harness import (
     pulled,
     token_prompt,
     wait_for_pulls,
+    wait_kv_idle,
 )
-from .test_hetero_tp import wait_kv_idle
 
 LENGTHS = (33, 65, 97, 160, 230, 300)
 PROMPTS = {n: token_prompt(n, seed=1000 + n) for n in LENGTHS}

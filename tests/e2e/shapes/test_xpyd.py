@@ -6,7 +6,6 @@ and D tp 2, so each D handshakes with (and each P leases to) peers of more than 
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,27 +19,22 @@ from hixl_connector.demo.client import (
 )
 from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer
 
-from ..harness import MAX_TOKENS, PROMPTS, pulled, wait_for_pulls
+from ..harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    hixl_counter,
+    pulled,
+    wait_for_counter,
+    wait_for_pulls,
+    wait_kv_idle,
+)
 from .conftest import Fleet
-from .test_hetero_tp import wait_kv_idle
 
 LENGTHS = (64, 97, 129, 160, 230, 300)
 
 
 def served(server: VllmServer) -> float:
     return metric_total(read_metrics(server.url), "vllm:request_success_total")
-
-
-def counter(server: VllmServer, name: str) -> float:
-    return metric_total(read_metrics(server.url), f"vllm:hixl_{name}_total")
-
-
-def wait_for_counter(server: VllmServer, name: str, at_least: float) -> float:
-    """Metrics reach the API server a step after the event; wait for them, bounded."""
-    deadline = time.monotonic() + 10.0
-    while (value := counter(server, name)) < at_least and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return value
 
 
 def generate_all(url: str) -> dict[int, Generation]:
@@ -99,8 +93,8 @@ def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
     assert params and params["tp_size"] == 1
     params = dict(params, tp_size=3)
     pulls = pulled(fleet.d1)[0]
-    invalid = counter(fleet.d1, "invalid_requests")
-    handshakes = counter(fleet.d1, "failed_handshakes")
+    invalid = hixl_counter(fleet.d1, "invalid_requests")
+    handshakes = hixl_counter(fleet.d1, "failed_handshakes")
     failed = False
     try:
         out = complete(
@@ -118,7 +112,7 @@ def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
     assert pulled(fleet.d1)[0] == pulls
     # Counted as what it is: a request D could not pull for, not a failed handshake.
     assert wait_for_counter(fleet.d1, "invalid_requests", invalid + 1) == invalid + 1
-    assert counter(fleet.d1, "failed_handshakes") == handshakes
+    assert hixl_counter(fleet.d1, "failed_handshakes") == handshakes
     wait_kv_idle(fleet.p1)  # well within the 30 s lease: D released it
 
 
@@ -126,7 +120,7 @@ def test_other_kv_head_counts_are_refused_naming_the_field(fleet: Fleet) -> None
     """D's model has 4 KV heads, P's 2: the handshake names num_kv_heads, nothing is read,
     the request fails, and D tells P to free at once."""
     router = fleet.launcher.router("router_kv4", [fleet.p1], [fleet.d_kv4])
-    handshakes = counter(fleet.d_kv4, "failed_handshakes")
+    handshakes = hixl_counter(fleet.d_kv4, "failed_handshakes")
     failed = False
     try:
         out = complete(router.url, PROMPTS[97], model=SERVED_MODEL_NAME, max_tokens=4)
