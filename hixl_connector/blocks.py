@@ -25,26 +25,33 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def remote_at_positions(remote: Sequence[int], positions: Sequence[int]) -> BlockIds:
-    """P's blocks at the logical positions (block index within the prompt) D still has to fill.
+def remote_at_positions(
+    remote: Sequence[int], positions: Sequence[int], ratio: int = 1
+) -> BlockIds:
+    """P's blocks for the logical positions (block index within the prompt) D still has to
+    fill: ``ratio`` consecutive P blocks per position when P's blocks are ``ratio`` times
+    smaller than D's.
 
     Both sides lay a prompt out the same way, block ``i`` holding tokens ``[i*bs, (i+1)*bs)``,
-    so D's block at position ``i`` takes P's ``i``-th block. D's prefix-cache hits lead, so
-    the positions are usually the tail of the prompt.
+    so D's block at position ``i`` takes P's blocks ``i*ratio`` to ``i*ratio + ratio - 1``.
+    D's prefix-cache hits lead, so the positions are usually the tail of the prompt. Where
+    the prompt ends inside D's last block, its slots past P's last block are NULL_BLOCK_ID
+    (the caller checks that P offered every block of the prompt).
     """
-    missing = [p for p in positions if p >= len(remote)]
+    missing = [p for p in positions if p * ratio >= len(remote)]
     if missing:
         raise ValueError(
             f"decode side needs prompt block {missing[0]} but the prefill side offers only "
             f"{len(remote)} blocks: the remote prefill covered fewer tokens than this prompt"
         )
-    dropped = [p for p in positions if remote[p] == NULL_BLOCK_ID]
+    slots = [s for p in positions for s in range(p * ratio, (p + 1) * ratio)]
+    dropped = [s for s in slots if s < len(remote) and remote[s] == NULL_BLOCK_ID]
     if dropped:
         raise ValueError(
-            f"decode side needs prompt block {dropped[0]}, which the prefill side no longer "
-            "holds (out of its sliding window): the two sides' windows differ"
+            f"decode side needs prompt block {dropped[0] // ratio}, which the prefill side no "
+            "longer holds (out of its sliding window): the two sides' windows differ"
         )
-    return tuple(remote[p] for p in positions)
+    return tuple(remote[s] if s < len(remote) else NULL_BLOCK_ID for s in slots)
 
 
 def pair_blocks(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int]]:

@@ -23,6 +23,8 @@ from hixl_connector.kv_layout import KVLayout
 # Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
 # follow as BLOCKS_MODEL_ID + 1, + 2, ...
 BLOCKS_MODEL_ID = 0
+# The same memory registered again in slices (block_slices), for peers of another block size.
+SLICES_MODEL_ID = 1024
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class CacheGroup:
 
     model_id: int
     addrs: tuple[int, ...]
-    unit_bytes: int  # the registered "block": one KV head of a block, or a whole block
+    unit_bytes: int  # the registered "block": a KV head of a block, a slice, or a whole block
     tensors_per_layer: int
 
 
@@ -49,17 +51,19 @@ class Engine:
     caches: tuple[RegisteredCache, ...]  # destinations of D's pulls, one per model_id
     listen_port: int  # where peers link to; the configured port when not listening
     max_pairs_per_pull: int | None  # chunk size of long block lists; None: no limit
+    slices: RegisteredCache | None = None  # the caches again in slices, where registered
 
-    @property
-    def cache(self) -> Any:
-        return self.caches[0].cache
-
-    def pull(self, reads: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+    def pull(
+        self, reads: Sequence[tuple[int, Sequence[int], Sequence[int]]], sliced: bool = False
+    ) -> None:
         """For each ``(remote_cluster_id, src, dst)``: pulls unit ``src[i]`` of that peer into
         unit ``dst[i]`` here, for every registered cache (a unit: one KV head of a block where
-        heads split, else a whole block). Each call stays under the back-end's request-size
-        limit; raises the first failure (LLMException).
+        heads split, else a whole block; with ``sliced``, a slice of one). Each call stays
+        under the back-end's request-size limit; raises the first failure (LLMException).
         """
+        if sliced and self.slices is None:
+            raise ValueError("this engine registered no slices of its KV caches")
+        targets = (self.slices,) if sliced and self.slices is not None else self.caches
         calls = []
         for remote_cluster_id, src, dst in reads:
             chunks = (
@@ -67,7 +71,7 @@ class Engine:
                 if self.max_pairs_per_pull is not None
                 else [(tuple(src), tuple(dst))]
             )
-            for part in self.caches:
+            for part in targets:
                 key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
                 calls += [
                     PullCall(key, part.cache, list(s), list(d), part.tensors_per_layer)
@@ -200,6 +204,12 @@ def open_engine(
         caches = tuple(
             _register(api, datadist, cluster_id, group, layout, placement) for group in groups
         )
+        slices = None
+        if layout.slice_bytes:
+            group = CacheGroup(
+                SLICES_MODEL_ID, layout.tensor_addrs, layout.slice_bytes, layout.tensors_per_layer
+            )
+            slices = _register(api, datadist, cluster_id, group, layout, placement)
     except Exception:
         datadist.finalize()
         raise
@@ -208,7 +218,12 @@ def open_engine(
         profile.max_pairs_per_pull(len(g.addrs)) for g in groups if profile.max_pairs_per_pull
     ]
     return Engine(
-        api, datadist, caches, int(bound) if bound else port, min(limits) if limits else None
+        api,
+        datadist,
+        caches,
+        int(bound) if bound else port,
+        min(limits) if limits else None,
+        slices,
     )
 
 
@@ -217,7 +232,7 @@ def _register(
 ) -> RegisteredCache:
     desc = api.CacheDesc(
         len(group.addrs),
-        [layout.num_blocks * layout.units_per_block, group.unit_bytes],
+        [layout.num_blocks * layout.block_bytes // group.unit_bytes, group.unit_bytes],
         api.DataType.DT_UINT8,  # block bytes are opaque to the engine
         placement,
     )

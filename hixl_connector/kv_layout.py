@@ -12,7 +12,9 @@ Whatever the form, each registered tensor must be block-major: block b of tensor
 contiguous inside a block (CPU: heads are the block's outermost dimension), a block is
 `units_per_block` units, one KV head each, so a rank of another TP size can read or fill a
 head slice in place. A unit's interior is opaque: only peers with an identical layout may
-exchange units (the handshake checks it).
+exchange units (the handshake checks it). Head-major layouts are registered a second time in
+slices of ``SLICE_ELEMENTS`` elements, so a decode block can be assembled from smaller
+prefill blocks (block_slices).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from hixl_connector.block_slices import SLICE_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class KVLayout:
     part_block_bytes: tuple[int, ...] = ()
     # Each block holds its KV heads one after another (block_shape[0] heads).
     head_major: bool = False
+    # Bytes of one slice where the layout is also registered in slices; 0 where it is not.
+    slice_bytes: int = 0
 
     @property
     def num_tensors(self) -> int:
@@ -54,14 +60,23 @@ class KVLayout:
     def unit_bytes(self) -> int:
         return self.block_bytes // self.units_per_block
 
-    def compatibility_fields(self) -> dict[str, Any]:
+    @property
+    def slices_per_unit(self) -> int:
+        return self.unit_bytes // self.slice_bytes if self.slice_bytes else 0
+
+    def compatibility_fields(self, block_size: int) -> dict[str, Any]:
+        """What must be equal on both sides, per token: block sizes may differ."""
+        if self.unit_bytes % block_size or any(b % block_size for b in self.part_block_bytes):
+            raise ValueError(
+                f"KV blocks of {self.block_bytes} bytes do not hold {block_size} tokens"
+            )
         return {
             "dtype": self.dtype,
             "num_layers": self.num_layers,
             "tensors_per_layer": self.tensors_per_layer,
             "num_tensors": self.num_tensors,
-            "unit_bytes": self.unit_bytes,
-            "part_block_bytes": list(self.part_block_bytes),
+            "unit_token_bytes": self.unit_bytes // block_size,
+            "part_token_bytes": [b // block_size for b in self.part_block_bytes],
         }
 
 
@@ -133,6 +148,10 @@ def describe_kv_caches(
             f"KV tensor {list(first.shape)} should hold {heads_outermost} KV heads in "
             "dimension 1 of its head-major blocks"
         )
+    unit_elements = 1
+    for dim in first.shape[2:]:
+        unit_elements *= int(dim)
+    sliced = head_major and unit_elements % SLICE_ELEMENTS == 0
     addrs = tuple(int(view.data_ptr()) for view in views)
     sizes = [part_bytes[i % len(part_bytes)] * num_blocks for i in range(len(views))]
     _check_disjoint(addrs, sizes)
@@ -149,6 +168,7 @@ def describe_kv_caches(
         views=tuple(views),
         part_block_bytes=tuple(part_bytes) if unlike else (),
         head_major=head_major,
+        slice_bytes=SLICE_ELEMENTS * int(first.element_size()) if sliced else 0,
     )
 
 

@@ -20,12 +20,16 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-SCHEMA_VERSION = 2
+from hixl_connector.blocks import NULL_BLOCK_ID
+
+SCHEMA_VERSION = 3
 MAX_U64 = 2**64 - 1
 MAX_CLUSTER_ID = 2**63 - 1
 MAX_PORT = 65535
 # A prefill engine's ranks share one window of ports and cluster ids (config.CLUSTER_ID_STEP).
 MAX_TP_SIZE = 1024
+MAX_KV_CACHE_GROUPS = 64
+MAX_BLOCK_SIZE = 2**20
 
 
 # --- scheduler -> worker
@@ -78,7 +82,7 @@ UNKNOWN_ENDPOINT = RemoteEndpoint(engine_id="", host="", port=0, tp_size=1, clus
 
 @dataclass(frozen=True)
 class RecvSpec:
-    """D: pull ``remote_block_ids`` into ``local_block_ids`` (equal lengths, suffix-trimmed).
+    """D: pull ``remote_block_ids`` into ``local_block_ids`` (suffix-trimmed).
 
     A non-empty ``error`` means the scheduler refused the transfer (unusable params, or P
     offers fewer blocks than D needs). The worker must then report the request in
@@ -91,8 +95,16 @@ class RecvSpec:
     lease_id: int
     remote: RemoteEndpoint
     local_block_ids: tuple[int, ...]
+    # ``blocks_per_block`` of P's blocks per local block: P's may be smaller (block_slices);
+    # NULL_BLOCK_ID where the prompt ends before the last local block does.
     remote_block_ids: tuple[int, ...]
     error: str = ""
+    blocks_per_block: int = 1
+
+    @property
+    def leased_block_ids(self) -> tuple[int, ...]:
+        """The P blocks read: what P leased to this request."""
+        return tuple(b for b in self.remote_block_ids if b != NULL_BLOCK_ID)
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,9 @@ class RemotePrefill:
     lease_id: int
     block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, by position in the prompt
     num_tokens: int | None
+    # Tokens per block of each of P's KV-cache groups; None: not sent (taken to be D's own;
+    # the handshake checks it).
+    block_sizes: tuple[int, ...] | None = None
 
 
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
@@ -174,12 +189,23 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             tp_size=check("tp_size", params, int, 1, MAX_TP_SIZE),
             cluster_id=check("remote_cluster_id", params, int, 0, MAX_CLUSTER_ID),
         )
+        block_ids = _groups(params["remote_block_ids"])
+        block_sizes = params.get("remote_block_size")
+        if block_sizes is not None:
+            if not isinstance(block_sizes, list) or len(block_sizes) != len(block_ids):
+                raise ValueError(
+                    f"remote_block_size must list one block size per KV-cache group "
+                    f"({len(block_ids)}), got {block_sizes!r:.200}"
+                )
+            for size in block_sizes:
+                check("remote_block_size", size, int, 1, MAX_BLOCK_SIZE)
         return RemotePrefill(
             remote=remote,
             remote_request_id=check("remote_request_id", params, str),
             lease_id=check("remote_lease_id", params, int, 0, MAX_U64),
-            block_ids=_groups(params["remote_block_ids"]),
+            block_ids=block_ids,
             num_tokens=num_tokens,
+            block_sizes=tuple(block_sizes) if block_sizes is not None else None,
         )
     except InvalidTransferParams:
         raise
@@ -193,16 +219,18 @@ def build_remote_decode_params(
     block_ids: Sequence[Sequence[int]],
     num_tokens: int,
     lease_id: int,
+    block_sizes: Sequence[int],
 ) -> dict[str, Any]:
     """P's answer in request_finished: where and what D pulls (NixlConnector pull fields).
 
     ``endpoint`` describes P itself: its rank-0 side channel port and cluster id;
-    ``block_ids`` one list per KV-cache group.
+    ``block_ids`` one list per KV-cache group, ``block_sizes`` their block sizes.
     """
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": [[int(block_id) for block_id in group] for group in block_ids],
+        "remote_block_size": [int(size) for size in block_sizes],
         "remote_engine_id": endpoint.engine_id,
         "remote_request_id": request_id,
         "remote_host": endpoint.host,
@@ -216,9 +244,6 @@ def build_remote_decode_params(
         "remote_cluster_id": endpoint.cluster_id,
         "remote_lease_id": lease_id,
     }
-
-
-MAX_KV_CACHE_GROUPS = 64
 
 
 def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
@@ -240,14 +265,15 @@ def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
 
 # --- handshake
 
-# What must be equal on both sides for KV to be copied byte for byte, whatever the TP sizes.
-# A block of one tensor is ``units_per_block`` units of ``unit_bytes`` (one KV head each when
-# ``kv_split`` is "heads"); TP shapes those counts per rank, so they travel beside the fields.
-# A payload may carry further fields (msgpack primitives); they are hashed and compared too.
+# What must be equal on both sides for KV to be copied byte for byte, whatever the TP sizes
+# and block sizes. A block of one tensor is ``units_per_block`` units of ``unit_token_bytes``
+# per token (one KV head each when ``kv_split`` is "heads"); TP shapes the unit count per
+# rank and block sizes may differ (block_slices), so those travel beside the fields. A
+# payload may carry further fields (msgpack primitives); they are hashed and compared too.
 COMPATIBILITY_FIELD_TYPES: dict[str, type] = {
     **dict.fromkeys(("model", "dtype", "kv_layout", "kv_split"), str),
-    **dict.fromkeys(("num_layers", "num_kv_heads", "head_size", "block_size"), int),
-    **dict.fromkeys(("unit_bytes", "tensors_per_layer", "num_tensors"), int),
+    **dict.fromkeys(("num_layers", "num_kv_heads", "head_size"), int),
+    **dict.fromkeys(("unit_token_bytes", "tensors_per_layer", "num_tensors"), int),
 }
 # How a block divides between TP ranks: by KV head (heads contiguous inside a block), not at
 # all because every rank holds the whole (MLA-style) cache, or not at all (interleaved heads).
@@ -307,6 +333,8 @@ class HandshakePayload:
     engine_port: int
     num_blocks: int
     units_per_block: int  # registered units per block: this rank's KV heads, or 1
+    block_sizes: list[int]  # tokens per block of each KV-cache group
+    slice_bytes: int  # bytes of one registered slice (block_slices); 0: not registered
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
@@ -343,7 +371,20 @@ class HandshakePayload:
             engine_port=_check(where, "engine_port", data, int, 1, 65535),
             num_blocks=_check(where, "num_blocks", data, int, 1),
             units_per_block=_check(where, "units_per_block", data, int, 1, 65535),
+            block_sizes=_block_sizes(where, data.get("block_sizes")),
+            slice_bytes=_check(where, "slice_bytes", data, int, 0, 2**20),
         )
+
+
+def _block_sizes(where: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_KV_CACHE_GROUPS:
+        raise ValueError(
+            f"{where} field 'block_sizes' must be a list of 1 to "
+            f"{MAX_KV_CACHE_GROUPS} ints, got {value!r:.200}"
+        )
+    for size in value:
+        _check(where, "block_sizes", size, int, 1, MAX_BLOCK_SIZE)
+    return list(value)
 
 
 # --- validation helpers

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from hixl_connector.block_slices import BlockSizeMismatch, blocks_per_block
 from hixl_connector.config import HixlConfig
 from hixl_connector.metadata import (
     SCHEMA_VERSION,
@@ -215,6 +216,19 @@ class PeerRegistry:
             raise PeerError(
                 f"prefill rank {payload.tp_rank} registered {payload.units_per_block} units "
                 f"per block, {expected} expected for tp_size {payload.tp_size}"
+            )
+        try:
+            ratio = blocks_per_block(payload.block_sizes, self._local.block_sizes)
+        except BlockSizeMismatch as e:
+            raise PeerError(f"prefill engine {payload.engine_id}: {e}") from None
+        if ratio > 1 and not (
+            payload.slice_bytes and payload.slice_bytes == self._local.slice_bytes
+        ):
+            raise PeerError(
+                f"prefill engine {payload.engine_id} has block_size {payload.block_sizes}, this "
+                f"engine {self._local.block_sizes}, and a KV layout ({fields['kv_layout']}, "
+                f"slices of {payload.slice_bytes} and {self._local.slice_bytes} bytes) that "
+                "cannot assemble larger blocks from smaller ones: use equal block sizes"
             )
 
     def _link(self, payload: HandshakePayload) -> None:

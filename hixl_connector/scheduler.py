@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hixl_connector.block_slices import blocks_per_block
 from hixl_connector.blocks import NULL_BLOCK_ID, blocks_for_tokens, remote_at_positions
 from hixl_connector.config import HixlConfig
 from hixl_connector.metadata import (
@@ -68,11 +69,7 @@ class HixlScheduler:
         self._is_consumer = kv_transfer_config.is_kv_consumer
         parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
-        # Block size of each KV-cache group (hybrid models have several groups).
-        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        self._group_block_sizes = tuple(
-            int(group.kv_cache_spec.block_size) for group in groups
-        ) or (int(vllm_config.cache_config.block_size),)
+        self._group_block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         dp_rank = parallel.data_parallel_index
         # P announces rank 0's port and cluster id; D's rank r adds r.
         self._endpoint = RemoteEndpoint(
@@ -168,12 +165,21 @@ class HixlScheduler:
                     f"engine has {len(unfilled)}: run both with the same model and the same "
                     "hybrid KV-cache manager setting"
                 )
+            # P's block size is checked again at the handshake, against what P registered.
+            p_sizes = prefill.block_sizes or self._group_block_sizes
+            ratio = blocks_per_block(p_sizes, self._group_block_sizes)
+            prompt_blocks = blocks_for_tokens(request.num_prompt_tokens, p_sizes[0])
+            if ratio > 1 and len(prefill.block_ids[0]) < prompt_blocks:
+                raise ValueError(
+                    f"the prefill side offers {len(prefill.block_ids[0])} blocks of "
+                    f"{p_sizes[0]} tokens for a {request.num_prompt_tokens}-token prompt"
+                )
             # Every group is moved with its own block ids; one pull takes them all, since a
             # block id names the same bytes in every registered tensor.
             remote = tuple(
                 block
                 for (positions, _), offered in zip(unfilled, prefill.block_ids, strict=True)
-                for block in remote_at_positions(offered, positions)
+                for block in remote_at_positions(offered, positions, ratio)
             )
         except ValueError as exc:
             self._refuse(request_id, prefill, local, f"request {request_id}: {exc}")
@@ -186,6 +192,7 @@ class HixlScheduler:
                 remote=prefill.remote,
                 local_block_ids=local,
                 remote_block_ids=remote,
+                blocks_per_block=ratio,
             )
         )
 
@@ -251,7 +258,12 @@ class HixlScheduler:
         self._leased[request_id] = lease_id
         self._to_send.append(SendSpec(request_id, leased, lease_id))
         return True, build_remote_decode_params(
-            self._endpoint, request_id, prompt_blocks, request.num_prompt_tokens, lease_id
+            self._endpoint,
+            request_id,
+            prompt_blocks,
+            request.num_prompt_tokens,
+            lease_id,
+            self._group_block_sizes,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HixlConnectorMetadata:
@@ -316,6 +328,14 @@ class HixlScheduler:
                 error=error,
             )
         )
+
+
+def group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, ...]:
+    """Tokens per block of each KV-cache group (hybrid models have several groups)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return tuple(int(group.kv_cache_spec.block_size) for group in groups) or (
+        int(vllm_config.cache_config.block_size),
+    )
 
 
 def _unhashed_blocks(group: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,11 +1,8 @@
 """The worker half: registers the KV caches, pulls on D, leases on P.
 
-D: every RecvSpec becomes one job on a small transfer pool (handshake + link on first use of
-each P rank it reads, `pull_blocks` per P rank, then "done" to each), so vLLM's forward pass
-never waits on a transfer. When the TP sizes differ, `tp_mapping` says which P ranks a D
-rank reads and which KV heads land where; the KV caches are registered one unit per KV head
-of a block, so a head slice is read straight into place. Results are reported through
-`get_transfer_results` by every rank.
+D: every RecvSpec becomes one job on a small transfer pool (`receiver.Receiver`), so vLLM's
+forward pass never waits on a transfer. Results are reported through `get_transfer_results`
+by every rank.
 P: a side-channel server answers handshakes and turns "done"/"release" notifications and
 lease expiry into `finished_sending`, so vLLM frees the blocks exactly once.
 """
@@ -23,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from hixl_connector.block_slices import SliceRun
 from hixl_connector.config import HixlConfig
 from hixl_connector.engine_setup import Engine, open_engine
 from hixl_connector.kv_layout import KVLayout, describe_kv_caches
@@ -32,23 +30,14 @@ from hixl_connector.metadata import (
     SCHEMA_VERSION,
     HandshakePayload,
     HixlConnectorMetadata,
-    RecvSpec,
-    ReleaseSpec,
-    RemoteEndpoint,
     compatibility_hash,
 )
 from hixl_connector.notifications import LeaseNotice, Notification
-from hixl_connector.peers import Peer, PeerRegistry
-from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from hixl_connector.peers import PeerRegistry
+from hixl_connector.receiver import ReadPlans, Receiver
+from hixl_connector.scheduler import group_block_sizes
+from hixl_connector.side_channel import SideChannelServer
 from hixl_connector.stats import HixlKVConnectorStats
-from hixl_connector.tp_mapping import (
-    HeadRead,
-    RankPlan,
-    TPMismatch,
-    check_shardable,
-    plan_rank,
-    unit_ids,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +46,6 @@ logger = logging.getLogger(__name__)
 # for. Such an idle step waits up to this long for a transfer to finish (a finished pull or
 # lease wakes it at once), so a new request waits at most this long to be scheduled.
 IDLE_STEP_WAIT_S = 0.002
-
-
-class LeaseError(RuntimeError):
-    """P did not (or could no longer) vouch for the blocks of a pull."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +79,8 @@ class HixlWorker:
         model = vllm_config.model_config
         self._num_kv_heads = int(model.get_total_num_kv_heads())
         self._mla = bool(getattr(model, "use_mla", False))
-        self._plans: dict[int, RankPlan] = {}  # P's tp_size -> this rank's reads
         self._kv_cache_groups = _describe_groups(kv_cache_config)
+        self._block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         self._leases = LeaseTable(config.lease_s)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._wake = threading.Event()  # a pull ended or a lease may have finished
@@ -109,6 +94,7 @@ class HixlWorker:
         self._payload: HandshakePayload | None = None
         self._peers: PeerRegistry | None = None
         self._notices: LeaseNotifier | None = None
+        self._receiver: Receiver | None = None
         self._server: SideChannelServer | None = None
 
     # -- registration -------------------------------------------------------------------
@@ -134,13 +120,29 @@ class HixlWorker:
         self._peers = PeerRegistry(
             engine.api, engine.datadist, self._context, self._payload, self._config
         )
+        plans = ReadPlans(
+            self._payload.compatibility, (self._tp_rank, self._tp_size), self._probe_slices
+        )
         self._notices = LeaseNotifier(
             self._peers.client_for,
             self._peers.is_linked,
-            self._notify_targets,
+            plans.notify_targets,
             self._config.heartbeat_s,
             self._tp_rank,
             self._record,
+        )
+        self._receiver = Receiver(
+            self._config,
+            engine,
+            layout,
+            self._block_sizes,
+            plans,
+            self._peers,
+            self._notices,
+            self._tp_rank,
+            self._record,
+            self._record_pull,
+            self._finish,
         )
         if self._is_producer:
             self._server = SideChannelServer(
@@ -175,16 +177,16 @@ class HixlWorker:
 
     def _handshake_payload(self, layout: KVLayout, engine_port: int) -> HandshakePayload:
         model = self._vllm_config.model_config
+        block_size = int(self._vllm_config.cache_config.block_size)
         fields = {
             "model": str(model.model),
-            "kv_layout": _kv_layout_name(layout),
+            "kv_layout": _kv_layout_name(layout, block_size),
             "kv_split": self._kv_split(layout),
             "num_kv_heads": self._num_kv_heads,
             "head_size": int(model.get_head_size()),
-            "block_size": int(self._vllm_config.cache_config.block_size),
             "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
             "kv_cache_groups": self._kv_cache_groups,
-            **layout.compatibility_fields(),
+            **layout.compatibility_fields(block_size),
         }
         return HandshakePayload(
             schema_version=SCHEMA_VERSION,
@@ -198,6 +200,8 @@ class HixlWorker:
             engine_port=engine_port,
             num_blocks=layout.num_blocks,
             units_per_block=layout.units_per_block,
+            block_sizes=list(self._block_sizes),
+            slice_bytes=layout.slice_bytes,
         )
 
     # -- per step -----------------------------------------------------------------------
@@ -208,7 +212,8 @@ class HixlWorker:
         for send in metadata.to_send:
             self._leases.start(send.request_id, send.lease_id, send.block_ids, now)
         for recv in metadata.to_recv:
-            self._pool.submit(self._receive, recv, now)
+            assert self._receiver is not None, "a pull before register_kv_caches"
+            self._pool.submit(self._receiver.receive, recv, now)
         if self._notices is not None:
             for release in metadata.to_release:
                 self._notices.release_later(release)
@@ -252,6 +257,29 @@ class HixlWorker:
         with self._stats_lock:
             self._stats.record(counter, n)
 
+    def _record_pull(self, pull_s: float, ready_s: float, nbytes: int, blocks: int) -> None:
+        with self._stats_lock:
+            self._stats.record_pull(pull_s, ready_s, nbytes, blocks)
+
+    def _finish(self, request_id: str, ok: bool) -> None:
+        """A receive ended: reported at the next get_transfer_results, which it wakes."""
+        self._outcomes.put(_Outcome(request_id, ok))
+        self._wake.set()
+
+    def _probe_slices(self, p_block_size: int) -> tuple[SliceRun, ...]:
+        """Where P's blocks land in this rank's larger ones, from the CPU kernels."""
+        from hixl_connector.kv_probe import cpu_slice_runs
+
+        assert self._layout is not None
+        cache = self._vllm_config.cache_config
+        return cpu_slice_runs(
+            self._layout.views[0].dtype,
+            int(self._vllm_config.model_config.get_head_size()),
+            p_block_size,
+            int(cache.block_size),
+            str(cache.cache_dtype),
+        )
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._notices is not None:
@@ -264,169 +292,6 @@ class HixlWorker:
             self._engine.datadist.finalize()
             self._engine = None
         self._context.term()
-
-    # -- D side jobs (transfer pool) ----------------------------------------------------
-
-    def _plan(self, p_tp: int) -> RankPlan:
-        """Which P ranks this rank reads (and which heads), for a P engine of TP ``p_tp``;
-        raises TPMismatch when the sizes cannot be mapped."""
-        plan = self._plans.get(p_tp)
-        if plan is None:
-            assert self._payload is not None
-            fields = self._payload.compatibility
-            split = fields["kv_split"]
-            check_shardable(split, fields["kv_layout"], self._num_kv_heads, p_tp, self._tp_size)
-            if split == "none":  # whole blocks, from the rank of the same index
-                r = self._tp_rank
-                plan = RankPlan((HeadRead(r, 0, 0, 1),), (r,), {r: 1})
-            else:
-                plan = plan_rank(
-                    self._num_kv_heads, p_tp, self._tp_size, self._tp_rank, split == "replicated"
-                )
-            self._plans[p_tp] = plan
-        return plan
-
-    def _notify_targets(self, remote: RemoteEndpoint) -> dict[int, int]:
-        """P rank -> distinct D ranks it waits for, for every P rank this rank notifies.
-
-        When the TP sizes cannot be mapped, every D rank tells every P rank, so P still frees.
-        """
-        try:
-            return self._plan(remote.tp_size).consumers
-        except TPMismatch:
-            return dict.fromkeys(range(remote.tp_size), self._tp_size)
-
-    def _receive(self, spec: RecvSpec, queued_at: float) -> None:
-        peers: dict[int, Peer] = {}
-        try:
-            assert self._peers is not None and self._layout is not None
-            assert self._engine is not None
-            if spec.error:
-                raise LeaseError(spec.error)
-            plan = self._plan(spec.remote.tp_size)
-            for p_rank in plan.notify:
-                peers[p_rank] = self._peers.get(spec.remote.rank(p_rank))
-            readers = [p for p in plan.notify if plan.reads_from(p)]
-            for p_rank in readers:
-                self._confirm_lease(peers[p_rank].client, spec, plan.consumers[p_rank])
-            if self._config.test_pull_delay_s:
-                time.sleep(self._config.test_pull_delay_s)
-            started = time.monotonic()
-            self._engine.pull([self._heads(peers[read.p_rank], read, spec) for read in plan.reads])
-            finished = time.monotonic()
-            # The read is good only if P still held the lease after it: P never reuses
-            # leased blocks, and a lease that ended never comes back. Unread replicas are
-            # told to free ("release"); their answer does not matter.
-            for p_rank in plan.notify:
-                kind = "done" if p_rank in readers else "release"
-                answer = self._lease_request(
-                    peers[p_rank].client, kind, spec, plan.consumers[p_rank]
-                )
-                if kind == "done" and answer not in ("held", "finished"):
-                    self._record("stale_pulls")
-                    raise LeaseError(
-                        f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
-                        f"ended during the pull ({answer}); its blocks may have been reused"
-                    )
-        except Exception as e:
-            self._fail(spec, peers, e)
-            return
-        if self._config.test_corrupt_received_kv:
-            self._corrupt(spec.local_block_ids)
-        blocks = len(spec.local_block_ids)
-        with self._stats_lock:
-            self._stats.record_pull(
-                finished - started,
-                finished - queued_at,
-                blocks * self._layout.block_bytes * self._layout.num_tensors,
-                blocks,
-            )
-        self._outcomes.put(_Outcome(spec.request_id, True))
-        self._wake.set()
-
-    def _heads(
-        self, peer: Peer, read: HeadRead, spec: RecvSpec
-    ) -> tuple[int, list[int], list[int]]:
-        """One P rank's heads of the request's blocks, to land straight in their slots here:
-        (peer cluster id, source unit ids, destination unit ids)."""
-        assert self._layout is not None
-        src = unit_ids(
-            spec.remote_block_ids, peer.payload.units_per_block, read.src_head, read.count
-        )
-        dst = unit_ids(
-            spec.local_block_ids, self._layout.units_per_block, read.dst_head, read.count
-        )
-        return peer.cluster_id, src, dst
-
-    def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec, consumers: int) -> None:
-        """Reads nothing unless P confirms these blocks are leased to this request now."""
-        deadline = time.monotonic() + self._config.handshake_timeout_s
-        pause = 0.002
-        while True:
-            answer = self._lease_request(client, "check", spec, consumers)
-            if answer == "held":
-                return
-            if answer != "early" or time.monotonic() > deadline:
-                self._record("refused_pulls")
-                raise LeaseError(
-                    f"prefill refused to lend blocks {list(spec.remote_block_ids)[:8]}... of "
-                    f"request {spec.remote_request_id} under lease {spec.lease_id}: {answer}"
-                )
-            time.sleep(pause)  # P has not yet started the lease: its next step will
-            pause = min(2 * pause, 0.05)
-
-    def _lease_request(
-        self, client: SideChannelClient, kind: str, spec: RecvSpec, consumers: int
-    ) -> str:
-        notice = LeaseNotice(
-            spec.remote_request_id,
-            lease_id=spec.lease_id,
-            consumers=consumers,
-            block_ids=spec.remote_block_ids,
-            rank=self._tp_rank,
-        )
-        reply = client.request(Notification(kind, (notice,)).to_dict())
-        results = reply.get("results")
-        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], str):
-            raise SideChannelError(f"malformed {kind} reply: {reply!r:.200}")
-        return results[0]
-
-    def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
-        logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
-        if spec.error or isinstance(error, TPMismatch):
-            self._record("invalid_requests")  # refused before any peer was contacted
-        else:
-            self._record("failed_pulls" if peers else "failed_handshakes")
-        if peers and self._link_suspect(error):
-            for peer in peers.values():
-                self._peers.mark_broken(peer)  # type: ignore[union-attr]
-        self._outcomes.put(_Outcome(spec.request_id, False))
-        self._wake.set()
-        if spec.remote.engine_id:
-            # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
-            # waiting for the lease to expire.
-            assert self._notices is not None
-            self._notices.release_later(
-                ReleaseSpec(spec.request_id, spec.remote_request_id, spec.lease_id, spec.remote)
-            )
-
-    def _link_suspect(self, error: Exception) -> bool:
-        """Timeouts, dead peers and lost replies call for a fresh handshake and link."""
-        if isinstance(error, LeaseError):
-            return False
-        status = getattr(error, "status_code", None)
-        codes = self._engine.api.LLMStatusCode if self._engine is not None else None
-        return codes is None or status != codes.LLM_PARAM_INVALID
-
-    def _corrupt(self, block_ids: tuple[int, ...]) -> None:
-        """TEST ONLY (test_corrupt_received_kv): replaces received blocks with noise."""
-        import torch
-
-        assert self._layout is not None
-        index = torch.tensor(block_ids, dtype=torch.long)
-        for view in self._layout.views:
-            noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
-            view[index] = noise.to(view.dtype)
 
     # -- P side handlers (side-channel thread) ------------------------------------------
 
@@ -471,18 +336,20 @@ def _answer_each(
 
 
 def _describe_groups(kv_cache_config: Any) -> list[str]:
-    """Each KV-cache group as "<spec>:<block size>:<sliding window>:<layers>": both sides must
-    agree, since a group's block ids index the same layers' bytes on both."""
+    """Each KV-cache group as "<spec>:<sliding window>:<layers>": both sides must agree,
+    since a group's block ids index the same layers' bytes on both (block sizes travel
+    apart: P's may be smaller)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     return [
-        f"{type(group.kv_cache_spec).__name__}:{group.kv_cache_spec.block_size}:"
+        f"{type(group.kv_cache_spec).__name__}:"
         f"{getattr(group.kv_cache_spec, 'sliding_window', None)}:{len(group.layer_names)}"
         for group in groups
     ]
 
 
-def _kv_layout_name(layout: KVLayout) -> str:
-    """Names what decides the bytes inside a block: the platform, its kernels, the shape."""
+def _kv_layout_name(layout: KVLayout, block_size: int) -> str:
+    """Names what decides the bytes inside a block: the platform, its kernels, the shape of
+    a unit with its token dimension as "B" (block sizes may differ)."""
     import torch
     from vllm.platforms import current_platform
 
@@ -490,6 +357,8 @@ def _kv_layout_name(layout: KVLayout) -> str:
     if kernels == "cpu":  # the CPU attention kernels pack blocks per ISA
         kernels += ":" + torch.backends.cpu.get_cpu_capability()
     # The shape of one registered unit: a KV head of a block where heads split.
-    unit_shape = layout.block_shape[1:] if layout.head_major else layout.block_shape
-    shape = "x".join(str(d) for d in unit_shape)
-    return f"{kernels}/{layout.tensors_per_layer}x[{shape}]"
+    unit_shape = list(layout.block_shape[1:] if layout.head_major else layout.block_shape)
+    dims = [str(d) for d in unit_shape]
+    if block_size in unit_shape:
+        dims[unit_shape.index(block_size)] = "B"
+    return f"{kernels}/{layout.tensors_per_layer}x[{'x'.join(dims)}]"

@@ -136,6 +136,7 @@ def start_vllm_server(
     core: int | None = None,
     kv_transfer_config: Mapping[str, Any] | None = None,
     port: int | None = None,
+    block_size: int = 32,
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     nice: int = 0,
@@ -147,6 +148,7 @@ def start_vllm_server(
         chosen,
         core=core,
         kv_transfer_config=kv_transfer_config,
+        block_size=block_size,
         extra_args=extra_args,
         nice=nice,
     )

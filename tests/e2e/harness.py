@@ -273,6 +273,7 @@ class PDLauncher:
         core: int | None = None,
         args: Sequence[str] = (),
         model_dir: Path | None = None,
+        block_size: int = BLOCK_SIZE,
     ) -> VllmServer:
         """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
         by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority:
@@ -295,6 +296,7 @@ class PDLauncher:
             name,
             core=core,
             kv_transfer_config=config,
+            block_size=block_size,
             extra_env=env,
             extra_args=extra,
             nice=nice,

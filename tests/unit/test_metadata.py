@@ -31,7 +31,7 @@ def wire(message: dict[str, Any]) -> Any:
 
 
 def p_params(**overrides: Any) -> dict[str, Any]:
-    params = build_remote_decode_params(P, "req-1", [[7, 8, 9]], 40, 2**40)
+    params = build_remote_decode_params(P, "req-1", [[7, 8, 9]], 40, 2**40, [16])
     params.update(overrides)
     return params
 
@@ -44,6 +44,16 @@ def test_params_round_trip_through_json_like_wire() -> None:
     assert prefill.remote == P
     assert (prefill.remote_request_id, prefill.lease_id) == ("req-1", 2**40)
     assert prefill.block_ids == ((7, 8, 9),) and prefill.num_tokens == 40
+    assert prefill.block_sizes == (16,)
+
+
+def test_prefill_block_sizes_are_optional_and_checked() -> None:
+    params = p_params()
+    del params["remote_block_size"]
+    assert parse_remote_prefill(params).block_sizes is None
+    for bad in ([16, 16], [0], ["16"], 16):
+        with pytest.raises(InvalidTransferParams, match="remote_block_size"):
+            parse_remote_prefill(p_params(remote_block_size=bad))
 
 
 def test_flat_block_list_is_accepted() -> None:
@@ -53,7 +63,8 @@ def test_flat_block_list_is_accepted() -> None:
 
 def test_one_block_list_per_kv_cache_group() -> None:
     groups = [[3, 4, 5], [0, 9, 10]]  # a sliding-window group: its first block dropped (0)
-    assert parse_remote_prefill(p_params(remote_block_ids=groups)).block_ids == (
+    params = p_params(remote_block_ids=groups, remote_block_size=[16, 16])
+    assert parse_remote_prefill(params).block_ids == (
         (3, 4, 5),
         (0, 9, 10),
     )
@@ -118,10 +129,9 @@ FIELDS: dict[str, Any] = {
     "num_layers": 2,
     "num_kv_heads": 2,
     "head_size": 32,
-    "block_size": 16,
     "kv_layout": "LBHNC",
     "kv_split": "heads",
-    "unit_bytes": 8192,
+    "unit_token_bytes": 512,
     "tensors_per_layer": 1,
     "num_tensors": 2,
 }
@@ -140,6 +150,8 @@ def payload_dict(**overrides: Any) -> dict[str, Any]:
         "engine_port": 40000,
         "num_blocks": 1024,
         "units_per_block": 1,
+        "block_sizes": [16],
+        "slice_bytes": 128,
     }
     data.update(overrides)
     if "compatibility_hash" not in data:
@@ -162,7 +174,9 @@ def test_extra_compatibility_fields_are_hashed_and_kept() -> None:
 
 def test_other_schema_version_is_refused_clearly() -> None:
     other = SCHEMA_VERSION + 1
-    with pytest.raises(ValueError, match=f"schema version {other} but this side speaks 2"):
+    with pytest.raises(
+        ValueError, match=f"schema version {other} but this side speaks {SCHEMA_VERSION}"
+    ):
         HandshakePayload.from_dict(payload_dict(schema_version=other))
     with pytest.raises(ValueError, match="schema version None"):
         HandshakePayload.from_dict({"engine_id": "x"})
@@ -178,7 +192,11 @@ def test_other_schema_version_is_refused_clearly() -> None:
         ({"engine_id": ""}, "engine_id"),
         ({"compatibility_hash": "0" * 64}, "does not match its own fields"),
         ({"extra": 1}, r"unknown \['extra'\]"),
-        ({"compatibility": FIELDS | {"block_size": 0}}, "block_size"),
+        ({"compatibility": FIELDS | {"unit_token_bytes": 0}}, "unit_token_bytes"),
+        ({"block_sizes": []}, "block_sizes"),
+        ({"block_sizes": [16, 0]}, "block_sizes"),
+        ({"block_sizes": 16}, "block_sizes"),
+        ({"slice_bytes": -1}, "slice_bytes"),
         ({"compatibility": FIELDS | {"kv_split": "rows"}}, "kv_split"),
         ({"units_per_block": 0}, "units_per_block"),
         ({"compatibility": {k: v for k, v in FIELDS.items() if k != "dtype"}}, "'dtype'"),
@@ -207,9 +225,9 @@ def test_compatibility_hash_is_canonical() -> None:
 
 
 def test_describe_mismatch_names_each_field_with_both_values() -> None:
-    remote = FIELDS | {"block_size": 32, "dtype": "bfloat16", "only_remote": 1}
+    remote = FIELDS | {"unit_token_bytes": 256, "dtype": "bfloat16", "only_remote": 1}
     text = describe_mismatch(FIELDS, remote)
-    assert "block_size: local=16 remote=32" in text
+    assert "unit_token_bytes: local=512 remote=256" in text
     assert "dtype: local='float32' remote='bfloat16'" in text
     assert "only_remote: local='<missing>' remote=1" in text
     assert "num_layers" not in text

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from hixl_connector.config import HixlConfig
-from hixl_connector.metadata import HandshakePayload, RemoteEndpoint
+from hixl_connector.metadata import SCHEMA_VERSION, HandshakePayload, RemoteEndpoint
 from hixl_connector.peers import PeerError, PeerRegistry
 
 TIMEOUT_S = 1.0
@@ -33,7 +33,7 @@ def silent_port() -> Iterator[int]:
 def registry(context: zmq.Context) -> PeerRegistry:
     config = HixlConfig.from_dict({"handshake_timeout_s": TIMEOUT_S}, "decode-0")
     local = HandshakePayload(
-        schema_version=2,
+        schema_version=SCHEMA_VERSION,
         compatibility_hash="",
         compatibility={},
         engine_id="decode-0",
@@ -44,6 +44,8 @@ def registry(context: zmq.Context) -> PeerRegistry:
         engine_port=1,
         num_blocks=8,
         units_per_block=2,
+        block_sizes=[16],
+        slice_bytes=0,
     )
     return PeerRegistry(None, None, context, local, config)
 

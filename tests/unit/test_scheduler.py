@@ -218,6 +218,32 @@ def test_prefill_with_fewer_blocks_than_needed_is_refused(tiny_model_dir: Path) 
     assert "offers only 2" in spec.error and spec.remote_block_ids == ()
 
 
+def test_smaller_prefill_blocks_fill_each_decode_block_in_order(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
+    # 40 tokens: three 16-token blocks here, five 8-token blocks on P.
+    params = prefill_params(5, remote_block_size=[BLOCK_SIZE // 2])
+    scheduler.add_request(make_request("d10", prompt(40), params=params))
+    (spec,) = metadata(step(scheduler)[0]).to_recv
+    assert spec.error == "" and spec.blocks_per_block == 2
+    assert len(spec.local_block_ids) == 3
+    assert spec.remote_block_ids == (100, 101, 102, 103, 104, 0)  # the prompt ends in block 3
+
+    params = prefill_params(4, remote_block_size=[BLOCK_SIZE // 2], remote_num_tokens=None)
+    scheduler.add_request(make_request("d11", prompt(40, 1), params=params))
+    (spec,) = metadata(step(scheduler)[0]).to_recv
+    assert "offers 4 blocks of 8 tokens for a 40-token prompt" in spec.error
+
+
+def test_larger_or_non_dividing_prefill_blocks_are_refused(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
+    for i, size in enumerate((2 * BLOCK_SIZE, 12)):
+        params = prefill_params(3, remote_block_size=[size])
+        scheduler.add_request(make_request(f"d{20 + i}", prompt(40, i), params=params))
+        (spec,) = metadata(step(scheduler)[0]).to_recv
+        assert f"prefill block_size [{size}], decode block_size [{BLOCK_SIZE}]" in spec.error
+        assert spec.remote == PREFILL and spec.remote_block_ids == ()  # P is told to free
+
+
 def test_producer_lifecycle(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="prefill-1")
     config = HixlConfig.from_dict(EXTRA_CONFIG, "prefill-1")
@@ -240,6 +266,7 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
+        "remote_block_size": [16],
         "remote_block_ids": [blocks["p1"]],
         "remote_engine_id": "prefill-1",
         "remote_request_id": "p1",

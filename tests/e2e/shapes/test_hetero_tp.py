@@ -59,6 +59,7 @@ def test_token_identical_with_exactly_the_model_kv_pulled(
 def test_corrupted_kv_from_two_prefill_ranks_changes_the_output(
     fleet: Fleet, plain_outputs: dict[Any, Generation]
 ) -> None:
+    """D also has blocks twice P's size: the control covers both shapes' receive paths."""
     router = fleet.launcher.router("router_corrupt", [fleet.p2], [fleet.d1_corrupt])
     lengths = (64, 97, 160, 300)
     for n in lengths:

@@ -1,0 +1,276 @@
+"""D side: one job per RecvSpec on the worker's transfer pool, so vLLM's forward pass never
+waits on a transfer.
+
+A job handshakes and links on first use of each P rank it reads, asks P to confirm the lease
+("check"), pulls, and tells P "done" (or "release" to P ranks it answers for but does not
+read). When the TP sizes differ, `tp_mapping` says which P ranks this rank reads and which
+KV heads land where: the KV caches are registered one unit per KV head of a block, so a head
+slice is read straight into place. When P's blocks are smaller, `block_slices` says which
+slices of which P block land where in each of this rank's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hixl_connector.block_slices import SliceRun, blocks_per_block, slice_ids
+from hixl_connector.config import HixlConfig
+from hixl_connector.engine_setup import Engine
+from hixl_connector.kv_layout import KVLayout
+from hixl_connector.lease_notices import LeaseNotifier
+from hixl_connector.metadata import RecvSpec, ReleaseSpec, RemoteEndpoint
+from hixl_connector.notifications import LeaseNotice, Notification
+from hixl_connector.peers import Peer, PeerRegistry
+from hixl_connector.side_channel import SideChannelClient, SideChannelError
+from hixl_connector.tp_mapping import (
+    HeadRead,
+    RankPlan,
+    TPMismatch,
+    check_shardable,
+    plan_rank,
+    unit_ids,
+)
+
+logger = logging.getLogger(__name__)
+
+# (peer cluster id, source ids, destination ids): one P rank's share of a request.
+Read = tuple[int, list[int], list[int]]
+
+
+class LeaseError(RuntimeError):
+    """P did not (or could no longer) vouch for the blocks of a pull."""
+
+
+class UnreadableRequest(ValueError):
+    """The request's blocks cannot be read from this peer (block sizes, layout): nothing is
+    read, the link stays good."""
+
+
+class ReadPlans:
+    """What this rank reads of a P engine, worked out once per P shape: which P ranks and
+    heads (by P's TP size), and where P's slices land (by P's block size)."""
+
+    def __init__(
+        self,
+        compatibility: dict[str, Any],
+        tp: tuple[int, int],
+        probe: Callable[[int], tuple[SliceRun, ...]],
+    ) -> None:
+        self._split = compatibility["kv_split"]
+        self._kv_layout = compatibility["kv_layout"]
+        self._num_kv_heads = compatibility["num_kv_heads"]
+        self._tp_rank, self._tp_size = tp
+        self._probe = probe
+        self._plans: dict[int, RankPlan] = {}  # P's tp_size -> this rank's reads
+        self._runs: dict[int, tuple[SliceRun, ...]] = {}  # P's block size -> slice runs
+
+    def rank_plan(self, p_tp: int) -> RankPlan:
+        """Which P ranks this rank reads (and which heads), for a P engine of TP ``p_tp``;
+        raises TPMismatch when the sizes cannot be mapped."""
+        plan = self._plans.get(p_tp)
+        if plan is None:
+            heads, split = self._num_kv_heads, self._split
+            check_shardable(split, self._kv_layout, heads, p_tp, self._tp_size)
+            if split == "none":  # whole blocks, from the rank of the same index
+                r = self._tp_rank
+                plan = RankPlan((HeadRead(r, 0, 0, 1),), (r,), {r: 1})
+            else:
+                replicated = split == "replicated"
+                plan = plan_rank(heads, p_tp, self._tp_size, self._tp_rank, replicated)
+            self._plans[p_tp] = plan
+        return plan
+
+    def notify_targets(self, remote: RemoteEndpoint) -> dict[int, int]:
+        """P rank -> distinct D ranks it waits for, for every P rank this rank notifies.
+
+        When the TP sizes cannot be mapped, every D rank tells every P rank, so P still frees.
+        """
+        try:
+            return self.rank_plan(remote.tp_size).consumers
+        except TPMismatch:
+            return dict.fromkeys(range(remote.tp_size), self._tp_size)
+
+    def slice_runs(self, p_block_size: int) -> tuple[SliceRun, ...]:
+        runs = self._runs.get(p_block_size)
+        if runs is None:
+            try:
+                runs = self._probe(p_block_size)
+            except ValueError as e:
+                raise UnreadableRequest(str(e)) from None
+            self._runs[p_block_size] = runs
+        return runs
+
+
+class Receiver:
+    def __init__(
+        self,
+        config: HixlConfig,
+        engine: Engine,
+        layout: KVLayout,
+        block_sizes: tuple[int, ...],
+        plans: ReadPlans,
+        peers: PeerRegistry,
+        notices: LeaseNotifier,
+        tp_rank: int,
+        record: Callable[[str], None],
+        record_pull: Callable[[float, float, int, int], None],
+        finish: Callable[[str, bool], None],
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._layout = layout
+        self._block_sizes = block_sizes
+        self._plans = plans
+        self._peers = peers
+        self._notices = notices
+        self._tp_rank = tp_rank
+        self._record = record
+        self._record_pull = record_pull
+        self._finish = finish
+
+    def receive(self, spec: RecvSpec, queued_at: float) -> None:
+        peers: dict[int, Peer] = {}
+        try:
+            if spec.error:
+                raise LeaseError(spec.error)
+            plan = self._plans.rank_plan(spec.remote.tp_size)
+            for p_rank in plan.notify:
+                peers[p_rank] = self._peers.get(spec.remote.rank(p_rank))
+                self._check_block_sizes(peers[p_rank], spec)
+            readers = [p for p in plan.notify if plan.reads_from(p)]
+            for p_rank in readers:
+                self._confirm_lease(peers[p_rank].client, spec, plan.consumers[p_rank])
+            if self._config.test_pull_delay_s:
+                time.sleep(self._config.test_pull_delay_s)
+            reads = [self._heads(peers[read.p_rank], read, spec) for read in plan.reads]
+            started = time.monotonic()
+            self._engine.pull(reads, sliced=spec.blocks_per_block > 1)
+            finished = time.monotonic()
+            # The read is good only if P still held the lease after it: P never reuses
+            # leased blocks, and a lease that ended never comes back. Unread replicas are
+            # told to free ("release"); their answer does not matter.
+            for p_rank in plan.notify:
+                kind = "done" if p_rank in readers else "release"
+                answer = self._lease_request(
+                    peers[p_rank].client, kind, spec, plan.consumers[p_rank]
+                )
+                if kind == "done" and answer not in ("held", "finished"):
+                    self._record("stale_pulls")
+                    raise LeaseError(
+                        f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
+                        f"ended during the pull ({answer}); its blocks may have been reused"
+                    )
+        except Exception as e:
+            self._fail(spec, peers, e)
+            return
+        if self._config.test_corrupt_received_kv:
+            self._corrupt(spec.local_block_ids)
+        layout = self._layout
+        unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
+        moved = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
+        self._record_pull(
+            finished - started, finished - queued_at, moved, len(spec.local_block_ids)
+        )
+        self._finish(spec.request_id, True)
+
+    def _heads(self, peer: Peer, read: HeadRead, spec: RecvSpec) -> Read:
+        """One P rank's heads of the request's blocks, to land straight in their slots here:
+        ids of units, or of slices where P's blocks are smaller."""
+        layout = self._layout
+        ratio = spec.blocks_per_block
+        if ratio == 1:
+            src = unit_ids(
+                spec.remote_block_ids, peer.payload.units_per_block, read.src_head, read.count
+            )
+            dst = unit_ids(spec.local_block_ids, layout.units_per_block, read.dst_head, read.count)
+            return peer.cluster_id, src, dst
+        src, dst = slice_ids(
+            spec.remote_block_ids,
+            spec.local_block_ids,
+            self._plans.slice_runs(peer.payload.block_sizes[0]),
+            ratio,
+            (peer.payload.units_per_block, read.src_head, layout.slices_per_unit // ratio),
+            (layout.units_per_block, read.dst_head, layout.slices_per_unit),
+            read.count,
+        )
+        return peer.cluster_id, src, dst
+
+    def _check_block_sizes(self, peer: Peer, spec: RecvSpec) -> None:
+        """The block ids of the request were mapped for the block size P registered."""
+        ratio = blocks_per_block(peer.payload.block_sizes, self._block_sizes)
+        if ratio != spec.blocks_per_block:
+            raise UnreadableRequest(
+                f"kv_transfer_params of request {spec.remote_request_id} map "
+                f"{spec.blocks_per_block} prefill blocks to a decode block, but prefill engine "
+                f"{peer.engine_id} has block_size {peer.payload.block_sizes} and this engine "
+                f"{list(self._block_sizes)}"
+            )
+
+    def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec, consumers: int) -> None:
+        """Reads nothing unless P confirms these blocks are leased to this request now."""
+        deadline = time.monotonic() + self._config.handshake_timeout_s
+        pause = 0.002
+        while True:
+            answer = self._lease_request(client, "check", spec, consumers)
+            if answer == "held":
+                return
+            if answer != "early" or time.monotonic() > deadline:
+                self._record("refused_pulls")
+                raise LeaseError(
+                    f"prefill refused to lend blocks {list(spec.leased_block_ids)[:8]}... of "
+                    f"request {spec.remote_request_id} under lease {spec.lease_id}: {answer}"
+                )
+            time.sleep(pause)  # P has not yet started the lease: its next step will
+            pause = min(2 * pause, 0.05)
+
+    def _lease_request(
+        self, client: SideChannelClient, kind: str, spec: RecvSpec, consumers: int
+    ) -> str:
+        notice = LeaseNotice(
+            spec.remote_request_id,
+            lease_id=spec.lease_id,
+            consumers=consumers,
+            block_ids=spec.leased_block_ids,
+            rank=self._tp_rank,
+        )
+        reply = client.request(Notification(kind, (notice,)).to_dict())
+        results = reply.get("results")
+        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], str):
+            raise SideChannelError(f"malformed {kind} reply: {reply!r:.200}")
+        return results[0]
+
+    def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
+        logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
+        if spec.error or isinstance(error, (TPMismatch, UnreadableRequest)):
+            self._record("invalid_requests")  # refused before anything was read
+        else:
+            self._record("failed_pulls" if peers else "failed_handshakes")
+        if peers and self._link_suspect(error):
+            for peer in peers.values():
+                self._peers.mark_broken(peer)
+        self._finish(spec.request_id, False)
+        if spec.remote.engine_id:
+            # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
+            # waiting for the lease to expire.
+            self._notices.release_later(
+                ReleaseSpec(spec.request_id, spec.remote_request_id, spec.lease_id, spec.remote)
+            )
+
+    def _link_suspect(self, error: Exception) -> bool:
+        """Timeouts, dead peers and lost replies call for a fresh handshake and link."""
+        if isinstance(error, (LeaseError, UnreadableRequest)):
+            return False
+        status = getattr(error, "status_code", None)
+        return status != self._engine.api.LLMStatusCode.LLM_PARAM_INVALID
+
+    def _corrupt(self, block_ids: tuple[int, ...]) -> None:
+        """TEST ONLY (test_corrupt_received_kv): replaces received blocks with noise."""
+        import torch
+
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for view in self._layout.views:
+            noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
+            view[index] = noise.to(view.dtype)
