@@ -11,6 +11,7 @@ here, before ``open_engine`` returns); one model_id per registered cache under t
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,10 @@ from hixl_connector.kv_layout import KVLayout
 BLOCKS_MODEL_ID = 0
 # The same memory registered again in slices (block_slices), for peers of another block size.
 SLICES_MODEL_ID = 1024
+# P's lease words (lease_words), and the words D reads them into (one per transfer thread).
+LEASE_WORDS_MODEL_ID = 2048
+SCRATCH_WORDS_MODEL_ID = 2049
+WORD_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class CacheGroup:
     addrs: tuple[int, ...]
     unit_bytes: int  # the registered "block": a KV head of a block, a slice, or a whole block
     tensors_per_layer: int
+    units: int  # registered "blocks" per tensor
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,19 @@ class Engine:
     listen_port: int  # where peers link to; the configured port when not listening
     max_pairs_per_pull: int | None  # chunk size of long block lists; None: no limit
     slices: RegisteredCache | None = None  # the caches again in slices, where registered
+    scratch: RegisteredCache | None = None  # D: where a peer's lease word is read to
+    scratch_words: Any = None  # ... and the words themselves (ctypes array)
+
+    def read_lease_word(self, remote_cluster_id: int, slot: int, index: int) -> int:
+        """Reads lease word ``slot`` of that peer into scratch word ``index`` (one per
+        concurrent reader) and returns it."""
+        if self.scratch is None:
+            raise ValueError("this engine registered no scratch words: it does not decode")
+        key = self.api.BlocksCacheKey(remote_cluster_id, LEASE_WORDS_MODEL_ID)
+        self.datadist.cache_manager.pull_blocks(
+            key, self.scratch.cache, [slot], [index], tensor_num_per_layer=1
+        )
+        return int(self.scratch_words[index])
 
     def pull(
         self, reads: Sequence[tuple[int, Sequence[int], Sequence[int]]], sliced: bool = False
@@ -127,12 +146,22 @@ def cache_groups(layout: KVLayout) -> list[CacheGroup]:
     if not layout.part_block_bytes:
         return [
             CacheGroup(
-                BLOCKS_MODEL_ID, layout.tensor_addrs, layout.unit_bytes, layout.tensors_per_layer
+                BLOCKS_MODEL_ID,
+                layout.tensor_addrs,
+                layout.unit_bytes,
+                layout.tensors_per_layer,
+                layout.num_blocks * layout.units_per_block,
             )
         ]
     per_layer = len(layout.part_block_bytes)
     return [
-        CacheGroup(BLOCKS_MODEL_ID + part, layout.tensor_addrs[part::per_layer], nbytes, 1)
+        CacheGroup(
+            BLOCKS_MODEL_ID + part,
+            layout.tensor_addrs[part::per_layer],
+            nbytes,
+            1,
+            layout.num_blocks,
+        )
         for part, nbytes in enumerate(layout.part_block_bytes)
     ]
 
@@ -169,8 +198,14 @@ def _configure(api: Any, config: HixlConfig, layout: KVLayout, cluster_id: int) 
 
 
 def open_engine(
-    config: HixlConfig, layout: KVLayout, cluster_id: int, producer: bool, consumer: bool
+    config: HixlConfig,
+    layout: KVLayout,
+    cluster_id: int,
+    producer: bool,
+    consumer: bool,
+    lease_words: tuple[int, int] | None = None,
 ) -> Engine:
+    """``lease_words``: (address, count) of P's lease words, registered for D to read."""
     device = _kv_device(layout)
     api = load_backend(config.backend, getattr(device, "type", None))
     profile = api.PROFILE
@@ -200,16 +235,31 @@ def open_engine(
         llm_config.listen_ip_info = f"{config.engine_host}:{port}"
     datadist = api.LLMDataDist(role, cluster_id)
     datadist.init(llm_config.generate_options())
+    host = api.Placement.HOST
+    scratch_words = (ctypes.c_uint64 * config.transfer_threads)() if consumer else None
     try:
-        caches = tuple(
-            _register(api, datadist, cluster_id, group, layout, placement) for group in groups
-        )
+        caches = tuple(_register(api, datadist, cluster_id, group, placement) for group in groups)
         slices = None
         if layout.slice_bytes:
             group = CacheGroup(
-                SLICES_MODEL_ID, layout.tensor_addrs, layout.slice_bytes, layout.tensors_per_layer
+                SLICES_MODEL_ID,
+                layout.tensor_addrs,
+                layout.slice_bytes,
+                layout.tensors_per_layer,
+                layout.num_blocks * layout.block_bytes // layout.slice_bytes,
             )
-            slices = _register(api, datadist, cluster_id, group, layout, placement)
+            slices = _register(api, datadist, cluster_id, group, placement)
+        if producer:
+            if lease_words is None:
+                raise ValueError("a prefill engine needs its lease words")
+            address, count = lease_words
+            group = CacheGroup(LEASE_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
+            _register(api, datadist, cluster_id, group, host)
+        scratch = None
+        if scratch_words is not None:
+            address, count = ctypes.addressof(scratch_words), len(scratch_words)
+            group = CacheGroup(SCRATCH_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
+            scratch = _register(api, datadist, cluster_id, group, host)
     except Exception:
         datadist.finalize()
         raise
@@ -224,15 +274,17 @@ def open_engine(
         int(bound) if bound else port,
         min(limits) if limits else None,
         slices,
+        scratch,
+        scratch_words,
     )
 
 
 def _register(
-    api: Any, datadist: Any, cluster_id: int, group: CacheGroup, layout: KVLayout, placement: Any
+    api: Any, datadist: Any, cluster_id: int, group: CacheGroup, placement: Any
 ) -> RegisteredCache:
     desc = api.CacheDesc(
         len(group.addrs),
-        [layout.num_blocks * layout.block_bytes // group.unit_bytes, group.unit_bytes],
+        [group.units, group.unit_bytes],
         api.DataType.DT_UINT8,  # block bytes are opaque to the engine
         placement,
     )

@@ -1,4 +1,5 @@
-"""D side: the lease notices D sends P outside a pull, "release" and "heartbeat".
+"""D side: the lease notices D sends P, "done", "release" and "heartbeat", all off the pull
+threads.
 
 Best effort: P's lease expiry frees the blocks anyway; only promptness is lost. They run on
 their own threads, never queued behind pulls, so a stalled pull cannot let the leases of
@@ -43,28 +44,34 @@ class LeaseNotifier:
         self._linked = ThreadPoolExecutor(1, thread_name_prefix="hixl-notices")
         self._unlinked = ThreadPoolExecutor(1, thread_name_prefix="hixl-notices-new")
 
-    def release_later(self, spec: ReleaseSpec) -> None:
-        """Queues a release to every P rank this D rank answers for: nothing to pull, aborted
-        first, or the pull failed."""
+    def release_later(self, spec: ReleaseSpec, kind: str = "release") -> None:
+        """Queues a notice to every P rank this D rank answers for: "done" after a good read,
+        "release" when nothing was or will be read (nothing to pull, aborted first, failed).
+        P frees on either."""
         for target, consumers in self._ranks(spec.remote):
             self._lane(target).submit(
-                self._release_rank, target, spec.remote_request_id, spec.lease_id, consumers
+                self._release_rank, target, spec.remote_request_id, spec.lease_id, consumers, kind
             )
 
     def _release_rank(
-        self, target: PeerRank, remote_request_id: str, lease_id: int, consumers: int
+        self,
+        target: PeerRank,
+        remote_request_id: str,
+        lease_id: int,
+        consumers: int,
+        kind: str,
     ) -> None:
         notice = LeaseNotice(remote_request_id, lease_id, consumers, rank=self._rank)
         try:
             client = self._client_for(target)
         except (ValueError, RuntimeError) as e:
-            logger.warning("hixl: release for %s not sent: %s", remote_request_id, e)
+            logger.warning("hixl: %s for %s not sent: %s", kind, remote_request_id, e)
             return
         try:
-            client.request(Notification("release", (notice,)).to_dict())
+            client.request(Notification(kind, (notice,)).to_dict())
         except SideChannelError as e:
             self._record("failed_notifications")
-            logger.warning("hixl: release for %s not delivered: %s", remote_request_id, e)
+            logger.warning("hixl: %s for %s not delivered: %s", kind, remote_request_id, e)
         finally:
             client.close()
 

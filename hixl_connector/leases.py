@@ -1,10 +1,12 @@
 """P-side block leases: which prefilled requests still pin their blocks, and until when.
 
-A lease starts when P's scheduler hands a finished prefill to the worker (SendSpec). It ends
+A lease starts when P's scheduler hands a finished prefill to the worker (SendSpec); its lease
+word (lease_words) already vouches for it, published by the scheduler. It ends
 when every expected D rank said "done" (or "release"), counted by distinct rank so a repeated
-notice (a lost reply, then a release) never stands in for another rank, or when no heartbeat arrived
-for `lease_s` seconds. Either way the request is reported in `finished_sending` exactly once
-and vLLM frees its blocks. Pure and clock-injected, so it is unit-tested without processes.
+notice (a lost reply, then a release) never stands in for another rank, or when no heartbeat
+arrived for `lease_s` seconds. Either way the worker clears its lease word, then reports the
+request in `finished_sending` exactly once, and vLLM frees its blocks. Pure and
+clock-injected, so it is unit-tested without processes.
 
 A "done" can overtake its SendSpec: P returns `kv_transfer_params` to the router in the same
 step that queues the SendSpec, and a fast D may pull and notify before P's next step. Such
@@ -25,7 +27,8 @@ _ENDED_MEMORY = 4096
 class Lease:
     request_id: str
     lease_id: int
-    block_ids: tuple[int, ...]
+    slot: int  # its lease word: cleared when the lease ends
+    word: int
     expires_at: float
     ranks_done: set[int] = field(default_factory=set)
     consumers_expected: int = 1
@@ -44,14 +47,16 @@ class LeaseTable:
     lease_s: float
     _leases: dict[str, Lease] = field(default_factory=dict)
     _early: dict[str, _EarlyNotice] = field(default_factory=dict)
-    _finished: set[str] = field(default_factory=set)
+    _finished: list[Lease] = field(default_factory=list)
     # Recently ended leases, so a late or repeated notice is not parked as an early one.
     _ended: OrderedDict[str, int] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, request_id: str, lease_id: int, block_ids: tuple[int, ...], now: float) -> None:
+    def start(
+        self, request_id: str, lease_id: int, now: float, slot: int = 0, word: int = 0
+    ) -> None:
         with self._lock:
-            lease = Lease(request_id, lease_id, block_ids, now + self.lease_s)
+            lease = Lease(request_id, lease_id, slot, word, now + self.lease_s)
             self._leases[request_id] = lease
             early = self._early.pop(request_id, None)
             if early is not None and early.lease_id == lease_id:
@@ -67,26 +72,6 @@ class LeaseTable:
                 return request_id in self._early
             lease.expires_at = max(lease.expires_at, now + self.lease_s)
             return True
-
-    def check(self, request_id: str, lease_id: int, block_ids: tuple[int, ...], now: float) -> str:
-        """Before D reads: "held" (and extended) when these blocks belong to this live lease;
-        "foreign" when some do not; "early" when the lease has not started yet (D retries);
-        "unknown" when it ended or never existed under that id."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None or lease.lease_id != lease_id:
-                parked = self._early.get(request_id)
-                ended = self._ended.get(request_id) == lease_id
-                return "early" if lease is None and not ended and parked is None else "unknown"
-            if not set(block_ids) <= set(lease.block_ids):
-                return "foreign"
-            lease.expires_at = max(lease.expires_at, now + self.lease_s)
-            return "held"
-
-    def is_held(self, request_id: str, lease_id: int) -> bool:
-        with self._lock:
-            lease = self._leases.get(request_id)
-            return lease is not None and lease.lease_id == lease_id
 
     def consumer_done(
         self, request_id: str, lease_id: int, consumers: int, now: float, *, rank: int
@@ -114,9 +99,10 @@ class LeaseTable:
                 del self._early[request_id]
             return expired
 
-    def take_finished(self) -> set[str]:
+    def take_finished(self) -> list[Lease]:
+        """The leases that ended since the last call; their words are still published."""
         with self._lock:
-            finished, self._finished = self._finished, set()
+            finished, self._finished = self._finished, []
             return finished
 
     def __len__(self) -> int:
@@ -131,7 +117,7 @@ class LeaseTable:
 
     def _end(self, lease: Lease) -> None:
         del self._leases[lease.request_id]
-        self._finished.add(lease.request_id)
+        self._finished.append(lease)
         self._ended[lease.request_id] = lease.lease_id
         if len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)

@@ -30,6 +30,7 @@ MAX_PORT = 65535
 MAX_TP_SIZE = 1024
 MAX_KV_CACHE_GROUPS = 64
 MAX_BLOCK_SIZE = 2**20
+MAX_LEASE_SLOT = 2**32
 
 
 # --- scheduler -> worker
@@ -100,6 +101,9 @@ class RecvSpec:
     remote_block_ids: tuple[int, ...]
     error: str = ""
     blocks_per_block: int = 1
+    # Where P publishes the lease, and the word D must find there around its read.
+    lease_slot: int = 0
+    lease_word: int = 0
 
     @property
     def leased_block_ids(self) -> tuple[int, ...]:
@@ -124,6 +128,8 @@ class SendSpec:
     request_id: str
     block_ids: tuple[int, ...]
     lease_id: int
+    slot: int  # its lease word's slot (lease_words)
+    word: int  # the word published there
 
 
 @dataclass
@@ -146,7 +152,7 @@ class InvalidTransferParams(ValueError):
 
 REQUIRED_PARAMS = (
     *("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host"),
-    *("remote_port", "tp_size", "remote_cluster_id", "remote_lease_id"),
+    *("remote_port", "tp_size", "remote_cluster_id", "remote_lease_id", "remote_lease_slot"),
 )
 
 
@@ -157,6 +163,7 @@ class RemotePrefill:
     remote: RemoteEndpoint
     remote_request_id: str
     lease_id: int
+    lease_slot: int
     block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, by position in the prompt
     num_tokens: int | None
     # Tokens per block of each of P's KV-cache groups; None: not sent (taken to be D's own;
@@ -203,6 +210,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             remote=remote,
             remote_request_id=check("remote_request_id", params, str),
             lease_id=check("remote_lease_id", params, int, 0, MAX_U64),
+            lease_slot=check("remote_lease_slot", params, int, 0, MAX_LEASE_SLOT),
             block_ids=block_ids,
             num_tokens=num_tokens,
             block_sizes=tuple(block_sizes) if block_sizes is not None else None,
@@ -218,14 +226,16 @@ def build_remote_decode_params(
     request_id: str,
     block_ids: Sequence[Sequence[int]],
     num_tokens: int,
-    lease_id: int,
+    lease: tuple[int, int],
     block_sizes: Sequence[int],
 ) -> dict[str, Any]:
     """P's answer in request_finished: where and what D pulls (NixlConnector pull fields).
 
     ``endpoint`` describes P itself: its rank-0 side channel port and cluster id;
-    ``block_ids`` one list per KV-cache group, ``block_sizes`` their block sizes.
+    ``block_ids`` one list per KV-cache group, ``block_sizes`` their block sizes;
+    ``lease`` the lease id and the slot of its lease word.
     """
+    lease_id, lease_slot = lease
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -243,6 +253,7 @@ def build_remote_decode_params(
         "transfer_mode": "pull",
         "remote_cluster_id": endpoint.cluster_id,
         "remote_lease_id": lease_id,
+        "remote_lease_slot": lease_slot,
     }
 
 

@@ -1,7 +1,6 @@
 """D -> P messages about leased block sets, validated on arrival.
 
-- check:     before a pull: are these blocks (still) leased to me under this lease id?
-- done:      after a pull: I read them; the answer says whether the lease held throughout;
+- done:      after a good read (the lease word vouched for it before and after): free now;
 - release:   nothing will be pulled (full local hit, abort, failure): free now;
 - heartbeat: still waiting for my turn: extend the leases.
 P frees a lease once done/release notices arrived from `consumers` distinct D ranks (each
@@ -15,12 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_NOTIFICATION_ITEMS = 4096
-MAX_CHECKED_BLOCKS = 1 << 16
 MAX_U64 = 2**64 - 1
 
-# The wire form of one item per kind: [request_id, lease_id, <third field>] or shorter.
+# The wire form of one item per kind.
 ITEM_FIELDS = {
-    "check": ("request_id", "lease_id", "block_ids"),
     "done": ("request_id", "lease_id", "consumers", "rank"),
     "release": ("request_id", "lease_id", "consumers", "rank"),
     "heartbeat": ("request_id", "lease_id"),
@@ -33,7 +30,6 @@ class LeaseNotice:
     remote_request_id: str  # P's request id
     lease_id: int
     consumers: int = 1  # done/release: distinct D ranks P waits for before it frees
-    block_ids: tuple[int, ...] = ()  # check: P's block ids D is about to read
     rank: int = 0  # done/release: the D TP rank that sends it
 
 
@@ -60,12 +56,6 @@ class Notification:
             _check_int("lease_id", item.lease_id, 0, MAX_U64)
             _check_int("consumers", item.consumers, 1, 65535)
             _check_int("rank", item.rank, 0, 65534)
-            if len(item.block_ids) > MAX_CHECKED_BLOCKS:
-                raise ValueError(
-                    f"notification checks {len(item.block_ids)} > {MAX_CHECKED_BLOCKS} blocks"
-                )
-            for block_id in item.block_ids:
-                _check_int("block_ids", block_id, 0, MAX_U64)
 
     def to_dict(self) -> dict[str, Any]:
         fields = ITEM_FIELDS[self.kind]
@@ -93,17 +83,11 @@ class Notification:
                     f"{kind!r} notification item {row!r:.200} is not [{', '.join(fields)}]"
                 )
             values = dict(zip(fields, row, strict=True))
-            blocks = values.get("block_ids", ())
-            if not isinstance(blocks, (list, tuple)):
-                raise ValueError(
-                    f"notification field 'block_ids' must be a list, got {blocks!r:.200}"
-                )
             items.append(
                 LeaseNotice(
                     values["request_id"],
                     values["lease_id"],
                     values.get("consumers", 1),
-                    tuple(blocks),
                     values.get("rank", 0),
                 )
             )
@@ -113,8 +97,6 @@ class Notification:
 def _field(item: LeaseNotice, name: str) -> Any:
     if name == "request_id":
         return item.remote_request_id
-    if name == "block_ids":
-        return list(item.block_ids)
     return getattr(item, name)
 
 

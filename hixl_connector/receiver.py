@@ -1,10 +1,13 @@
 """D side: one job per RecvSpec on the worker's transfer pool, so vLLM's forward pass never
 waits on a transfer.
 
-A job handshakes and links on first use of each P rank it reads, asks P to confirm the lease
-("check"), pulls, and tells P "done" (or "release" to P ranks it answers for but does not
-read). When the TP sizes differ, `tp_mapping` says which P ranks this rank reads and which
-KV heads land where: the KV caches are registered one unit per KV head of a block, so a head
+A job handshakes and links on first use of each P rank it reads, then reads P's lease word
+for the request, the blocks, and the lease word again (`lease_words`): the read is good only
+if the word vouched for exactly these blocks before and after, so no round trip to P's Python
+is on the way. "done" then goes to P on the notice lanes, off the pull thread.
+
+When the TP sizes differ, `tp_mapping` says which P ranks this rank reads and which KV heads
+land where: the KV caches are registered one unit per KV head of a block, so a head
 slice is read straight into place. When P's blocks are smaller, `block_slices` says which
 slices of which P block land where in each of this rank's blocks.
 """
@@ -12,6 +15,7 @@ slices of which P block land where in each of this rank's blocks.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +26,7 @@ from hixl_connector.engine_setup import Engine
 from hixl_connector.kv_layout import KVLayout
 from hixl_connector.lease_notices import LeaseNotifier
 from hixl_connector.metadata import RecvSpec, ReleaseSpec, RemoteEndpoint
-from hixl_connector.notifications import LeaseNotice, Notification
 from hixl_connector.peers import Peer, PeerRegistry
-from hixl_connector.side_channel import SideChannelClient, SideChannelError
 from hixl_connector.tp_mapping import (
     HeadRead,
     RankPlan,
@@ -130,9 +132,14 @@ class Receiver:
         self._record = record
         self._record_pull = record_pull
         self._finish = finish
+        # One scratch word per transfer thread: where a job reads P's lease words to.
+        self._scratch: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in range(config.transfer_threads):
+            self._scratch.put(index)
 
     def receive(self, spec: RecvSpec, queued_at: float) -> None:
         peers: dict[int, Peer] = {}
+        scratch = self._scratch.get()
         try:
             if spec.error:
                 raise LeaseError(spec.error)
@@ -140,32 +147,35 @@ class Receiver:
             for p_rank in plan.notify:
                 peers[p_rank] = self._peers.get(spec.remote.rank(p_rank))
                 self._check_block_sizes(peers[p_rank], spec)
-            readers = [p for p in plan.notify if plan.reads_from(p)]
-            for p_rank in readers:
-                self._confirm_lease(peers[p_rank].client, spec, plan.consumers[p_rank])
+            readers = [peers[p] for p in plan.notify if plan.reads_from(p)]
+            for peer in readers:
+                if not self._vouched(peer, spec, scratch):
+                    self._record("refused_pulls")
+                    raise LeaseError(
+                        f"prefill engine {peer.engine_id} rank {peer.payload.tp_rank} does not "
+                        f"lease these blocks to request {spec.remote_request_id} under lease "
+                        f"{spec.lease_id}: unknown or ended lease, or blocks outside it"
+                    )
             if self._config.test_pull_delay_s:
                 time.sleep(self._config.test_pull_delay_s)
             reads = [self._heads(peers[read.p_rank], read, spec) for read in plan.reads]
             started = time.monotonic()
             self._engine.pull(reads, sliced=spec.blocks_per_block > 1)
             finished = time.monotonic()
-            # The read is good only if P still held the lease after it: P never reuses
-            # leased blocks, and a lease that ended never comes back. Unread replicas are
-            # told to free ("release"); their answer does not matter.
-            for p_rank in plan.notify:
-                kind = "done" if p_rank in readers else "release"
-                answer = self._lease_request(
-                    peers[p_rank].client, kind, spec, plan.consumers[p_rank]
-                )
-                if kind == "done" and answer not in ("held", "finished"):
+            # P clears a word before it reuses the blocks and never publishes it again: still
+            # there after the read, the blocks were this request's throughout.
+            for peer in readers:
+                if not self._vouched(peer, spec, scratch):
                     self._record("stale_pulls")
                     raise LeaseError(
                         f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
-                        f"ended during the pull ({answer}); its blocks may have been reused"
+                        "ended during the pull; its blocks may have been reused"
                     )
         except Exception as e:
             self._fail(spec, peers, e)
             return
+        finally:
+            self._scratch.put(scratch)
         if self._config.test_corrupt_received_kv:
             self._corrupt(spec.local_block_ids)
         layout = self._layout
@@ -175,6 +185,11 @@ class Receiver:
             finished - started, finished - queued_at, moved, len(spec.local_block_ids)
         )
         self._finish(spec.request_id, True)
+        self._notices.release_later(self._release(spec), "done")
+
+    def _vouched(self, peer: Peer, spec: RecvSpec, scratch: int) -> bool:
+        word = self._engine.read_lease_word(peer.cluster_id, spec.lease_slot, scratch)
+        return word == spec.lease_word
 
     def _heads(self, peer: Peer, read: HeadRead, spec: RecvSpec) -> Read:
         """One P rank's heads of the request's blocks, to land straight in their slots here:
@@ -209,39 +224,6 @@ class Receiver:
                 f"{list(self._block_sizes)}"
             )
 
-    def _confirm_lease(self, client: SideChannelClient, spec: RecvSpec, consumers: int) -> None:
-        """Reads nothing unless P confirms these blocks are leased to this request now."""
-        deadline = time.monotonic() + self._config.handshake_timeout_s
-        pause = 0.002
-        while True:
-            answer = self._lease_request(client, "check", spec, consumers)
-            if answer == "held":
-                return
-            if answer != "early" or time.monotonic() > deadline:
-                self._record("refused_pulls")
-                raise LeaseError(
-                    f"prefill refused to lend blocks {list(spec.leased_block_ids)[:8]}... of "
-                    f"request {spec.remote_request_id} under lease {spec.lease_id}: {answer}"
-                )
-            time.sleep(pause)  # P has not yet started the lease: its next step will
-            pause = min(2 * pause, 0.05)
-
-    def _lease_request(
-        self, client: SideChannelClient, kind: str, spec: RecvSpec, consumers: int
-    ) -> str:
-        notice = LeaseNotice(
-            spec.remote_request_id,
-            lease_id=spec.lease_id,
-            consumers=consumers,
-            block_ids=spec.leased_block_ids,
-            rank=self._tp_rank,
-        )
-        reply = client.request(Notification(kind, (notice,)).to_dict())
-        results = reply.get("results")
-        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], str):
-            raise SideChannelError(f"malformed {kind} reply: {reply!r:.200}")
-        return results[0]
-
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
         if spec.error or isinstance(error, (TPMismatch, UnreadableRequest)):
@@ -255,9 +237,11 @@ class Receiver:
         if spec.remote.engine_id:
             # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
             # waiting for the lease to expire.
-            self._notices.release_later(
-                ReleaseSpec(spec.request_id, spec.remote_request_id, spec.lease_id, spec.remote)
-            )
+            self._notices.release_later(self._release(spec))
+
+    @staticmethod
+    def _release(spec: RecvSpec) -> ReleaseSpec:
+        return ReleaseSpec(spec.request_id, spec.remote_request_id, spec.lease_id, spec.remote)
 
     def _link_suspect(self, error: Exception) -> bool:
         """Timeouts, dead peers and lost replies call for a fresh handshake and link."""

@@ -4,7 +4,8 @@ D side (kv_consumer): asks vLLM for the remote tokens asynchronously, turns each
 into one RecvSpec (or a ReleaseSpec when there is nothing to pull) and lists the remote
 requests that still wait so the worker can renew P's leases.
 P side (kv_producer): keeps a finished prefill's blocks (delay-free), leases them under a
-fresh lease id and answers with the kv_transfer_params D needs.
+fresh lease id, publishes the lease in a lease word (lease_words) and answers with the
+kv_transfer_params D needs.
 kv_both enables both. No torch, zmq or engine here; the worker does all I/O.
 """
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hixl_connector.block_slices import blocks_per_block
 from hixl_connector.blocks import NULL_BLOCK_ID, blocks_for_tokens, remote_at_positions
 from hixl_connector.config import HixlConfig
+from hixl_connector.lease_words import LeaseWords, lease_word, words_path
 from hixl_connector.metadata import (
     UNKNOWN_ENDPOINT,
     HixlConnectorMetadata,
@@ -71,6 +73,7 @@ class HixlScheduler:
         self._tp_size = parallel.tensor_parallel_size
         self._group_block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         dp_rank = parallel.data_parallel_index
+        self._engine_id, self._dp_rank = engine_id, dp_rank
         # P announces rank 0's port and cluster id; D's rank r adds r.
         self._endpoint = RemoteEndpoint(
             engine_id=engine_id,
@@ -92,8 +95,11 @@ class HixlScheduler:
         self._to_send: list[SendSpec] = []
         # D: request_id -> heartbeat entry, from on_new_request until its KV arrived.
         self._waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
-        # P: request_id -> lease id, until the worker reports it in finished_sending.
-        self._leased: dict[str, int] = {}
+        # P: request_id -> (lease id, slot), until the worker reports it in finished_sending.
+        self._leased: dict[str, tuple[int, int]] = {}
+        # P: every TP rank's lease words and their free slots.
+        self._words = self._map_lease_words() if self._is_producer else []
+        self._free_slots = list(range(min((w.slots for w in self._words), default=0) - 1, -1, -1))
 
     # ------------------------------------------------------------------ D side
 
@@ -193,6 +199,8 @@ class HixlScheduler:
                 local_block_ids=local,
                 remote_block_ids=remote,
                 blocks_per_block=ratio,
+                lease_slot=prefill.lease_slot,
+                lease_word=lease_word(prefill.lease_id, prefill.block_ids),
             )
         )
 
@@ -200,7 +208,10 @@ class HixlScheduler:
         for request_id in connector_output.finished_recving or ():
             self._stop_heartbeat(request_id)
         for request_id in connector_output.finished_sending or ():
-            self._leased.pop(request_id, None)
+            # Every rank cleared its word before reporting: the slot can take a new lease.
+            lease = self._leased.pop(request_id, None)
+            if lease is not None:
+                self._free_slots.append(lease[1])
 
     # ------------------------------------------------------------------ both sides
 
@@ -254,17 +265,36 @@ class HixlScheduler:
         leased = tuple(b for group in prompt_blocks for b in group if b != NULL_BLOCK_ID)
         if not leased:
             return False, None
+        if not self._free_slots:  # cannot happen: every lease holds a block of its own
+            logger.error("request %s: no free lease slot; D will compute it", request_id)
+            return False, None
+        slot = self._free_slots.pop()
         lease_id = self._new_lease_id()
-        self._leased[request_id] = lease_id
-        self._to_send.append(SendSpec(request_id, leased, lease_id))
+        word = lease_word(lease_id, prompt_blocks)
+        # Published before kv_transfer_params leave the engine: D can check it at once.
+        for rank_words in self._words:
+            rank_words.publish(slot, word)
+        self._leased[request_id] = (lease_id, slot)
+        self._to_send.append(SendSpec(request_id, leased, lease_id, slot, word))
         return True, build_remote_decode_params(
             self._endpoint,
             request_id,
             prompt_blocks,
             request.num_prompt_tokens,
-            lease_id,
+            (lease_id, slot),
             self._group_block_sizes,
         )
+
+    def _map_lease_words(self) -> list[LeaseWords]:
+        """Every TP rank's lease words: the workers created them when they registered their
+        KV caches, before vLLM built this scheduler."""
+        words = [
+            LeaseWords.open(words_path(self._engine_id, self._dp_rank, rank))
+            for rank in range(self._tp_size)
+        ]
+        for rank_words in words:  # mapped by every process that uses them now
+            rank_words.unlink()
+        return words
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HixlConnectorMetadata:
         meta = HixlConnectorMetadata(

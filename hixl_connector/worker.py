@@ -25,6 +25,7 @@ from hixl_connector.config import HixlConfig
 from hixl_connector.engine_setup import Engine, open_engine
 from hixl_connector.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.lease_notices import LeaseNotifier
+from hixl_connector.lease_words import LeaseWords, words_path
 from hixl_connector.leases import LeaseTable
 from hixl_connector.metadata import (
     SCHEMA_VERSION,
@@ -95,6 +96,7 @@ class HixlWorker:
         self._peers: PeerRegistry | None = None
         self._notices: LeaseNotifier | None = None
         self._receiver: Receiver | None = None
+        self._words: LeaseWords | None = None  # P: this rank's lease words
         self._server: SideChannelServer | None = None
 
     # -- registration -------------------------------------------------------------------
@@ -112,9 +114,18 @@ class HixlWorker:
             int(heads) if head_major else 0,
             groups_share_buffers=len(self._kv_cache_groups) > 1,
         )
-        engine = open_engine(
-            self._config, layout, self._cluster_id, self._is_producer, self._is_consumer
-        )
+        if self._is_producer:  # one slot per lease, and a lease holds a block at least
+            path = words_path(self._engine_id, self._dp_rank, self._tp_rank)
+            self._words = LeaseWords.create(path, num_blocks)
+        words = (self._words.address, self._words.slots) if self._words else None
+        try:
+            engine = open_engine(
+                self._config, layout, self._cluster_id, self._is_producer, self._is_consumer, words
+            )
+        except Exception:
+            if self._words is not None:
+                self._words.unlink()
+            raise
         self._engine, self._layout = engine, layout
         self._payload = self._handshake_payload(layout, engine.listen_port)
         self._peers = PeerRegistry(
@@ -151,7 +162,6 @@ class HixlWorker:
                 self._side_channel_port(),
                 {
                     "handshake": self._on_handshake,
-                    "check": self._on_check,
                     "done": self._on_done,
                     "release": self._on_done,
                     "heartbeat": self._on_heartbeat,
@@ -210,7 +220,7 @@ class HixlWorker:
         self._idle_step = metadata.idle
         now = time.monotonic()
         for send in metadata.to_send:
-            self._leases.start(send.request_id, send.lease_id, send.block_ids, now)
+            self._leases.start(send.request_id, send.lease_id, now, send.slot, send.word)
         for recv in metadata.to_recv:
             assert self._receiver is not None, "a pull before register_kv_caches"
             self._pool.submit(self._receiver.receive, recv, now)
@@ -239,7 +249,13 @@ class HixlWorker:
             logger.warning("hixl: lease of request %s expired; releasing its blocks", request_id)
         if expired:
             self._record("expired_leases", len(expired))
-        return self._leases.take_finished(), recving, failed
+        finished = set()
+        for lease in self._leases.take_finished():
+            # Cleared first: vLLM may hand the blocks to another request once it learns.
+            if self._words is not None:
+                self._words.clear(lease.slot, lease.word)
+            finished.add(lease.request_id)
+        return finished, recving, failed
 
     def get_stats(self) -> HixlKVConnectorStats | None:
         with self._stats_lock:
@@ -291,6 +307,8 @@ class HixlWorker:
         if self._engine is not None:
             self._engine.datadist.finalize()
             self._engine = None
+        if self._words is not None:
+            self._words.unlink()  # normally gone already: the scheduler unlinks it
         self._context.term()
 
     # -- P side handlers (side-channel thread) ------------------------------------------
@@ -304,12 +322,6 @@ class HixlWorker:
         if message.get("tp_rank") != self._tp_rank:
             raise ValueError(f"this side channel serves rank {self._tp_rank}")
         return {"payload": self._payload.to_dict()}
-
-    def _on_check(self, message: dict[str, Any]) -> dict[str, Any]:
-        return _answer_each(
-            message,
-            lambda n, now: self._leases.check(n.remote_request_id, n.lease_id, n.block_ids, now),
-        )
 
     def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
         answer = _answer_each(

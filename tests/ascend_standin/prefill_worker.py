@@ -24,6 +24,7 @@ def main() -> None:
     from worker_harness import kv_caches, tp_group, vllm_config
 
     from hixl_connector.config import HixlConfig
+    from hixl_connector.lease_words import LeaseWords, lease_word, words_path
     from hixl_connector.metadata import HixlConnectorMetadata, SendSpec
     from hixl_connector.worker import HixlWorker
 
@@ -32,7 +33,13 @@ def main() -> None:
         worker = HixlWorker(config, HixlConfig.from_vllm_config(config), spec["engine_id"])
         caches = kv_caches(fill=True)
         worker.register_kv_caches(dict(caches))
-        sends = [SendSpec(r, tuple(blocks), lease) for r, lease, blocks in spec["leases"]]
+        # P's scheduler publishes each lease in a lease word; lease k takes slot k.
+        words = LeaseWords.open(words_path(spec["engine_id"], 0, 0))
+        sends = []
+        for slot, (request_id, lease, blocks) in enumerate(spec["leases"]):
+            word = lease_word(lease, [blocks])
+            words.publish(slot, word)
+            sends.append(SendSpec(request_id, tuple(blocks), lease, slot, word))
         worker.start_load_kv(HixlConnectorMetadata(to_send=sends))
         print(json.dumps({"pid": os.getpid()}), flush=True)
         sys.stdin.read()

@@ -144,7 +144,7 @@ def test_client_abort_frees_prefill_promptly(pd: Servers, fault_report: FaultRep
         fault_report.record(
             f"client disconnects from D {when}",
             "vLLM aborts the request and its rejection cleanup makes D send 'release': P frees "
-            "at once; a read still in flight fails the 'done' check (stale), nothing decodes",
+            "at once; a read still in flight finds its lease word cleared (stale), nothing decodes",
             detected,
             both_idle(pd),
         )

@@ -104,7 +104,7 @@ def test_pull_racing_lease_expiry_and_block_reuse_is_never_decoded(
     wait_idle(decode, 10)
     fault_report.record(
         "pull raced with lease expiry and block reuse on P",
-        "P's 'done' answer says the lease ended; D fails the receive (stale_pulls) and "
+        "D's second read of P's lease word finds it cleared; D fails the receive (stale_pulls) and "
         "recomputes (policy recompute): token-identical, never decoded on reused blocks",
         result.finished_at - started - STALE_DELAY_S,
         leftover(prefill, decode),

@@ -103,11 +103,21 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
 
 
 def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local: list[int]) -> bool:
+    from hixl_connector.lease_words import lease_word
     from hixl_connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
 
     request, lease_id, remote_blocks = LEASES[lease]
     remote = RemoteEndpoint("p-engine", "127.0.0.1", prefill["side_port"], 1, P_BASE)
-    spec = RecvSpec(f"d-{request}", request, lease_id, remote, tuple(local), tuple(remote_blocks))
+    spec = RecvSpec(
+        f"d-{request}",
+        request,
+        lease_id,
+        remote,
+        tuple(local),
+        tuple(remote_blocks),
+        lease_slot=lease,  # the stand-in P publishes lease k in slot k
+        lease_word=lease_word(lease_id, [remote_blocks]),
+    )
     worker = decode["worker"]
     worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
     deadline = time.monotonic() + RESULT_TIMEOUT_S
@@ -131,13 +141,16 @@ def test_pull_lands_through_the_documented_calls(decode: Any, prefill: Any) -> N
             assert _block(decode, tensor, local) == {expected_block(tensor, remote)}
     assert _block(decode, 0, 4) == {0.0}
     calls = decode["standin"].calls()
-    assert calls == ["LLMDataDist", "init", "register_blocks_cache", "link_clusters", "pull_blocks"]
+    # The KV cache and the scratch words D reads P's lease words into; then P's lease word,
+    # the blocks, and the lease word again.
+    register, pulls = ["register_blocks_cache"] * 2, ["pull_blocks"] * 3
+    assert calls == ["LLMDataDist", "init", *register, "link_clusters", *pulls]
 
 
 def test_long_block_list_is_chunked_under_the_request_limit(decode: Any, prefill: Any) -> None:
     before = decode["standin"].calls().count("pull_blocks")
     assert _receive(decode, prefill, 1, [30, 41] * (LONG // 2))
-    assert decode["standin"].calls().count("pull_blocks") == before + 2
+    assert decode["standin"].calls().count("pull_blocks") == before + 2 + 2  # and 2 lease words
     assert _block(decode, 3, 30) == {expected_block(3, 5)}
     assert _block(decode, 3, 41) == {expected_block(3, 6)}
 
@@ -178,7 +191,14 @@ def test_shutdown_unlinks_and_prefill_only_registers(decode: Any, prefill: Any) 
     decode["shut"] = True
     calls = decode["standin"].calls()
     assert calls[-2:] == ["unlink_clusters", "finalize"]
-    assert "register_blocks_cache" not in calls[3:]  # nothing registered after the first link
+    assert "register_blocks_cache" not in calls[4:]  # nothing registered after the first link
     out = stop(prefill["proc"])
     p_calls = json.loads(out.strip().splitlines()[-1])
-    assert p_calls == ["LLMDataDist", "init", "register_blocks_cache", "finalize"]
+    # The KV cache and the lease words.
+    assert p_calls == [
+        "LLMDataDist",
+        "init",
+        "register_blocks_cache",
+        "register_blocks_cache",
+        "finalize",
+    ]

@@ -31,7 +31,7 @@ def wire(message: dict[str, Any]) -> Any:
 
 
 def p_params(**overrides: Any) -> dict[str, Any]:
-    params = build_remote_decode_params(P, "req-1", [[7, 8, 9]], 40, 2**40, [16])
+    params = build_remote_decode_params(P, "req-1", [[7, 8, 9]], 40, (2**40, 3), [16])
     params.update(overrides)
     return params
 
@@ -43,6 +43,7 @@ def test_params_round_trip_through_json_like_wire() -> None:
     prefill = parse_remote_prefill(wire(p_params()))
     assert prefill.remote == P
     assert (prefill.remote_request_id, prefill.lease_id) == ("req-1", 2**40)
+    assert prefill.lease_slot == 3
     assert prefill.block_ids == ((7, 8, 9),) and prefill.num_tokens == 40
     assert prefill.block_sizes == (16,)
 
@@ -114,7 +115,7 @@ def test_connector_metadata_pickles() -> None:
     meta = HixlConnectorMetadata(
         to_recv=[RecvSpec("d", "p", 1, P, (4, 5), (8, 9))],
         to_release=[ReleaseSpec("d2", "p2", 2, P)],
-        to_send=[SendSpec("p3", (1, 2, 3), 3)],
+        to_send=[SendSpec("p3", (1, 2, 3), 3, 7, 0xABC)],
         heartbeats=[(P, "p", 1)],
     )
     assert pickle.loads(pickle.dumps(meta)) == meta

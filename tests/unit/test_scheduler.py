@@ -29,6 +29,7 @@ from vllm_harness import (
 
 from hixl_connector.config import HixlConfig
 from hixl_connector.demo.client import PREFILL_LEG_PARAMS
+from hixl_connector.lease_words import LeaseWords, lease_word, words_path
 from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
@@ -280,13 +281,16 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
         "transfer_mode": "pull",
         "remote_cluster_id": config.cluster_id_for_rank(0, 0, 1),
         "remote_lease_id": leases["p1"],
+        "remote_lease_slot": 0,
     }
+    assert finished["p2"].kv_transfer_params["remote_lease_slot"] == 1
     assert config.cluster_id_for_rank(0, 0, 1) == 4096
     assert free_blocks(scheduler) == idle - 6  # delay-free: both requests keep 3 blocks
 
     output, _ = step(scheduler)
     assert metadata(output).to_send == [
-        SendSpec(rid, tuple(blocks[rid]), leases[rid]) for rid in ("p1", "p2")
+        SendSpec(rid, tuple(blocks[rid]), leases[rid], slot, lease_word(leases[rid], [blocks[rid]]))
+        for slot, rid in enumerate(("p1", "p2"))
     ]
     assert hixl(scheduler).num_leased == 2
     step(scheduler, finished_sending={"p1"})
@@ -295,6 +299,27 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
     assert free_blocks(scheduler) == idle
     assert scheduler.requests == {} and hixl(scheduler).num_leased == 0
     assert metadata(scheduler.schedule()).to_send == []
+
+
+def test_a_lease_is_published_before_its_params_leave_and_its_slot_reused_after(
+    tiny_model_dir: Path,
+) -> None:
+    words = LeaseWords.create(words_path("prefill-w", 0, 0), 64)  # as P's worker does
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="prefill-w")
+    slots = []
+    for request_id in ("p1", "p2"):
+        params = dict(PREFILL_LEG_PARAMS)
+        scheduler.add_request(make_request(request_id, prompt(40, 1), max_tokens=1, params=params))
+        (out,) = finished_outputs(step(scheduler)[1]).values()
+        sent = out.kv_transfer_params
+        slot = sent["remote_lease_slot"]
+        word = lease_word(sent["remote_lease_id"], sent["remote_block_ids"])
+        assert words[slot] == word  # D can check it as soon as it has the params
+        words.clear(slot, word)  # P's worker: cleared before it reports the lease ended
+        step(scheduler, finished_sending={request_id})
+        slots.append(slot)
+    assert slots[0] == slots[1]  # freed once reported, and taken again
+    words.close()
 
 
 def test_producer_abort_frees_at_once(tiny_model_dir: Path) -> None:

@@ -28,6 +28,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from hixl_connector.lease_words import LeaseWords, words_path
 from hixl_connector.metadata import HixlConnectorMetadata
 from hixl_connector.scheduler import HixlScheduler
 
@@ -84,6 +85,10 @@ def make_scheduler(
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layers.0", "layers.1"], spec)],
     )
+    if kv_role != "kv_consumer" and not words_path(engine_id, 0, 0).exists():
+        # What P's worker does when it registers its KV caches, before vLLM builds the
+        # scheduler (which maps the words, then unlinks the file).
+        LeaseWords.create(words_path(engine_id, 0, 0), num_blocks).close()
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -140,6 +145,7 @@ def prefill_params(num_blocks: int, *, first_block: int = 100, **overrides: Any)
         "transfer_mode": "pull",
         "remote_cluster_id": 8192,
         "remote_lease_id": 77,
+        "remote_lease_slot": 5,
     }
     params.update(overrides)
     return params
