@@ -224,6 +224,10 @@ class HixlWorker:
         for recv in metadata.to_recv:
             assert self._receiver is not None, "a pull before register_kv_caches"
             self._pool.submit(self._receiver.receive, recv, now)
+        if metadata.to_recv:
+            # Hands the GIL over so the new jobs issue their reads now rather than when this
+            # step next blocks: a job holds it only until the engine call releases it.
+            time.sleep(0)
         if self._notices is not None:
             for release in metadata.to_release:
                 self._notices.release_later(release)
