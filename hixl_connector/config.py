@@ -79,6 +79,7 @@ class HixlConfig:
         side_channel_host = _host(extra, "side_channel_host", "127.0.0.1")
         lease_s = _positive_float(extra, "lease_s", 30.0)
         heartbeat_s = _positive_float(extra, "heartbeat_s", lease_s / 6)
+        threads = _int(extra, "transfer_threads", 2, low=1)
         if heartbeat_s >= lease_s:
             raise ValueError(
                 f"kv_connector_extra_config key 'heartbeat_s' must be < lease_s "
@@ -93,8 +94,14 @@ class HixlConfig:
             transport=_choice(extra, "transport", "auto", TRANSPORTS),
             pull_timeout_s=_timeout_s(extra, "pull_timeout_s", 30.0),
             handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
-            transfer_threads=_int(extra, "transfer_threads", 2, low=1),
-            tcp_connections=_int(extra, "tcp_connections", 2, low=1, high=MAX_TCP_CONNECTIONS),
+            transfer_threads=threads,
+            tcp_connections=_int(
+                extra,
+                "tcp_connections",
+                min(threads, MAX_TCP_CONNECTIONS),
+                low=1,
+                high=MAX_TCP_CONNECTIONS,
+            ),
             lease_s=lease_s,
             heartbeat_s=heartbeat_s,
             auth_token=_auth_token(extra),

@@ -168,8 +168,11 @@ class LLMDataDist:
             transport in TRANSPORTS,
             f"option {OPT_TRANSPORT}={transport!r} must be one of {TRANSPORTS}",
         )
-        connections = _int_option(opts, OPT_TCP_CONNECTIONS, 2, 1, MAX_TCP_CONNECTIONS)
         threads = _int_option(opts, OPT_TRANSFER_THREADS, 2, 1, MAX_TRANSFER_THREADS)
+        # One TCP connection per transfer thread by default: a pull's chunks then travel at
+        # once instead of queueing on two sockets.
+        default = min(threads, MAX_TCP_CONNECTIONS)
+        connections = _int_option(opts, OPT_TCP_CONNECTIONS, default, 1, MAX_TCP_CONNECTIONS)
         return host, port, token, transport, connections, threads
 
     def _check_is_inited(self) -> None:

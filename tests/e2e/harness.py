@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hixl_connector.demo.client import metric_total, read_metrics
+from hixl_connector.demo.client import RequestFailed, complete, metric_total, read_metrics
 from hixl_connector.demo.processes import ManagedProcess, free_port_range
 from hixl_connector.demo.servers import (
+    SERVED_MODEL_NAME,
     RouterProcess,
     VllmServer,
     start_router,
@@ -81,6 +82,15 @@ def settled(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float =
 
 def wait_for_pulls(server: VllmServer, at_least: float, timeout_s: float = 10.0) -> tuple:
     return settled(lambda: pulled(server), lambda now: now[0] >= at_least, timeout_s)
+
+
+def request_fails(url: str, prompt: str, **request: Any) -> bool:
+    """True when a completion sent to ``url`` fails: an error finish or an HTTP error."""
+    try:
+        out = complete(url, prompt, model=SERVED_MODEL_NAME, max_tokens=4, **request)
+    except RequestFailed:
+        return True
+    return out.finish_reason == "error"
 
 
 def hixl_counter(server: VllmServer, name: str) -> float:

@@ -20,6 +20,18 @@ ENV_TOKEN = "env-token-0123456789abcdef0123456789"
 KEY_TOKEN = "key-token-0123456789abcdef0123456789"
 
 
+@pytest.mark.parametrize(
+    ("extra", "connections"),
+    [
+        ({"transfer_threads": 8}, 8),
+        ({"transfer_threads": 40}, 16),
+        ({"transfer_threads": 8, "tcp_connections": 3}, 3),
+    ],
+)
+def test_tcp_connections_follow_the_transfer_threads(extra: dict, connections: int) -> None:
+    assert HixlConfig.from_dict(extra, "engine-a").tcp_connections == connections
+
+
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIXL_AUTH_TOKEN", raising=False)
     config = HixlConfig.from_dict({}, "engine-a")

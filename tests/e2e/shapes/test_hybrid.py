@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.client import RequestFailed, complete
+from hixl_connector.demo.client import complete
 from hixl_connector.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
 from hixl_connector.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
 
@@ -26,6 +26,7 @@ from ..harness import (
     ProcessRegistry,
     hixl_connector_config,
     pulled,
+    request_fails,
     token_prompt,
     wait_for_pulls,
     wait_kv_idle,
@@ -129,16 +130,7 @@ def test_mismatched_groups_fail_the_request_naming_them_and_free_the_prefill(
 ) -> None:
     decode = fleet.servers["d_off"]
     pulls = pulled(decode)[0]
-    failed = False
-    try:
-        failed = (
-            complete(
-                fleet.routers["mismatch"].url, PROMPTS[97], model=SERVED_MODEL_NAME, max_tokens=4
-            ).finish_reason
-            == "error"
-        )
-    except RequestFailed:
-        failed = True
+    failed = request_fails(fleet.routers["mismatch"].url, PROMPTS[97])
     assert failed, "D decoded KV from a prefill engine with other KV-cache groups"
     assert "the prefill side sent 2 KV-cache groups, this engine has 1" in decode.log_tail(200)
     assert pulled(decode)[0] == pulls

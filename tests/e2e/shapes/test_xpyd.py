@@ -12,7 +12,6 @@ from typing import Any
 from hixl_connector.demo.client import (
     PREFILL_LEG_PARAMS,
     Generation,
-    RequestFailed,
     complete,
     metric_total,
     read_metrics,
@@ -24,6 +23,7 @@ from ..harness import (
     PROMPTS,
     hixl_counter,
     pulled,
+    request_fails,
     wait_for_counter,
     wait_for_pulls,
     wait_kv_idle,
@@ -95,18 +95,7 @@ def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
     pulls = pulled(fleet.d1)[0]
     invalid = hixl_counter(fleet.d1, "invalid_requests")
     handshakes = hixl_counter(fleet.d1, "failed_handshakes")
-    failed = False
-    try:
-        out = complete(
-            fleet.d1.url,
-            prompt,
-            model=SERVED_MODEL_NAME,
-            max_tokens=MAX_TOKENS,
-            extra={"kv_transfer_params": params},
-        )
-        failed = out.finish_reason == "error"
-    except RequestFailed:
-        failed = True
+    failed = request_fails(fleet.d1.url, prompt, extra={"kv_transfer_params": params})
     assert failed, "D decoded although the TP sizes cannot be mapped"
     assert "prefill tp_size=3 exceeds num_kv_heads=2" in fleet.d1.log_tail(200)
     assert pulled(fleet.d1)[0] == pulls
@@ -121,12 +110,7 @@ def test_other_kv_head_counts_are_refused_naming_the_field(fleet: Fleet) -> None
     the request fails, and D tells P to free at once."""
     router = fleet.launcher.router("router_kv4", [fleet.p1], [fleet.d_kv4])
     handshakes = hixl_counter(fleet.d_kv4, "failed_handshakes")
-    failed = False
-    try:
-        out = complete(router.url, PROMPTS[97], model=SERVED_MODEL_NAME, max_tokens=4)
-        failed = out.finish_reason == "error"
-    except RequestFailed:
-        failed = True
+    failed = request_fails(router.url, PROMPTS[97])
     assert failed, "D decoded KV of a model with another KV-head count"
     assert "num_kv_heads: local=4 remote=2" in fleet.d_kv4.log_tail(200)
     assert pulled(fleet.d_kv4)[0] == 0
