@@ -3,16 +3,19 @@ threads.
 
 Best effort: P's lease expiry frees the blocks anyway; only promptness is lost. They run on
 their own threads, never queued behind pulls, so a stalled pull cannot let the leases of
-other waiting requests expire. Notices to linked peers and those to addresses no handshake
-vouched for (named by clients in kv_transfer_params, maybe dead) use separate threads, so
-the latter cannot hold up the former.
+other waiting requests expire. Each linked P rank has a lane (a thread) of its own while it
+has notices pending, so one stalled P cannot delay another's heartbeats; addresses no
+handshake vouched for (named by clients in kv_transfer_params, maybe dead) share one lane,
+so they cannot hold up linked peers nor grow the number of threads.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from hixl_connector.heartbeats import DueHeartbeat, HeartbeatSchedule
 from hixl_connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
@@ -41,7 +44,7 @@ class LeaseNotifier:
         self._rank = rank
         self._record = record  # counts "failed_notifications"
         self._heartbeats = HeartbeatSchedule(heartbeat_s)
-        self._linked = ThreadPoolExecutor(1, thread_name_prefix="hixl-notices")
+        self._linked = PeerLanes()
         self._unlinked = ThreadPoolExecutor(1, thread_name_prefix="hixl-notices-new")
 
     def release_later(self, spec: ReleaseSpec, kind: str = "release") -> None:
@@ -49,8 +52,14 @@ class LeaseNotifier:
         "release" when nothing was or will be read (nothing to pull, aborted first, failed).
         P frees on either."""
         for target, consumers in self._ranks(spec.remote):
-            self._lane(target).submit(
-                self._release_rank, target, spec.remote_request_id, spec.lease_id, consumers, kind
+            self._submit(
+                target,
+                self._release_rank,
+                target,
+                spec.remote_request_id,
+                spec.lease_id,
+                consumers,
+                kind,
             )
 
     def _release_rank(
@@ -84,13 +93,13 @@ class LeaseNotifier:
             for target, _ in self._ranks(remote)
         ]
         for due in self._heartbeats.due(per_rank, now):
-            self._lane(due.target).submit(self._heartbeat, due)
+            self._submit(due.target, self._heartbeat, due)
 
     def tracked_peers(self) -> int:
         return self._heartbeats.tracked_peers()
 
     def shutdown(self) -> None:
-        self._linked.shutdown(wait=True, cancel_futures=True)
+        self._linked.shutdown()
         self._unlinked.shutdown(wait=True, cancel_futures=True)
 
     def _ranks(self, remote: RemoteEndpoint) -> list[tuple[PeerRank, int]]:
@@ -100,8 +109,11 @@ class LeaseNotifier:
             logger.warning("hixl: no lease notice to %s: %s", remote.engine_id, e)
             return []
 
-    def _lane(self, target: PeerRank) -> ThreadPoolExecutor:
-        return self._linked if self._is_linked(target) else self._unlinked
+    def _submit(self, target: PeerRank, task: Callable[..., None], *args: Any) -> None:
+        if self._is_linked(target):
+            self._linked.submit(target.key, task, *args)
+        else:
+            self._unlinked.submit(task, *args)
 
     def _heartbeat(self, due: DueHeartbeat) -> None:
         try:
@@ -117,3 +129,46 @@ class LeaseNotifier:
             logger.warning("hixl: heartbeat to %s failed: %s", due.target.remote.engine_id, e)
         finally:
             self._heartbeats.finished(due.key)
+
+
+class PeerLanes:
+    """A single-thread lane per key, alive while it has tasks pending: tasks for one peer run
+    in order, and a peer that stalls holds up only its own."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[Any, tuple[ThreadPoolExecutor, int]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, key: Any, task: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            lane, pending = self._lanes.get(key) or (
+                ThreadPoolExecutor(1, thread_name_prefix="hixl-notices"),
+                0,
+            )
+            self._lanes[key] = (lane, pending + 1)
+            future = lane.submit(task, *args)
+        future.add_done_callback(lambda _: self._finished(key))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lanes)
+
+    def shutdown(self) -> None:
+        """Drops what is still queued and waits for what runs (each task is bounded)."""
+        with self._lock:
+            self._closed = True
+            lanes = [lane for lane, _ in self._lanes.values()]
+        for lane in lanes:
+            lane.shutdown(wait=True, cancel_futures=True)
+
+    def _finished(self, key: Any) -> None:
+        with self._lock:
+            lane, pending = self._lanes[key]
+            if pending > 1:
+                self._lanes[key] = (lane, pending - 1)
+                return
+            del self._lanes[key]
+        lane.shutdown(wait=False)  # its thread ends after this task

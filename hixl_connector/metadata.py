@@ -137,6 +137,8 @@ class HixlConnectorMetadata(KVConnectorMetadata):
     to_recv: list[RecvSpec] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
     to_send: list[SendSpec] = field(default_factory=list)
+    # D: requests aborted after their RecvSpec: not read if not yet read, P told at once.
+    to_cancel: list[str] = field(default_factory=list)
     # D: (remote, remote_request_id, lease_id) of requests still waiting for their KV.
     heartbeats: list[tuple[RemoteEndpoint, str, int]] = field(default_factory=list)
     # Nothing was scheduled this step: vLLM runs it only to collect finished transfers.

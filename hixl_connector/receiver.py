@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,10 @@ Read = tuple[int, list[int], list[int]]
 
 class LeaseError(RuntimeError):
     """P did not (or could no longer) vouch for the blocks of a pull."""
+
+
+class PullCancelled(RuntimeError):
+    """The request was aborted before its read began."""
 
 
 class UnreadableRequest(ValueError):
@@ -136,6 +141,31 @@ class Receiver:
         self._scratch: queue.SimpleQueue[int] = queue.SimpleQueue()
         for index in range(config.transfer_threads):
             self._scratch.put(index)
+        # Requests queued or being read, and those of them aborted since.
+        self._active: dict[str, RecvSpec] = {}
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+
+    def queued(self, spec: RecvSpec) -> None:
+        """Called as the job is queued, before ``receive`` runs it."""
+        with self._lock:
+            self._active[spec.request_id] = spec
+
+    def cancel(self, request_id: str) -> None:
+        """The request was aborted: P is told now, and a read not yet begun never begins (it
+        is still reported, as failed, so vLLM frees the blocks)."""
+        with self._lock:
+            spec = self._active.get(request_id)
+            if spec is None or request_id in self._cancelled:
+                return  # its job already ended (and told P)
+            self._cancelled.add(request_id)
+        if spec.remote.engine_id:
+            self._notices.release_later(self._release(spec))
+
+    def _check_cancelled(self, spec: RecvSpec) -> None:
+        with self._lock:
+            if spec.request_id in self._cancelled:
+                raise PullCancelled(f"request {spec.request_id} was aborted before its read")
 
     def receive(self, spec: RecvSpec, queued_at: float) -> None:
         peers: dict[int, Peer] = {}
@@ -143,6 +173,7 @@ class Receiver:
         try:
             if spec.error:
                 raise LeaseError(spec.error)
+            self._check_cancelled(spec)
             plan = self._plans.rank_plan(spec.remote.tp_size)
             for p_rank in plan.notify:
                 peers[p_rank] = self._peers.get(spec.remote.rank(p_rank))
@@ -158,6 +189,7 @@ class Receiver:
                     )
             if self._config.test_pull_delay_s:
                 time.sleep(self._config.test_pull_delay_s)
+            self._check_cancelled(spec)
             reads = [self._heads(peers[read.p_rank], read, spec) for read in plan.reads]
             started = time.monotonic()
             self._engine.pull(reads, sliced=spec.blocks_per_block > 1)
@@ -176,6 +208,9 @@ class Receiver:
             return
         finally:
             self._scratch.put(scratch)
+            with self._lock:
+                self._active.pop(spec.request_id, None)
+                self._cancelled.discard(spec.request_id)
         if self._config.test_corrupt_received_kv:
             self._corrupt(spec.local_block_ids)
         layout = self._layout
@@ -225,6 +260,11 @@ class Receiver:
             )
 
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
+        if isinstance(error, PullCancelled):  # P was told when it was cancelled
+            logger.info("hixl: %s", error)
+            self._record("cancelled_pulls")
+            self._finish(spec.request_id, False)
+            return
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
         if spec.error or isinstance(error, (TPMismatch, UnreadableRequest)):
             self._record("invalid_requests")  # refused before anything was read

@@ -93,6 +93,9 @@ class HixlScheduler:
         self._to_recv: list[RecvSpec] = []
         self._to_release: list[ReleaseSpec] = []
         self._to_send: list[SendSpec] = []
+        self._to_cancel: list[str] = []
+        # D: requests whose RecvSpec went out and whose KV has not been reported yet.
+        self._receiving: set[str] = set()
         # D: request_id -> heartbeat entry, from on_new_request until its KV arrived.
         self._waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
         # P: request_id -> (lease id, slot), until the worker reports it in finished_sending.
@@ -190,6 +193,7 @@ class HixlScheduler:
         except ValueError as exc:
             self._refuse(request_id, prefill, local, f"request {request_id}: {exc}")
             return
+        self._receiving.add(request_id)
         self._to_recv.append(
             RecvSpec(
                 request_id=request_id,
@@ -207,6 +211,7 @@ class HixlScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for request_id in connector_output.finished_recving or ():
             self._stop_heartbeat(request_id)
+            self._receiving.discard(request_id)
         for request_id in connector_output.finished_sending or ():
             # Every rank cleared its word before reporting: the slot can take a new lease.
             lease = self._leased.pop(request_id, None)
@@ -227,6 +232,10 @@ class HixlScheduler:
         params = request.kv_transfer_params
         request_id = request.request_id
         self._stop_heartbeat(request_id)
+        if request_id in self._receiving:
+            # Aborted while its KV is on the way: the worker skips the read if it has not
+            # started and tells P now. vLLM keeps the blocks until the worker reports it.
+            self._to_cancel.append(request_id)
         if not params:
             return False, None
         if self._is_consumer and params.get("do_remote_prefill"):
@@ -301,10 +310,11 @@ class HixlScheduler:
             to_recv=self._to_recv,
             to_release=self._to_release,
             to_send=self._to_send,
+            to_cancel=self._to_cancel,
             heartbeats=list(self._waiting.values()),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._to_recv, self._to_release, self._to_send = [], [], []
+        self._to_recv, self._to_release, self._to_send, self._to_cancel = [], [], [], []
         return meta
 
     def get_finished_count(self) -> int | None:

@@ -3,8 +3,11 @@
 It carries the handshake (P's layout and engine address), "done"/"release" notifications
 and lease heartbeats. Nothing received is trusted: frames are size-capped by ZMQ, decoded
 with msgpack limits, type-checked, and answered with {"ok": False, "error": ...} when bad.
-With an auth token, every request carries an HMAC-SHA256 of its body; the server refuses
-any request without a valid one before running a handler.
+With an auth token, every request carries a fresh nonce, its send time and an HMAC-SHA256
+of its body; the server refuses, before running a handler, a request without a valid one,
+one sent more than ``REPLAY_WINDOW_S`` away from its own clock, or one whose nonce it has seen
+(a replay). Every reply is signed over its body and the request's nonce, so a client takes
+no reply that a peer without the token made up or that answers another request.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import hashlib
 import hmac
 import itertools
 import logging
+import os
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +29,11 @@ import zmq
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 20
+# A signed request older or newer than this (by the server's wall clock) is refused, and its
+# nonce is remembered this long: hosts' clocks must agree within it.
+REPLAY_WINDOW_S = 30.0
+MAX_REMEMBERED_NONCES = 1 << 16
+NONCE_BYTES = 16
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -49,10 +60,38 @@ def _unpack(frame: bytes) -> dict[str, Any]:
     return value
 
 
-def _signature(token: str, body: dict[str, Any]) -> bytes:
+def _signature(token: str, body: dict[str, Any], request_nonce: bytes = b"") -> bytes:
+    """HMAC of a request (``request_nonce`` empty) or of a reply to the request that carried
+    ``request_nonce``."""
     unsigned = {k: v for k, v in body.items() if k != "auth"}
-    canonical = msgpack.packb(sorted(unsigned.items()), use_bin_type=True)
+    canonical = msgpack.packb([request_nonce, sorted(unsigned.items())], use_bin_type=True)
     return hmac.new(token.encode(), canonical, hashlib.sha256).digest()
+
+
+class _Nonces:
+    """The nonces of requests accepted within the replay window, oldest first (bounded)."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+
+    def fresh(self, nonce: Any, sent_at: Any, now: float) -> str:
+        """ "" when the request may be served, else why not; remembers an accepted nonce."""
+        while self._seen and next(iter(self._seen.values())) < now - REPLAY_WINDOW_S:
+            self._seen.popitem(last=False)
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            return "missing nonce"
+        if isinstance(sent_at, bool) or not isinstance(sent_at, (int, float)):
+            return "missing send time"
+        if abs(now - sent_at) > REPLAY_WINDOW_S:
+            return (
+                f"sent {now - sent_at:.0f} s off this host's clock ({REPLAY_WINDOW_S:g} s allowed)"
+            )
+        if nonce in self._seen:
+            return "replayed request"
+        if len(self._seen) >= MAX_REMEMBERED_NONCES:
+            return "too many requests within the replay window"
+        self._seen[nonce] = now
+        return ""
 
 
 def endpoint(host: str, port: int) -> str:
@@ -72,6 +111,7 @@ class SideChannelServer:
     ) -> None:
         self._handlers = handlers
         self._auth_token = auth_token
+        self._nonces = _Nonces()
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -146,6 +186,8 @@ class SideChannelServer:
             logger.warning("side channel: dropped a message with %d frames", len(frames))
             return
         reply = self._answer(frames[2])
+        if self._auth_token:
+            reply["auth"] = _signature(self._auth_token, reply, reply.pop("nonce", b""))
         try:
             self._socket.send_multipart([frames[0], b"", _pack(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
@@ -166,6 +208,15 @@ class SideChannelServer:
             if not isinstance(auth, bytes) or not hmac.compare_digest(auth, expected):
                 logger.warning("side channel: refused an unauthenticated request")
                 return {"ok": False, "seq": seq, "error": "authentication failed"}
+            nonce = message["nonce"] if isinstance(message.get("nonce"), bytes) else b""
+            stale = self._nonces.fresh(nonce, message.get("sent_at"), time.time())
+            if stale:
+                logger.warning("side channel: refused a signed request: %s", stale)
+                return {"ok": False, "seq": seq, "error": f"refused: {stale}"}
+            return {**self._dispatch(message, seq), "nonce": nonce}
+        return self._dispatch(message, seq)
+
+    def _dispatch(self, message: dict[str, Any], seq: int) -> dict[str, Any]:
         handler = self._handlers.get(message.get("type"))  # type: ignore[arg-type]
         if handler is None:
             return {"ok": False, "seq": seq, "error": f"unknown type {message.get('type')!r}"}
@@ -197,7 +248,10 @@ class SideChannelClient:
         with self._lock:
             seq = next(self._seq)
             body = {**message, "seq": seq}
+            nonce = b""
             if self._auth_token:
+                nonce = os.urandom(NONCE_BYTES)
+                body.update(nonce=nonce, sent_at=time.time())
                 body["auth"] = _signature(self._auth_token, body)
             sock = self._connected()
             sock.send_multipart([b"", _pack(body)])
@@ -216,6 +270,13 @@ class SideChannelClient:
                     raise SideChannelError(f"malformed reply from {self._endpoint}: {e}") from e
                 if reply.get("seq") in (seq, None):
                     break
+            if self._auth_token and not self._authentic(reply, nonce):
+                self._reset()
+                # A refusal is never taken as an answer, so its unverified text is shown.
+                what = f": {reply.get('error')}" if not reply.get("ok") else ""
+                raise SideChannelError(
+                    f"unauthenticated reply from {self._endpoint} to {message.get('type')!r}{what}"
+                )
             if not reply.get("ok"):
                 raise SideChannelError(f"{self._endpoint} refused: {reply.get('error')}")
             return reply
@@ -223,6 +284,11 @@ class SideChannelClient:
     def close(self) -> None:
         with self._lock:
             self._reset()
+
+    def _authentic(self, reply: dict[str, Any], nonce: bytes) -> bool:
+        auth = reply.get("auth")
+        expected = _signature(self._auth_token, reply, nonce)
+        return isinstance(auth, bytes) and hmac.compare_digest(auth, expected)
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:

@@ -223,7 +223,11 @@ class HixlWorker:
             self._leases.start(send.request_id, send.lease_id, now, send.slot, send.word)
         for recv in metadata.to_recv:
             assert self._receiver is not None, "a pull before register_kv_caches"
+            self._receiver.queued(recv)
             self._pool.submit(self._receiver.receive, recv, now)
+        if self._receiver is not None:
+            for request_id in metadata.to_cancel:
+                self._receiver.cancel(request_id)
         if metadata.to_recv:
             # Hands the GIL over so the new jobs issue their reads now rather than when this
             # step next blocks: a job holds it only until the engine call releases it.

@@ -38,6 +38,7 @@ LEASES: list[tuple[str, int, list[int]]] = [
     ("r-long", 2, [5, 6] * (LONG // 2)),
     ("r-timeout", 3, [8]),
     ("r-relink", 4, [9, 10]),
+    ("r-cancel", 5, [11]),
 ]
 
 
@@ -184,6 +185,30 @@ def _submit_and_stop(decode: Any, prefill: Any) -> bool:
     thread.join(RESULT_TIMEOUT_S)
     assert outcome, "the timed-out pull produced no result"
     return outcome[0]
+
+
+def test_a_request_aborted_before_its_read_is_not_read(decode: Any, prefill: Any) -> None:
+    """Aborted inside the pull delay (after the first lease-word read): the blocks are never
+    pulled, the request is still reported (failed) so vLLM frees its blocks, and counted."""
+    import threading
+
+    from hixl_connector.metadata import HixlConnectorMetadata
+
+    worker = decode["worker"]
+    worker.get_stats()  # start counting from here
+    before = decode["standin"].calls().count("pull_blocks")
+    outcome: list[bool] = []
+    thread = threading.Thread(target=lambda: outcome.append(_receive(decode, prefill, 4, [62])))
+    thread.start()
+    time.sleep(0.15)
+    worker.start_load_kv(HixlConnectorMetadata(to_cancel=["d-r-cancel"]))
+    thread.join(RESULT_TIMEOUT_S)
+    assert outcome == [False]
+    assert decode["standin"].calls().count("pull_blocks") == before + 1  # the lease word only
+    assert _block(decode, 0, 62) == {0.0}
+    stats = worker.get_stats()
+    assert stats is not None and sum(stats.data["cancelled_pulls"]) == 1
+    assert not stats.data["failed_pulls"]
 
 
 def test_shutdown_unlinks_and_prefill_only_registers(decode: Any, prefill: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from hixl_connector.lease_notices import LeaseNotifier
+from hixl_connector.lease_notices import LeaseNotifier, PeerLanes
 from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint
 from hixl_connector.side_channel import SideChannelClient, SideChannelServer
 
@@ -77,3 +77,58 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
         server.close()
         for sock in silent:
             sock.close()
+
+
+def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.Context) -> None:
+    """Two P engines both linked; one stops answering (a stalled process). Its queued
+    releases wait out their timeouts on its own lane while the other's heartbeat arrives."""
+    beat = threading.Event()
+
+    def record(message: dict[str, Any]) -> dict[str, Any]:
+        beat.set()
+        return {"results": [True] * len(message["items"])}
+
+    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": record})
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen()
+    live, stuck = endpoint("p-live", server.port), endpoint("p-stalled", stalled.getsockname()[1])
+    notifier = LeaseNotifier(
+        lambda t: SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S),
+        lambda t: True,  # both completed a handshake earlier
+        lambda remote: {0: 1},
+        heartbeat_s=0.01,
+        rank=0,
+        record=lambda counter: None,
+    )
+    try:
+        start = time.monotonic()
+        for i in range(3):  # each waits out DEAD_TIMEOUT_S on the stalled peer's lane
+            notifier.release_later(ReleaseSpec(f"r{i}", f"remote-r{i}", i, stuck))
+        notifier.heartbeats([(live, "remote-live", 7)], start)
+        assert beat.wait(DEAD_TIMEOUT_S), "the live peer's heartbeat waited behind the stalled"
+        assert time.monotonic() - start < DEAD_TIMEOUT_S / 2
+    finally:
+        notifier.shutdown()
+        server.close()
+        stalled.close()
+
+
+def test_peer_lanes_end_when_idle() -> None:
+    lanes = PeerLanes()
+    done = threading.Event()
+    release = threading.Event()
+    lanes.submit("a", release.wait, 5)
+    lanes.submit("b", done.set)
+    assert done.wait(5)
+    until = time.monotonic() + 5
+    while len(lanes) > 1 and time.monotonic() < until:
+        time.sleep(0.01)
+    assert len(lanes) == 1  # "b" is gone, "a" still runs
+    release.set()
+    while len(lanes) and time.monotonic() < until:
+        time.sleep(0.01)
+    assert len(lanes) == 0
+    lanes.shutdown()
+    lanes.submit("c", done.set)  # after shutdown: dropped, no thread started
+    assert len(lanes) == 0

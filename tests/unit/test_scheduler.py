@@ -348,8 +348,10 @@ def test_abort_while_pulling_keeps_blocks_until_the_pull_ends(tiny_model_dir: Pa
     step(scheduler)
     scheduler.finish_requests("d9", RequestStatus.FINISHED_ABORTED)
     meta = metadata(scheduler.schedule())
-    # The RecvSpec is already out: the worker finishes (or fails) it and then tells P.
+    # The RecvSpec is already out: the worker skips the read if it has not begun, tells P,
+    # and reports the request either way.
     assert meta.heartbeats == [] and meta.to_release == [] and meta.to_recv == []
+    assert meta.to_cancel == ["d9"]
     assert free_blocks(scheduler) == idle - 3  # the pull may still write them
     step(scheduler, finished_recving={"d9"})
     assert free_blocks(scheduler) == idle

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -161,3 +162,76 @@ def test_a_dead_serving_thread_is_reported_and_shutdown_stays_bounded(
         server.close()  # idempotent
         assert time.monotonic() - start < 1.0
     # The context fixture's term() returns: every socket was closed although the thread died.
+
+
+def _raw_request(context: zmq.Context, port: int, frame: bytes) -> dict[str, Any]:
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        raw.send_multipart([b"", frame])
+        assert raw.poll(2000), "no reply"
+        return msgpack.unpackb(raw.recv_multipart()[-1], raw=False)
+    finally:
+        raw.close(linger=0)
+
+
+def _signed(body: dict[str, Any], **changes: Any) -> bytes:
+    from hixl_connector.side_channel import _signature
+
+    body = {**body, **changes}
+    body["auth"] = _signature(TOKEN, body)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def test_a_captured_signed_request_is_not_accepted_twice(context: zmq.Context) -> None:
+    served: list[int] = []
+
+    def count(message: dict[str, Any]) -> dict[str, Any]:
+        served.append(message["value"])
+        return {}
+
+    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": count}, TOKEN)
+    body = {"type": "heartbeat", "value": 1, "seq": 1, "nonce": b"n" * 16}
+    try:
+        captured = _signed(body, sent_at=time.time())
+        assert _raw_request(context, server.port, captured)["ok"]
+        replay = _raw_request(context, server.port, captured)
+        assert not replay["ok"] and "replayed request" in replay["error"]
+        old = _raw_request(context, server.port, _signed(body, nonce=b"m" * 16, sent_at=1.0))
+        assert not old["ok"] and "s off this host's clock" in old["error"]
+        unsigned_time = _raw_request(context, server.port, _signed(body, nonce=b"k" * 16))
+        assert not unsigned_time["ok"] and "missing send time" in unsigned_time["error"]
+        assert served == [1]
+    finally:
+        server.close()
+
+
+def test_a_reply_not_signed_for_this_request_is_refused(context: zmq.Context) -> None:
+    """A peer without the token (or a replayed old reply) cannot answer for the server."""
+    fake = context.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    client = SideChannelClient(context, "127.0.0.1", port, timeout_s=2, auth_token=TOKEN)
+    from hixl_connector.side_channel import _signature
+
+    def answer(reply: dict[str, Any]) -> None:
+        frames = fake.recv_multipart()
+        request = msgpack.unpackb(frames[-1], raw=False)
+        fake.send_multipart([frames[0], b"", msgpack.packb({"seq": request["seq"], **reply})])
+
+    try:
+        for reply in (
+            {"ok": True, "results": ["held"]},  # unsigned
+            {"ok": True, "results": ["held"], "auth": b"x" * 32},  # forged
+            # signed with the token, but for another request's nonce
+            {"ok": True, "results": ["held"], "auth": _signature(TOKEN, {"ok": True}, b"o" * 16)},
+        ):
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(client.request, {"type": "done", "items": []})
+                answer(reply)
+                with pytest.raises(SideChannelError, match="unauthenticated reply"):
+                    pending.result(timeout=5)
+    finally:
+        client.close()
+        fake.close(linger=0)
