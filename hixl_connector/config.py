@@ -59,9 +59,6 @@ class HixlConfig:
     # HixlCS), and whether P and D may be linked over HCCS (then KV bases must be 2 MB aligned).
     ascend_local_comm_res: str = ""
     ascend_hccs: bool = True
-    # TEST ONLY: the corrupted-KV control, and a delay before each pull (lease-expiry races).
-    test_corrupt_received_kv: bool = False
-    test_pull_delay_s: float = 0.0
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any] | None, engine_id: str) -> HixlConfig:
@@ -114,8 +111,6 @@ class HixlConfig:
             ),
             ascend_local_comm_res=_json_object_or_empty(extra, "ascend_local_comm_res"),
             ascend_hccs=_bool(extra, "ascend_hccs", True),
-            test_corrupt_received_kv=_bool(extra, "test_corrupt_received_kv", False),
-            test_pull_delay_s=_non_negative_float(extra, "test_pull_delay_s", 0.0),
         )
 
     @classmethod
@@ -212,7 +207,15 @@ def _int(
 
 
 def _positive_float(extra: Mapping[str, Any], key: str, default: float) -> float:
-    return _float(extra, key, default, zero_allowed=False)
+    value = extra.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise _bad(key, value, "a finite number > 0")
+    return float(value)
 
 
 def _timeout_s(extra: Mapping[str, Any], key: str, default: float) -> float:
@@ -221,23 +224,6 @@ def _timeout_s(extra: Mapping[str, Any], key: str, default: float) -> float:
     if not 0.001 <= value <= MAX_TIMEOUT_S:
         raise _bad(key, extra.get(key, default), f"seconds in [0.001, {MAX_TIMEOUT_S}]")
     return value
-
-
-def _non_negative_float(extra: Mapping[str, Any], key: str, default: float) -> float:
-    return _float(extra, key, default, zero_allowed=True)
-
-
-def _float(extra: Mapping[str, Any], key: str, default: float, zero_allowed: bool) -> float:
-    value = extra.get(key, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not zero_allowed)
-    ):
-        raise _bad(key, value, "a finite number >= 0" if zero_allowed else "a finite number > 0")
-    return float(value)
 
 
 def _str(extra: Mapping[str, Any], key: str, default: str) -> str:

@@ -187,12 +187,9 @@ class Receiver:
                         f"lease these blocks to request {spec.remote_request_id} under lease "
                         f"{spec.lease_id}: unknown or ended lease, or blocks outside it"
                     )
-            if self._config.test_pull_delay_s:
-                time.sleep(self._config.test_pull_delay_s)
-            self._check_cancelled(spec)
             reads = [self._heads(peers[read.p_rank], read, spec) for read in plan.reads]
             started = time.monotonic()
-            self._engine.pull(reads, sliced=spec.blocks_per_block > 1)
+            self._pull(spec, reads)
             finished = time.monotonic()
             # P clears a word before it reuses the blocks and never publishes it again: still
             # there after the read, the blocks were this request's throughout.
@@ -211,14 +208,19 @@ class Receiver:
             with self._lock:
                 self._active.pop(spec.request_id, None)
                 self._cancelled.discard(spec.request_id)
-        if self._config.test_corrupt_received_kv:
-            self._corrupt(spec.local_block_ids)
         layout = self._layout
         unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
         moved = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
-        self._record_pull(
-            finished - started, finished - queued_at, moved, len(spec.local_block_ids)
-        )
+        self._received(spec, moved, finished - started, finished - queued_at)
+
+    def _pull(self, spec: RecvSpec, reads: list[Read]) -> None:
+        """Reads the blocks, unless the request was aborted since it was queued."""
+        self._check_cancelled(spec)
+        self._engine.pull(reads, sliced=spec.blocks_per_block > 1)
+
+    def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
+        """The blocks of ``spec`` are in place, vouched for by P: reports them."""
+        self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
         self._finish(spec.request_id, True)
         self._notices.release_later(self._release(spec), "done")
 
@@ -289,12 +291,3 @@ class Receiver:
             return False
         status = getattr(error, "status_code", None)
         return status != self._engine.api.LLMStatusCode.LLM_PARAM_INVALID
-
-    def _corrupt(self, block_ids: tuple[int, ...]) -> None:
-        """TEST ONLY (test_corrupt_received_kv): replaces received blocks with noise."""
-        import torch
-
-        index = torch.tensor(block_ids, dtype=torch.long)
-        for view in self._layout.views:
-            noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
-            view[index] = noise.to(view.dtype)

@@ -56,6 +56,9 @@ class _Outcome:
 
 
 class HixlWorker:
+    # What reads the KV on D: a subclass may watch or alter reads (the tests' controls).
+    receiver_cls: type[Receiver] = Receiver
+
     def __init__(
         self,
         vllm_config: Any,
@@ -142,7 +145,7 @@ class HixlWorker:
             self._tp_rank,
             self._record,
         )
-        self._receiver = Receiver(
+        self._receiver = self.receiver_cls(
             self._config,
             engine,
             layout,

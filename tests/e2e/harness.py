@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hixl_test_connector import with_controls
+
 from hixl_connector.demo.client import RequestFailed, complete, metric_total, read_metrics
 from hixl_connector.demo.processes import ManagedProcess, free_port_range
 from hixl_connector.demo.servers import (
@@ -151,7 +153,7 @@ def example_connector_config(storage_dir: str | Path) -> dict[str, Any]:
 
 def hixl_connector_config(role: str, ranks: int = 1, **extra: Any) -> dict[str, Any]:
     """``configs/<role>.json`` ("prefill" or "decode") with free side-channel ports for
-    ``ranks`` TP ranks.
+    ``ranks`` TP ranks; with a test control among ``extra``, for the test-only connector.
 
     ``extra`` overrides keys of ``kv_connector_extra_config``.
     """
@@ -162,7 +164,7 @@ def hixl_connector_config(role: str, ranks: int = 1, **extra: Any) -> dict[str, 
     extra_config["side_channel_port"] = free_port_range(ranks)
     extra_config.update(extra)
     config["kv_connector_extra_config"] = extra_config
-    return dict(config)
+    return with_controls(config)
 
 
 class ProcessRegistry:

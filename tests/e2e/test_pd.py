@@ -122,13 +122,14 @@ def test_corrupted_kv_changes_the_output(
 ) -> None:
     """The control: same P/D, but D overwrites the pulled blocks with noise before decoding.
 
-    Also loads the connector by its registered name alone (the vLLM plugin entry point).
+    Also loads P's connector by its registered name alone (the vLLM plugin entry point).
     """
     decode = hixl_connector_config("decode", test_corrupt_received_kv=True)
-    del decode["kv_connector_module_path"]
+    prefill = hixl_connector_config("prefill")
+    del prefill["kv_connector_module_path"]
     launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "corrupt", process_registry)
     try:
-        pd = launcher.start(hixl_connector_config("prefill"), decode)
+        pd = launcher.start(prefill, decode)
         lengths = (64, 97, 160, 300)
         for n in lengths:
             out = complete(pd.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hixl_test_connector import with_controls
+
 from hixl_connector.demo.processes import free_port
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -15,7 +17,8 @@ LEASE_S = 3.0
 HEARTBEAT_S = 0.5
 PULL_TIMEOUT_S = 3.0
 HANDSHAKE_TIMEOUT_S = 2.0
-# D waits this long between P's lease check and the read: the window in which a test kills,
+# D waits this long between its first read of P's lease word and the read of the blocks (the
+# test connector's test_pull_delay_s): the window in which a test kills,
 # freezes or cuts off P "during the pull".
 PULL_DELAY_S = 1.0
 
@@ -29,7 +32,7 @@ def connector_config(role: str, policy: str = "fail", **extra: Any) -> dict[str,
     config["kv_connector_extra_config"] = merged
     if role == "decode":
         config["kv_load_failure_policy"] = policy
-    return dict(config)
+    return with_controls(config)
 
 
 def short_lease_pair(

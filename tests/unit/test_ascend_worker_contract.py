@@ -76,6 +76,8 @@ def prefill(
 
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    from hixl_test_connector import controlled_receiver
+
     from hixl_connector.config import HixlConfig
     from hixl_connector.worker import HixlWorker
 
@@ -85,13 +87,14 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
         "engine_port": free_port(),  # the hixl back-end listens on D too
         "pull_timeout_s": 1.0,
         "handshake_timeout_s": 2.0,
-        "test_pull_delay_s": 0.4,  # a window to stop P between the lease check and the pull
     }
     config = vllm_config(tiny_model_dir, "kv_consumer", "d-engine", extra)
     os.environ["HIXL_STANDIN_TRANSPORT"] = "tcp"  # a stopped peer then times a pull out
     try:
         with standin_on_path() as standin, tp_group(config, free_port()):
             worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-engine")
+            # A window to stop P between the first read of its lease word and the pull.
+            worker.receiver_cls = controlled_receiver(delay_s=0.4)
             caches = kv_caches(fill=False)
             worker.register_kv_caches(dict(caches))
             state = {"worker": worker, "caches": caches, "standin": standin}

@@ -32,6 +32,12 @@ def test_tcp_connections_follow_the_transfer_threads(extra: dict, connections: i
     assert HixlConfig.from_dict(extra, "engine-a").tcp_connections == connections
 
 
+@pytest.mark.parametrize("key", ["test_corrupt_received_kv", "test_pull_delay_s"])
+def test_the_tests_controls_are_no_user_keys(key: str) -> None:
+    with pytest.raises(ValueError, match=f"unknown kv_connector_extra_config key '{key}'"):
+        HixlConfig.from_dict({key: 1}, "e")
+
+
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIXL_AUTH_TOKEN", raising=False)
     config = HixlConfig.from_dict({}, "engine-a")
@@ -43,13 +49,11 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (config.lease_s, config.heartbeat_s) == (30.0, 5.0)
     assert config.auth_token == ""
     assert config.cluster_id_base == derived_cluster_id_base("engine-a")
-    assert config.test_corrupt_received_kv is False
-    assert config.test_pull_delay_s == 0.0
     assert {f.name for f in dataclasses.fields(HixlConfig)} == {
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
         "transport", "pull_timeout_s", "handshake_timeout_s", "transfer_threads",
         "tcp_connections", "lease_s", "heartbeat_s", "auth_token", "cluster_id_base",
-        "test_corrupt_received_kv", "test_pull_delay_s", "ascend_local_comm_res", "ascend_hccs",
+        "ascend_local_comm_res", "ascend_hccs",
     }  # fmt: skip
 
 
@@ -126,8 +130,7 @@ def test_unknown_key_is_named_with_the_valid_ones() -> None:
         ("heartbeat_s", 0),
         ("auth_token", None),
         ("cluster_id_base", -1),
-        ("test_corrupt_received_kv", "yes"),
-        ("test_pull_delay_s", -0.5),
+        ("ascend_hccs", "yes"),
     ],
 )
 def test_bad_value_names_key_and_value(key: str, value: Any) -> None:

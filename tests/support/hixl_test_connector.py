@@ -1,0 +1,75 @@
+"""TEST ONLY: HixlConnector with the two controls the tests need; never shipped.
+
+vLLM loads it through ``kv_connector_module_path`` (``tests/support`` is on the tests'
+PYTHONPATH). Its controls travel in ``kv_connector_extra_config`` and are taken out before
+HixlConnector validates the rest:
+
+- ``test_corrupt_received_kv``: D overwrites what it received with noise before vLLM uses
+  it: the corrupted-KV control, which must change the output;
+- ``test_pull_delay_s``: D waits this long between its first read of P's lease word and its
+  read of the blocks, so a fault (an expired lease, a stopped P, a cut link) lands mid-pull.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hixl_connector.connector import HixlConnector
+from hixl_connector.metadata import RecvSpec
+from hixl_connector.receiver import Read, Receiver
+
+CONTROLS = ("test_corrupt_received_kv", "test_pull_delay_s")
+MODULE = "hixl_test_connector"
+
+
+def with_controls(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a --kv-transfer-config) naming this connector when its extra config holds
+    a control; unchanged otherwise."""
+    extra = config.get("kv_connector_extra_config", {})
+    if not any(key in extra for key in CONTROLS):
+        return config
+    return {**config, "kv_connector": "HixlTestConnector", "kv_connector_module_path": MODULE}
+
+
+class ControlledReceiver(Receiver):
+    corrupt = False
+    delay_s = 0.0
+
+    def _pull(self, spec: RecvSpec, reads: list[Read]) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        super()._pull(spec, reads)
+
+    def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
+        if self.corrupt:
+            import torch
+
+            index = torch.tensor(spec.local_block_ids, dtype=torch.long)
+            for view in self._layout.views:
+                noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
+                view[index] = noise.to(view.dtype)
+        super()._received(spec, nbytes, pull_s, ready_s)
+
+
+def controlled_receiver(corrupt: bool = False, delay_s: float = 0.0) -> type[Receiver]:
+    if not isinstance(corrupt, bool) or not isinstance(delay_s, (int, float)) or delay_s < 0:
+        raise ValueError(f"test controls: corrupt={corrupt!r}, delay_s={delay_s!r}")
+    return type(
+        "ControlledReceiver", (ControlledReceiver,), {"corrupt": corrupt, "delay_s": delay_s}
+    )
+
+
+class HixlTestConnector(HixlConnector):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        controls = {key: extra.pop(key) for key in CONTROLS if key in extra}
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            extra.update(controls)  # the other role's connector takes them too
+        if self._worker is not None:
+            self._worker.receiver_cls = controlled_receiver(
+                controls.get("test_corrupt_received_kv", False),
+                controls.get("test_pull_delay_s", 0.0),
+            )
