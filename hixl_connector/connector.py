@@ -6,7 +6,7 @@ role=WORKER    -> `HixlWorker` (every worker; the engine, the side channel, the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -19,6 +19,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hixl_connector.config import HixlConfig
 from hixl_connector.metadata import HixlConnectorMetadata
+
+KVConnectorMetadata.register(HixlConnectorMetadata)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,7 +75,7 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return cast(KVConnectorMetadata, self._scheduler.build_connector_meta(scheduler_output))
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -18,8 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
 from hixl_connector.blocks import NULL_BLOCK_ID
 
 SCHEMA_VERSION = 3
@@ -133,7 +131,10 @@ class SendSpec:
 
 
 @dataclass
-class HixlConnectorMetadata(KVConnectorMetadata):
+class HixlConnectorMetadata:
+    """One step's work for the workers. A plain dataclass, so the scheduler half imports no
+    vLLM (and no torch); the connector registers it as vLLM's KVConnectorMetadata."""
+
     to_recv: list[RecvSpec] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
     to_send: list[SendSpec] = field(default_factory=list)

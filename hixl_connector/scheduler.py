@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LEASE_ID_MODULUS = 2**64
+# vLLM's RequestStatus names of a prefill whose KV D may take; by name, since importing
+# vllm.v1.request would bring torch into the scheduler half.
+DELIVERABLE_STATUSES = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 
 
 class HixlScheduler:
@@ -62,8 +65,6 @@ class HixlScheduler:
         engine_id: str,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        from vllm.v1.request import RequestStatus
-
         kv_transfer_config = vllm_config.kv_transfer_config
         if kv_transfer_config is None:
             raise ValueError("HixlScheduler needs vllm_config.kv_transfer_config")
@@ -81,10 +82,6 @@ class HixlScheduler:
             port=config.side_channel_port_for_rank(dp_rank, 0, self._tp_size),
             tp_size=self._tp_size,
             cluster_id=config.cluster_id_for_rank(dp_rank, 0, self._tp_size),
-        )
-        self._deliverable_statuses = (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
         )
         # A random start keeps a restarted P engine from reissuing ids D still holds.
         self._next_lease_id = secrets.randbits(32)
@@ -249,7 +246,7 @@ class HixlScheduler:
             return False, None
         if not (self._is_producer and params.get("do_remote_decode")):
             return False, None
-        if request.status not in self._deliverable_statuses:
+        if request.status.name not in DELIVERABLE_STATUSES:
             return False, None
         if len(block_ids) != len(self._group_block_sizes):
             raise ValueError(
