@@ -12,7 +12,7 @@ __all__ = ["HixlConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "HixlConnector":
-        from hixl_connector.connector import HixlConnector
+        from hixl_connector.connector.facade import HixlConnector
 
         return HixlConnector
     raise AttributeError(f"module 'hixl_connector' has no attribute {name!r}")

@@ -10,11 +10,20 @@ import sys
 
 # command -> (module, one-line help); the module exposes main(argv) -> int
 COMMANDS = {
-    "bench": ("hixl_connector.bench", "benchmark pull_blocks between two processes"),
-    "bench-tp": ("hixl_connector.bench_tp", "TP-mismatched pulls vs equal TP, same bytes"),
-    "demo": ("hixl_connector.demo.pd_demo", "P/D with real vLLM and vllm-router vs a plain server"),
-    "soak": ("hixl_connector.soak", "many requests through router, P and D: no drift, no leak"),
-    "reliability": ("hixl_connector.reliability", "render the fault matrix table into README.md"),
+    "bench": ("hixl_connector.tools.bench", "benchmark pull_blocks between two processes"),
+    "bench-tp": ("hixl_connector.tools.bench_tp", "TP-mismatched pulls vs equal TP, same bytes"),
+    "demo": (
+        "hixl_connector.tools.demo.pd_demo",
+        "P/D with real vLLM and vllm-router vs a plain server",
+    ),
+    "soak": (
+        "hixl_connector.tools.soak",
+        "many requests through router, P and D: no drift, no leak",
+    ),
+    "reliability": (
+        "hixl_connector.tools.reliability",
+        "render the fault matrix table into README.md",
+    ),
 }
 
 

@@ -6,9 +6,10 @@ CANN's, except two project adaptations: ``LLMDataDist.init`` drops the native en
 thread (CANN has no asynchronous pull).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
-``hixl_connector.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``, the device id
-is the one holding them, HCCS wants 2 MB-aligned bases, and one ``pull_blocks`` request must fit
-CANN's request buffer (reference section 6.2), so long block lists are pulled in chunks.
+``hixl_connector.connector.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``,
+the device id is the one holding them, HCCS wants 2 MB-aligned bases, and one
+``pull_blocks`` request must fit CANN's request buffer (reference section 6.2), so long block
+lists are pulled in chunks.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The connector's worker uses nothing but the LLM-DataDist API. The few facts in which the
 backends differ (which memory they move, LLMConfig fields, alignment, request-size limits)
-live here, one profile per backend, and only ``hixl_connector.engine_setup`` reads them.
+live here, one profile per backend, and only ``hixl_connector.connector.engine_setup`` reads them.
 """
 
 from __future__ import annotations

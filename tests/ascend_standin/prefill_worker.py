@@ -23,10 +23,10 @@ def main() -> None:
     import llm_datadist
     from worker_harness import kv_caches, tp_group, vllm_config
 
-    from hixl_connector.config import HixlConfig
-    from hixl_connector.lease_words import LeaseWords, lease_word, words_path
-    from hixl_connector.metadata import HixlConnectorMetadata, SendSpec
-    from hixl_connector.worker import HixlWorker
+    from hixl_connector.connector.config import HixlConfig
+    from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
+    from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec
+    from hixl_connector.connector.worker import HixlWorker
 
     config = vllm_config(Path(spec["model_dir"]), "kv_producer", spec["engine_id"], spec["extra"])
     with tp_group(config, spec["tp_port"]):

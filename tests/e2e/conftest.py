@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from hixl_connector.demo.client import Generation, chat, complete
-from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer, start_vllm_server
-from hixl_connector.demo.tiny_model import build_tiny_model
+from hixl_connector.tools.demo.client import Generation, chat, complete
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer, start_vllm_server
+from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 from .harness import (
     CHAT_MESSAGES,

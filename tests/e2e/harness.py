@@ -22,16 +22,16 @@ from typing import Any, TypeVar
 
 from hixl_test_connector import with_controls
 
-from hixl_connector.demo.client import RequestFailed, complete, metric_total, read_metrics
-from hixl_connector.demo.processes import ManagedProcess, free_port_range
-from hixl_connector.demo.servers import (
+from hixl_connector.tools.demo.client import RequestFailed, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.processes import ManagedProcess, free_port_range
+from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     RouterProcess,
     VllmServer,
     start_router,
     start_vllm_server,
 )
-from hixl_connector.demo.tiny_model import WORDS
+from hixl_connector.tools.demo.tiny_model import WORDS
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.client import Generation
-from hixl_connector.demo.pd_report import summarize
-from hixl_connector.demo.pd_workload import RequestResult, TransferDelta, build_requests
+from hixl_connector.tools.demo.client import Generation
+from hixl_connector.tools.demo.pd_report import summarize
+from hixl_connector.tools.demo.pd_workload import RequestResult, TransferDelta, build_requests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_TIMEOUT_S = 420

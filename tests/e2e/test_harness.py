@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.client import Generation, chat, complete, metric_total, read_metrics
-from hixl_connector.demo.processes import ManagedProcess, ProcessFailed
-from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer, start_vllm_server
-from hixl_connector.demo.tiny_model import STAMP_NAME, build_tiny_model
+from hixl_connector.tools.demo.client import Generation, chat, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer, start_vllm_server
+from hixl_connector.tools.demo.tiny_model import STAMP_NAME, build_tiny_model
 
 from .harness import (
     CHAT_MESSAGES,

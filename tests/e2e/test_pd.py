@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from hixl_connector.demo.client import Generation, chat, complete
-from hixl_connector.demo.servers import SERVED_MODEL_NAME
+from hixl_connector.tools.demo.client import Generation, chat, complete
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 
 from .harness import (
     BLOCK_BYTES_PER_LAYER,

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from hixl_connector.config import AUTH_TOKEN_ENV, HixlConfig
-from hixl_connector.engine_setup import open_engine
-from hixl_connector.kv_layout import describe_kv_caches
+from hixl_connector.connector.config import AUTH_TOKEN_ENV, HixlConfig
+from hixl_connector.connector.engine_setup import open_engine
+from hixl_connector.connector.kv_layout import describe_kv_caches
 
 from .datadist_harness import Peer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.tiny_model import build_tiny_model
+from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 from .deployments import short_lease_pair
 from .fault_harness import FaultReport, Servers

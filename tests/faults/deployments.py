@@ -9,7 +9,7 @@ from typing import Any
 
 from hixl_test_connector import with_controls
 
-from hixl_connector.demo.processes import free_port
+from hixl_connector.tools.demo.processes import free_port
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 AUTH_TOKEN = "fault-matrix-token-0123456789abcdef0123"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hixl_connector.demo.client import (
+from hixl_connector.tools.demo.client import (
     PREFILL_LEG_PARAMS,
     Generation,
     RequestFailed,
@@ -25,8 +25,8 @@ from hixl_connector.demo.client import (
     metric_total,
     read_metrics,
 )
-from hixl_connector.demo.processes import ProcessFailed, free_port
-from hixl_connector.demo.servers import (
+from hixl_connector.tools.demo.processes import ProcessFailed, free_port
+from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
     lean_env,

@@ -36,8 +36,8 @@ from engine.wire_client import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hixl_connector.metadata import SCHEMA_VERSION
-from hixl_connector.side_channel import SideChannelClient, SideChannelError, _signature
+from hixl_connector.connector.metadata import SCHEMA_VERSION
+from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError, _signature
 
 from .deployments import AUTH_TOKEN
 from .fault_harness import Servers, plain, prefill_leg, run_decode, token_prompt

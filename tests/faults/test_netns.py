@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.client import metric_total, read_metrics
+from hixl_connector.tools.demo.client import metric_total, read_metrics
 
 from .deployments import (
     LEASE_S,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hixl_connector.demo.client import metric_total, read_metrics
+from hixl_connector.tools.demo.client import metric_total, read_metrics
 
 from .deployments import AUTH_TOKEN, HEARTBEAT_S, LEASE_S, connector_config
 from .fault_harness import (

@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hixl_connector.connector import HixlConnector
-from hixl_connector.metadata import RecvSpec
-from hixl_connector.receiver import Read, Receiver
+from hixl_connector.connector.facade import HixlConnector
+from hixl_connector.connector.metadata import RecvSpec
+from hixl_connector.connector.receiver import Read, Receiver
 
 CONTROLS = ("test_corrupt_received_kv", "test_pull_delay_s")
 MODULE = "hixl_test_connector"

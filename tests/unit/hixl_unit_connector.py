@@ -14,8 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from hixl_connector.config import HixlConfig
-from hixl_connector.scheduler import HixlScheduler
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.scheduler import HixlScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -8,9 +8,9 @@ import ctypes
 import pytest
 import torch
 
-from hixl_connector.config import HixlConfig
-from hixl_connector.engine_setup import cache_groups, open_engine
-from hixl_connector.kv_layout import describe_kv_caches
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.engine_setup import cache_groups, open_engine
+from hixl_connector.connector.kv_layout import describe_kv_caches
 
 NUM_BLOCKS = 8
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.config import HixlConfig
+from hixl_connector.connector.config import HixlConfig
 from hixl_connector.datadist.backend import resolve_backend
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "ascend"

@@ -19,7 +19,7 @@ sys.path.insert(0, str(STANDIN_DIR))
 from harness import free_port, standin_on_path, start, stop  # noqa: E402
 from standin_peer import BLOCK_BYTES, NUM_BLOCKS, NUM_TENSORS, block_value  # noqa: E402
 
-from hixl_connector.blocks import chunk_pairs  # noqa: E402
+from hixl_connector.connector.blocks import chunk_pairs  # noqa: E402
 from hixl_connector.datadist import ascend, load_backend  # noqa: E402
 
 sys.path.remove(str(STANDIN_DIR))

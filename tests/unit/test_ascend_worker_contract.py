@@ -78,8 +78,8 @@ def prefill(
 def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, Any]]:
     from hixl_test_connector import controlled_receiver
 
-    from hixl_connector.config import HixlConfig
-    from hixl_connector.worker import HixlWorker
+    from hixl_connector.connector.config import HixlConfig
+    from hixl_connector.connector.worker import HixlWorker
 
     extra = {
         "backend": "ascend",
@@ -107,8 +107,8 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
 
 
 def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local: list[int]) -> bool:
-    from hixl_connector.lease_words import lease_word
-    from hixl_connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
+    from hixl_connector.connector.lease_words import lease_word
+    from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
 
     request, lease_id, remote_blocks = LEASES[lease]
     remote = RemoteEndpoint("p-engine", "127.0.0.1", prefill["side_port"], 1, P_BASE)
@@ -195,7 +195,7 @@ def test_a_request_aborted_before_its_read_is_not_read(decode: Any, prefill: Any
     pulled, the request is still reported (failed) so vLLM frees its blocks, and counted."""
     import threading
 
-    from hixl_connector.metadata import HixlConnectorMetadata
+    from hixl_connector.connector.metadata import HixlConnectorMetadata
 
     worker = decode["worker"]
     worker.get_stats()  # start counting from here

@@ -43,8 +43,8 @@ def closed_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir: Path) -> Iterator[Any]:
-    from hixl_connector.config import HixlConfig
-    from hixl_connector.worker import HixlWorker
+    from hixl_connector.connector.config import HixlConfig
+    from hixl_connector.connector.worker import HixlWorker
 
     extra = {
         "backend": "native",
@@ -64,7 +64,7 @@ def worker(tiny_model_dir: Path) -> Iterator[Any]:
 
 
 def _specs(round_: int, ports: list[int]) -> tuple[list[Any], list[Any]]:
-    from hixl_connector.metadata import RecvSpec, RemoteEndpoint
+    from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
 
     recvs, beats = [], []
     for i, port in enumerate(ports):
@@ -79,7 +79,7 @@ def _specs(round_: int, ports: list[int]) -> tuple[list[Any], list[Any]]:
 
 
 def test_many_fake_addresses_leave_no_per_address_state(worker: Any) -> None:
-    from hixl_connector.metadata import HixlConnectorMetadata
+    from hixl_connector.connector.metadata import HixlConnectorMetadata
 
     most_locks = 0
     for round_ in range(ROUNDS):

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hixl_connector.config import (
+from hixl_connector.connector.config import (
     CLUSTER_ID_SPACE,
     CLUSTER_ID_STEP,
     MIN_AUTH_TOKEN_CHARS,
@@ -189,7 +189,7 @@ def test_from_vllm_config_reads_extra_config() -> None:
 
 def test_connection_limit_matches_the_engines() -> None:
     # The scheduler half repeats the engine's limit rather than import the engine's package.
-    from hixl_connector.config import MAX_TCP_CONNECTIONS
+    from hixl_connector.connector.config import MAX_TCP_CONNECTIONS
     from hixl_connector.datadist.config import MAX_TCP_CONNECTIONS as ENGINE_LIMIT
 
     assert MAX_TCP_CONNECTIONS == ENGINE_LIMIT

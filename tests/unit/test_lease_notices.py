@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import zmq
 
-from hixl_connector.lease_notices import LeaseNotifier, PeerLanes
-from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint
-from hixl_connector.side_channel import SideChannelClient, SideChannelServer
+from hixl_connector.connector.lease_notices import LeaseNotifier, PeerLanes
+from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint
+from hixl_connector.connector.side_channel import SideChannelClient, SideChannelServer
 
 DEAD_TIMEOUT_S = 2.0  # each notice to a dead address waits this long for its reply
 DEAD_ADDRESSES = 4

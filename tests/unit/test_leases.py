@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.leases import LeaseTable
+from hixl_connector.connector.leases import LeaseTable
 
 
 def finished(table: LeaseTable) -> set[str]:

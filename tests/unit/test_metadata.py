@@ -8,7 +8,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from hixl_connector.metadata import (
+from hixl_connector.connector.metadata import (
     SCHEMA_VERSION,
     HandshakePayload,
     HixlConnectorMetadata,

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from hixl_connector.config import HixlConfig
-from hixl_connector.metadata import SCHEMA_VERSION, HandshakePayload, RemoteEndpoint
-from hixl_connector.peers import PeerError, PeerRegistry
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.metadata import SCHEMA_VERSION, HandshakePayload, RemoteEndpoint
+from hixl_connector.connector.peers import PeerError, PeerRegistry
 
 TIMEOUT_S = 1.0
 QUEUED = 10

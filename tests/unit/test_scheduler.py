@@ -27,10 +27,10 @@ from vllm_harness import (
     step,
 )
 
-from hixl_connector.config import HixlConfig
-from hixl_connector.demo.client import PREFILL_LEG_PARAMS
-from hixl_connector.lease_words import LeaseWords, lease_word, words_path
-from hixl_connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
+from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
+from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
 

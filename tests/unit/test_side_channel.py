@@ -12,7 +12,11 @@ import msgpack
 import pytest
 import zmq
 
-from hixl_connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from hixl_connector.connector.side_channel import (
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+)
 
 # Both as long as a real token must be, so the refusal comes from the HMAC, not the length.
 TOKEN = "side-channel-test-token-0123456789abcdef"
@@ -177,7 +181,7 @@ def _raw_request(context: zmq.Context, port: int, frame: bytes) -> dict[str, Any
 
 
 def _signed(body: dict[str, Any], **changes: Any) -> bytes:
-    from hixl_connector.side_channel import _signature
+    from hixl_connector.connector.side_channel import _signature
 
     body = {**body, **changes}
     body["auth"] = _signature(TOKEN, body)
@@ -213,7 +217,7 @@ def test_a_reply_not_signed_for_this_request_is_refused(context: zmq.Context) ->
     fake.setsockopt(zmq.LINGER, 0)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
     client = SideChannelClient(context, "127.0.0.1", port, timeout_s=2, auth_token=TOKEN)
-    from hixl_connector.side_channel import _signature
+    from hixl_connector.connector.side_channel import _signature
 
     def answer(reply: dict[str, Any]) -> None:
         frames = fake.recv_multipart()

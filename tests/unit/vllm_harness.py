@@ -28,9 +28,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from hixl_connector.lease_words import LeaseWords, words_path
-from hixl_connector.metadata import HixlConnectorMetadata
-from hixl_connector.scheduler import HixlScheduler
+from hixl_connector.connector.lease_words import LeaseWords, words_path
+from hixl_connector.connector.metadata import HixlConnectorMetadata
+from hixl_connector.connector.scheduler import HixlScheduler
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512

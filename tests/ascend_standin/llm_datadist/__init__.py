@@ -27,7 +27,7 @@ import os
 import threading
 from typing import Any
 
-from hixl_connector.blocks import group_runs
+from hixl_connector.connector.blocks import group_runs
 from hixl_connector.datadist import (
     BlocksCacheKey,
     Cache,

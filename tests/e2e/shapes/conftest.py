@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.servers import VllmServer
-from hixl_connector.demo.tiny_model import build_tiny_model
+from hixl_connector.tools.demo.servers import VllmServer
+from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 from ..harness import BLOCK_SIZE, PDLauncher, ProcessRegistry, hixl_connector_config
 

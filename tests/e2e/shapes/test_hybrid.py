@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.demo.client import complete
-from hixl_connector.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
-from hixl_connector.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
+from hixl_connector.tools.demo.client import complete
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
+from hixl_connector.tools.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
 
 from ..harness import (
     BLOCK_SIZE,

@@ -9,14 +9,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hixl_connector.demo.client import (
+from hixl_connector.tools.demo.client import (
     PREFILL_LEG_PARAMS,
     Generation,
     complete,
     metric_total,
     read_metrics,
 )
-from hixl_connector.demo.servers import SERVED_MODEL_NAME, VllmServer
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
 
 from ..harness import (
     MAX_TOKENS,

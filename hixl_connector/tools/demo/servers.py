@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hixl_connector.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
+from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
 
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "tiny-llama"
@@ -29,7 +29,7 @@ DEFAULT_KV_CACHE_BYTES = 128 * 1024 * 1024
 DEFAULT_HEALTH_TIMEOUT_S = 300.0
 # The directory that contains the hixl_connector package, so servers can import the plugin
 # by module path even when the package is not pip-installed.
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
 
 __all__ = [
     "HOST",

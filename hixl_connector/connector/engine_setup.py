@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.blocks import chunk_pairs
-from hixl_connector.config import HixlConfig
+from hixl_connector.connector.blocks import chunk_pairs
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.kv_layout import KVLayout
 from hixl_connector.datadist import load_backend
-from hixl_connector.kv_layout import KVLayout
 
 # Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
 # follow as BLOCKS_MODEL_ID + 1, + 2, ...

@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from hixl_connector.metadata import PeerRank
-from hixl_connector.notifications import LeaseNotice
+from hixl_connector.connector.metadata import PeerRank
+from hixl_connector.connector.notifications import LeaseNotice
 
 PeerKey = tuple[str, str, int]  # (engine_id, side-channel host, port of the rank)
 

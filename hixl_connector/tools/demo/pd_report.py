@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hixl_connector.demo.pd_workload import RequestResult, TransferDelta
+from hixl_connector.tools.demo.pd_workload import RequestResult, TransferDelta
 
 TEXT_WIDTH = 60
 BLOCK_SIZE = 32

@@ -9,7 +9,7 @@
 Two builds with the same recipe are byte-identical, so token ids from one build are valid for
 another (both architectures share the tokenizer).
 
-Usage: ``python -m hixl_connector.demo.tiny_model DIR [--architecture gemma3]``. Building is
+Usage: ``python -m hixl_connector.tools.demo.tiny_model DIR [--architecture gemma3]``. Building is
 idempotent: a directory that already holds a complete build of the same recipe is left alone.
 """
 

@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hixl_connector.block_slices import SliceRun, blocks_per_block, slice_ids
-from hixl_connector.config import HixlConfig
-from hixl_connector.engine_setup import Engine
-from hixl_connector.kv_layout import KVLayout
-from hixl_connector.lease_notices import LeaseNotifier
-from hixl_connector.metadata import RecvSpec, ReleaseSpec, RemoteEndpoint
-from hixl_connector.peers import Peer, PeerRegistry
-from hixl_connector.tp_mapping import (
+from hixl_connector.connector.block_slices import SliceRun, blocks_per_block, slice_ids
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.engine_setup import Engine
+from hixl_connector.connector.kv_layout import KVLayout
+from hixl_connector.connector.lease_notices import LeaseNotifier
+from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec, RemoteEndpoint
+from hixl_connector.connector.peers import Peer, PeerRegistry
+from hixl_connector.connector.tp_mapping import (
     HeadRead,
     RankPlan,
     TPMismatch,

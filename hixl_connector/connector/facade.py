@@ -17,8 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hixl_connector.config import HixlConfig
-from hixl_connector.metadata import HixlConnectorMetadata
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.metadata import HixlConnectorMetadata
 
 KVConnectorMetadata.register(HixlConnectorMetadata)
 
@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from hixl_connector.scheduler import HixlScheduler
-    from hixl_connector.stats import HixlKVConnectorStats, HixlPromMetrics
-    from hixl_connector.worker import HixlWorker
+    from hixl_connector.connector.scheduler import HixlScheduler
+    from hixl_connector.connector.stats import HixlKVConnectorStats, HixlPromMetrics
+    from hixl_connector.connector.worker import HixlWorker
 
 
 class HixlConnector(KVConnectorBase_V1, SupportsHMA):
@@ -51,11 +51,11 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: HixlScheduler | None = None
         self._worker: HixlWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from hixl_connector.scheduler import HixlScheduler
+            from hixl_connector.connector.scheduler import HixlScheduler
 
             self._scheduler = HixlScheduler(vllm_config, config, engine_id, kv_cache_config)
         else:
-            from hixl_connector.worker import HixlWorker
+            from hixl_connector.connector.worker import HixlWorker
 
             self._worker = HixlWorker(vllm_config, config, engine_id, kv_cache_config)
 
@@ -144,7 +144,7 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> HixlKVConnectorStats | None:
-        from hixl_connector.stats import HixlKVConnectorStats
+        from hixl_connector.connector.stats import HixlKVConnectorStats
 
         return HixlKVConnectorStats(data=data) if data is not None else HixlKVConnectorStats()
 
@@ -156,6 +156,6 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> HixlPromMetrics:
-        from hixl_connector.stats import HixlPromMetrics
+        from hixl_connector.connector.stats import HixlPromMetrics
 
         return HixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -31,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from hixl_connector.bench import (
+from hixl_connector.connector.engine_setup import PullCall, run_pulls
+from hixl_connector.connector.tp_mapping import plan_rank, unit_ids
+from hixl_connector.datadist import load_backend
+from hixl_connector.tools.bench import (
     LAYERS,
     NUM_TENSORS,
     Server,
@@ -40,9 +43,6 @@ from hixl_connector.bench import (
     _options,
     alloc_tensors,
 )
-from hixl_connector.datadist import load_backend
-from hixl_connector.engine_setup import PullCall, run_pulls
-from hixl_connector.tp_mapping import plan_rank, unit_ids
 
 KV_HEADS, HEAD_DIM, DTYPE_BYTES, BLOCK_TOKENS = 8, 128, 2, 16
 UNIT_BYTES = BLOCK_TOKENS * 2 * HEAD_DIM * DTYPE_BYTES // 2  # one head's K or V of a block
@@ -84,7 +84,14 @@ class PRank:
 
     @classmethod
     def start(cls, heads: int, num_blocks: int, cluster: int, threads: int) -> PRank:
-        cmd = [sys.executable, "-m", "hixl_connector.bench_tp", "--serve", "--heads", str(heads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hixl_connector.tools.bench_tp",
+            "--serve",
+            "--heads",
+            str(heads),
+        ]
         cmd += ["--blocks", str(num_blocks), "--cluster", str(cluster), "--threads", str(threads)]
         return cls(heads, cluster, Server(cmd))
 

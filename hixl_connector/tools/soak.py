@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hixl_connector.demo.client import RequestFailed, complete, metric_total, read_metrics
-from hixl_connector.demo.processes import ManagedProcess
-from hixl_connector.demo.servers import SERVED_MODEL_NAME, start_router, start_vllm_server
-from hixl_connector.demo.tiny_model import build_tiny_model, is_built
+from hixl_connector.tools.demo.client import RequestFailed, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.processes import ManagedProcess
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, start_router, start_vllm_server
+from hixl_connector.tools.demo.tiny_model import build_tiny_model, is_built
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 HEALTH_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
@@ -167,7 +167,7 @@ def wait_idle(url: str, name: str, timeout_s: float) -> str | None:
 
 
 def connector_config(role: str) -> dict[str, Any]:
-    from hixl_connector.demo.processes import free_port
+    from hixl_connector.tools.demo.processes import free_port
 
     config: dict[str, Any] = json.loads((CONFIG_DIR / f"{role}.json").read_text())
     config["kv_connector_extra_config"]["side_channel_port"] = free_port()

@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hixl_connector.heartbeats import DueHeartbeat, HeartbeatSchedule
-from hixl_connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
-from hixl_connector.notifications import MAX_NOTIFICATION_ITEMS, LeaseNotice, Notification
-from hixl_connector.side_channel import SideChannelClient, SideChannelError
+from hixl_connector.connector.heartbeats import DueHeartbeat, HeartbeatSchedule
+from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
+from hixl_connector.connector.notifications import MAX_NOTIFICATION_ITEMS, LeaseNotice, Notification
+from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hixl_connector.block_slices import blocks_per_block
-from hixl_connector.blocks import NULL_BLOCK_ID, blocks_for_tokens, remote_at_positions
-from hixl_connector.config import HixlConfig
-from hixl_connector.lease_words import LeaseWords, lease_word, words_path
-from hixl_connector.metadata import (
+from hixl_connector.connector.block_slices import blocks_per_block
+from hixl_connector.connector.blocks import NULL_BLOCK_ID, blocks_for_tokens, remote_at_positions
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
+from hixl_connector.connector.metadata import (
     UNKNOWN_ENDPOINT,
     HixlConnectorMetadata,
     InvalidTransferParams,

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hixl_connector.blocks import NULL_BLOCK_ID
+from hixl_connector.connector.blocks import NULL_BLOCK_ID
 
 SCHEMA_VERSION = 3
 MAX_U64 = 2**64 - 1

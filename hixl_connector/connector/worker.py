@@ -20,25 +20,25 @@ from typing import Any
 
 import zmq
 
-from hixl_connector.block_slices import SliceRun
-from hixl_connector.config import HixlConfig
-from hixl_connector.engine_setup import Engine, open_engine
-from hixl_connector.kv_layout import KVLayout, describe_kv_caches
-from hixl_connector.lease_notices import LeaseNotifier
-from hixl_connector.lease_words import LeaseWords, words_path
-from hixl_connector.leases import LeaseTable
-from hixl_connector.metadata import (
+from hixl_connector.connector.block_slices import SliceRun
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.engine_setup import Engine, open_engine
+from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
+from hixl_connector.connector.lease_notices import LeaseNotifier
+from hixl_connector.connector.lease_words import LeaseWords, words_path
+from hixl_connector.connector.leases import LeaseTable
+from hixl_connector.connector.metadata import (
     SCHEMA_VERSION,
     HandshakePayload,
     HixlConnectorMetadata,
     compatibility_hash,
 )
-from hixl_connector.notifications import LeaseNotice, Notification
-from hixl_connector.peers import PeerRegistry
-from hixl_connector.receiver import ReadPlans, Receiver
-from hixl_connector.scheduler import group_block_sizes
-from hixl_connector.side_channel import SideChannelServer
-from hixl_connector.stats import HixlKVConnectorStats
+from hixl_connector.connector.notifications import LeaseNotice, Notification
+from hixl_connector.connector.peers import PeerRegistry
+from hixl_connector.connector.receiver import ReadPlans, Receiver
+from hixl_connector.connector.scheduler import group_block_sizes
+from hixl_connector.connector.side_channel import SideChannelServer
+from hixl_connector.connector.stats import HixlKVConnectorStats
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ class HixlWorker:
 
     def _probe_slices(self, p_block_size: int) -> tuple[SliceRun, ...]:
         """Where P's blocks land in this rank's larger ones, from the CPU kernels."""
-        from hixl_connector.kv_probe import cpu_slice_runs
+        from hixl_connector.connector.kv_probe import cpu_slice_runs
 
         assert self._layout is not None
         cache = self._vllm_config.cache_config

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hixl_connector.bench_report import format_table, plot
+from hixl_connector.tools.bench_report import format_table, plot
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 32, 8, 128, 2
 NUM_TENSORS = 2 * LAYERS
@@ -128,7 +128,7 @@ def serve(layout: Layout, threads: int) -> None:
 
 
 def serve_command(layout: Layout, threads: int) -> list[str]:
-    cmd = [sys.executable, "-m", "hixl_connector.bench", "--serve"]
+    cmd = [sys.executable, "-m", "hixl_connector.tools.bench", "--serve"]
     cmd += ["--block-tokens", str(layout.block_tokens), "--pool-bytes", str(layout.pool_bytes)]
     return cmd + ["--threads", str(threads)]
 

@@ -11,9 +11,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hixl_connector.demo.client import Generation, chat, complete, metric_total, read_metrics
-from hixl_connector.demo.servers import SERVED_MODEL_NAME
-from hixl_connector.demo.tiny_model import WORDS
+from hixl_connector.tools.demo.client import Generation, chat, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
+from hixl_connector.tools.demo.tiny_model import WORDS
 
 # (kind, words in the prompt, streamed); the tiny tokenizer makes about one token per word,
 # so these span a sub-block prompt up to about a dozen 32-token blocks.

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hixl_connector.demo.client import RequestFailed
-from hixl_connector.demo.pd_report import ms, request_lines, summarize
-from hixl_connector.demo.pd_workload import (
+from hixl_connector.tools.demo.client import RequestFailed
+from hixl_connector.tools.demo.pd_report import ms, request_lines, summarize
+from hixl_connector.tools.demo.pd_workload import (
     RequestResult,
     build_requests,
     decode_snapshot,
@@ -36,16 +36,16 @@ from hixl_connector.demo.pd_workload import (
     wait_transfer,
     warmup_request,
 )
-from hixl_connector.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
-from hixl_connector.demo.servers import (
+from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
+from hixl_connector.tools.demo.servers import (
     RouterProcess,
     VllmServer,
     start_router,
     start_vllm_server,
 )
-from hixl_connector.demo.tiny_model import build_tiny_model, is_built
+from hixl_connector.tools.demo.tiny_model import build_tiny_model, is_built
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 DEFAULT_WORK_DIR = "artifacts/demo"
 HEALTH_TIMEOUT_S = 300.0
 PREFILL_CORE, DECODE_CORE = 0, 1  # indices into the CPUs this process may use

@@ -18,16 +18,16 @@ from typing import Any
 
 import zmq
 
-from hixl_connector.block_slices import BlockSizeMismatch, blocks_per_block
-from hixl_connector.config import HixlConfig
-from hixl_connector.metadata import (
+from hixl_connector.connector.block_slices import BlockSizeMismatch, blocks_per_block
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.metadata import (
     SCHEMA_VERSION,
     HandshakePayload,
     PeerRank,
     describe_mismatch,
 )
-from hixl_connector.side_channel import SideChannelClient
-from hixl_connector.tp_mapping import heads_per_rank
+from hixl_connector.connector.side_channel import SideChannelClient
+from hixl_connector.connector.tp_mapping import heads_per_rank
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,27 @@
+"""The vLLM KV connector: what runs inside vLLM's processes.
+
+- ``facade``: ``HixlConnector``, the class vLLM instantiates; it forwards to one half.
+- Scheduler half (EngineCore, pure bookkeeping; imports no torch, zmq or vLLM):
+  ``scheduler``, ``metadata``, ``config``, ``blocks``, ``block_slices``, ``lease_words``.
+- Worker half (every worker): ``worker`` (registration, per-step hooks, P's lease handlers),
+  ``receiver`` (D's reads), ``peers`` (handshake and link per P rank), ``engine_setup``
+  (the only module that configures the datadist back-end), ``kv_layout`` / ``kv_probe`` /
+  ``tp_mapping`` (what bytes go where), ``leases`` / ``lease_notices`` / ``heartbeats`` /
+  ``notifications`` / ``side_channel`` (the lease protocol), ``stats``.
+
+The connector talks to transfer engines only through ``hixl_connector.datadist``.
+``HixlConnector`` loads (and with it vLLM) on first access, so importing this package stays
+as cheap as the modules it names.
+"""
+
+from typing import Any
+
+__all__ = ["HixlConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HixlConnector":
+        from hixl_connector.connector.facade import HixlConnector
+
+        return HixlConnector
+    raise AttributeError(f"module 'hixl_connector.connector' has no attribute {name!r}")
