@@ -17,10 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, is_int
+from hixl_connector.datadist.native import AUTH_TOKEN_ENV
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
 # A short token lets anyone who sniffs one HMAC challenge and its answer guess it offline;
 # 32 characters of secrets.token_hex carry 128 bits. The native engine applies the same rule.
 MIN_AUTH_TOKEN_CHARS = 32
@@ -34,9 +36,7 @@ TRANSPORTS = ("auto", "cma", "tcp")
 # is far more than any deployment uses, and keeps derived windows from overlapping.
 CLUSTER_ID_STEP = 1024
 CLUSTER_ID_SPACE = 2**31
-MAX_CLUSTER_ID = 2**63 - 1
 MAX_TIMEOUT_S = (2**31 - 1) // 1000
-MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,9 @@ class HixlConfig:
     def rank_offset(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
         """Position of a (dp, tp) rank in this engine's window of ports and cluster ids."""
         for name, value, low in (("dp_rank", dp_rank, 0), ("tp_rank", tp_rank, 0)):
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not _is_int(tp_size) or tp_size < 1:
+        if not is_int(tp_size) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
         if tp_rank >= tp_size:
             raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size}")
@@ -172,21 +172,11 @@ def check_parallelism(parallel_config: Any) -> None:
             )
 
 
-def cluster_id_for_rank(config: HixlConfig, dp_rank: int, tp_rank: int, tp_size: int) -> int:
-    """Module-level spelling of ``HixlConfig.cluster_id_for_rank``."""
-    return config.cluster_id_for_rank(dp_rank, tp_rank, tp_size)
-
-
 def derived_cluster_id_base(engine_id: str) -> int:
     """Stable (process- and restart-independent) window start for an engine id."""
     digest = hashlib.sha256(engine_id.encode("utf-8")).digest()
     windows = CLUSTER_ID_SPACE // CLUSTER_ID_STEP
     return (int.from_bytes(digest[:8], "big") % windows) * CLUSTER_ID_STEP
-
-
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass, but True as a port is a typo, never intent.
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _bad(key: str, value: Any, expected: str) -> ValueError:
@@ -201,7 +191,7 @@ def _int(
 ) -> int:
     value = extra.get(key, default)
     expected = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
-    if not _is_int(value) or value < low or (high is not None and value > high):
+    if not is_int(value) or value < low or (high is not None and value > high):
         raise _bad(key, value, expected)
     return int(value)
 

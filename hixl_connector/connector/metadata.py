@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hixl_connector.connector.blocks import NULL_BLOCK_ID
+from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, MAX_U64, is_int
 
 SCHEMA_VERSION = 3
-MAX_U64 = 2**64 - 1
-MAX_CLUSTER_ID = 2**63 - 1
-MAX_PORT = 65535
 # A prefill engine's ranks share one window of ports and cluster ids (config.CLUSTER_ID_STEP).
 MAX_TP_SIZE = 1024
 MAX_KV_CACHE_GROUPS = 64
@@ -46,7 +44,7 @@ class RemoteEndpoint:
 
     def rank(self, p_rank: int) -> PeerRank:
         """One TP rank of this engine; raises ValueError when it has no such rank or port."""
-        if not _is_int(p_rank) or not 0 <= p_rank < self.tp_size:
+        if not is_int(p_rank) or not 0 <= p_rank < self.tp_size:
             raise ValueError(
                 f"prefill engine {self.engine_id} has tp_size {self.tp_size}, no rank {p_rank!r}"
             )
@@ -272,7 +270,7 @@ def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
         )
     for group in value:
         for block_id in group:
-            if not _is_int(block_id) or block_id < 0:
+            if not is_int(block_id) or block_id < 0:
                 raise ValueError(f"remote_block_ids holds {block_id!r}, not a block id >= 0")
     return tuple(tuple(group) for group in value)
 
@@ -402,10 +400,6 @@ def _block_sizes(where: str, value: Any) -> list[int]:
 
 
 # --- validation helpers
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_primitive(value: Any) -> bool:
     if value is None or isinstance(value, (str, int, float, bool)):
         return True
@@ -416,7 +410,7 @@ def _check_schema(where: str, data: Any) -> None:
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION or not _is_int(version):
+    if version != SCHEMA_VERSION or not is_int(version):
         raise ValueError(
             f"{where} uses schema version {version!r} but this side speaks {SCHEMA_VERSION}; "
             "run the same hixl_connector version on prefill and decode"
@@ -434,7 +428,7 @@ def _check(
     """Returns ``data[name]`` (or ``data`` itself when it is not a mapping) if well-typed."""
     value: Any = data.get(name) if isinstance(data, Mapping) else data
     if kind is int:
-        ok = _is_int(value) and (low is None or value >= low) and (high is None or value <= high)
+        ok = is_int(value) and (low is None or value >= low) and (high is None or value <= high)
         expected = "an int" + (f" >= {low}" if low is not None else "")
         expected += f" <= {high}" if high is not None else ""
     else:

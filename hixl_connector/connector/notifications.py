@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hixl_connector.connector.limits import MAX_U64
+
 MAX_NOTIFICATION_ITEMS = 4096
-MAX_U64 = 2**64 - 1
 
 # The wire form of one item per kind.
 ITEM_FIELDS = {

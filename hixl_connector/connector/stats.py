@@ -105,7 +105,9 @@ class HixlPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+        # Fine below 2 ms, where pulls and KV-ready latency of one request live on one host.
+        buckets = [0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0025, 0.005]
+        buckets += [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 
         def per_engine(metric: PromMetric) -> dict[int, PromMetric]:
             return create_metric_per_engine(metric, self.per_engine_labelvalues)

@@ -15,8 +15,8 @@ varied length a plain vLLM CPU server grew by 352 MiB over 1000 requests after w
 noise large enough to hide a real leak. With the cache off it stayed within 12 MiB, so the
 tolerance can be tight: with the defaults, a leak of 128 KiB per request in P or D fails the
 500-request form.
-It prints a summary (requests, failures, p50/p99 KV-ready latency on D from D's own
-histogram) and exits 1 on any mismatch, failure, leak or growth beyond the tolerance.
+It prints a summary (requests, failures, p50/p99 of KV-ready and of pull latency on D from
+D's own histograms) and exits 1 on any mismatch, failure, leak or growth beyond the tolerance.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ HEALTH_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
 KV_READY_METRIC = "vllm:hixl_kv_ready_seconds_bucket"
+PULL_METRIC = "vllm:hixl_pull_seconds_bucket"
 # Same settings for the plain server and for P and D; see the module's docstring.
 SERVER_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 
@@ -57,6 +58,7 @@ class SoakResult:
     # The control: the most any process of the plain server grew over the same requests.
     plain_growth_mb: float = 0.0
     kv_ready_ms: tuple[float, float] = (0.0, 0.0)
+    pull_ms: tuple[float, float] = (0.0, 0.0)
     timings_s: dict[str, float] = field(default_factory=dict)
 
     def problems(self, tolerance_mb: float) -> list[str]:
@@ -124,12 +126,12 @@ def rss_mb(processes: Mapping[str, ManagedProcess]) -> dict[str, float]:
     return sizes
 
 
-def kv_ready_quantiles(decode_url: str, quantiles: Sequence[float]) -> list[float]:
-    """Quantiles (ms) of D's KV-ready histogram, interpolated within buckets."""
+def histogram_quantiles(decode_url: str, metric: str, quantiles: Sequence[float]) -> list[float]:
+    """Quantiles (ms) of one of D's latency histograms, interpolated within buckets."""
     samples = read_metrics(decode_url)
     buckets: dict[float, float] = {}
     for key, value in samples.items():
-        if key.startswith(KV_READY_METRIC + "{"):
+        if key.startswith(metric + "{"):
             le = key.split('le="', 1)[1].split('"', 1)[0]
             bound = float("inf") if le == "+Inf" else float(le)
             buckets[bound] = buckets.get(bound, 0.0) + value
@@ -251,8 +253,10 @@ def soak(args: argparse.Namespace, say: Callable[[str], None]) -> SoakResult:
                 result.leaks.append(left)
         after = rss_mb(servers)
         result.growth_mb = {k: after[k] - before[k] for k in before if k in after}
-        p50, p99 = kv_ready_quantiles(decode_url, (0.5, 0.99))
+        p50, p99 = histogram_quantiles(decode_url, KV_READY_METRIC, (0.5, 0.99))
         result.kv_ready_ms = (p50, p99)
+        p50, p99 = histogram_quantiles(decode_url, PULL_METRIC, (0.5, 0.99))
+        result.pull_ms = (p50, p99)
     finally:
         for process in reversed(list(servers.values())):
             process.stop()
@@ -271,8 +275,9 @@ def summary(result: SoakResult, args: argparse.Namespace) -> str:
         f"{args.concurrency}, "
         f"{args.max_tokens} output tokens each",
         f"  failures: {len(result.failures)}   output mismatches: {len(result.mismatches)}",
-        f"  KV-ready latency on D: p50 {result.kv_ready_ms[0]:.1f} ms, "
-        f"p99 {result.kv_ready_ms[1]:.1f} ms (from D's histogram)",
+        f"  KV-ready latency on D: p50 {result.kv_ready_ms[0]:.2f} ms, "
+        f"p99 {result.kv_ready_ms[1]:.2f} ms; pull alone: p50 {result.pull_ms[0]:.2f} ms, "
+        f"p99 {result.pull_ms[1]:.2f} ms (from D's histograms)",
         "  leaked blocks: "
         + ("none (P and D back to idle)" if not result.leaks else "; ".join(result.leaks)),
         "  memory growth after warm-up (MiB): "

@@ -12,7 +12,6 @@ from hixl_connector.connector.config import (
     CLUSTER_ID_STEP,
     MIN_AUTH_TOKEN_CHARS,
     HixlConfig,
-    cluster_id_for_rank,
     derived_cluster_id_base,
 )
 
@@ -162,7 +161,7 @@ def test_rank_ids_and_ports() -> None:
     config = HixlConfig.from_dict({"cluster_id_base": 2048, "side_channel_port": 6000}, "e")
     assert config.cluster_id_for_rank(0, 0, 2) == 2048
     assert config.cluster_id_for_rank(1, 1, 2) == 2048 + 3
-    assert cluster_id_for_rank(config, 2, 0, 4) == 2048 + 8
+    assert config.cluster_id_for_rank(2, 0, 4) == 2048 + 8
     assert config.side_channel_port_for_rank(1, 1, 2) == 6003
     with pytest.raises(ValueError, match="tp_rank 2 is out of range"):
         config.cluster_id_for_rank(0, 2, 2)
