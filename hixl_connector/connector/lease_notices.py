@@ -26,12 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 class LeaseNotifier:
-    """``targets(remote)``: the P ranks this D rank notifies, each with the number of distinct
-    D ranks that P rank waits for (see tp_mapping); ``rank``: this D rank."""
+    """``client_for(target)``: the client to use and whether to close it after (a linked
+    peer's persistent client is shared); ``targets(remote)``: the P ranks this D rank
+    notifies, each with the number of distinct D ranks that P rank waits for (see
+    tp_mapping); ``rank``: this D rank."""
 
     def __init__(
         self,
-        client_for: Callable[[PeerRank], SideChannelClient],
+        client_for: Callable[[PeerRank], tuple[SideChannelClient, bool]],
         is_linked: Callable[[PeerRank], bool],
         targets: Callable[[RemoteEndpoint], Mapping[int, int]],
         heartbeat_s: float,
@@ -72,7 +74,7 @@ class LeaseNotifier:
     ) -> None:
         notice = LeaseNotice(remote_request_id, lease_id, consumers, rank=self._rank)
         try:
-            client = self._client_for(target)
+            client, owned = self._client_for(target)
         except (ValueError, RuntimeError) as e:
             logger.warning("hixl: %s for %s not sent: %s", kind, remote_request_id, e)
             return
@@ -82,7 +84,8 @@ class LeaseNotifier:
             self._record("failed_notifications")
             logger.warning("hixl: %s for %s not delivered: %s", kind, remote_request_id, e)
         finally:
-            client.close()
+            if owned:
+                client.close()
 
     def heartbeats(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> None:
         """Schedules this step's heartbeats for the leases D still waits on, to every P rank
@@ -117,13 +120,14 @@ class LeaseNotifier:
 
     def _heartbeat(self, due: DueHeartbeat) -> None:
         try:
-            client = self._client_for(due.target)
+            client, owned = self._client_for(due.target)
             try:
                 for first in range(0, len(due.items), MAX_NOTIFICATION_ITEMS):
                     batch = due.items[first : first + MAX_NOTIFICATION_ITEMS]
                     client.request(Notification("heartbeat", batch).to_dict())
             finally:
-                client.close()
+                if owned:
+                    client.close()
         except Exception as e:  # a lost heartbeat costs a lease, never the worker
             self._record("failed_notifications")
             logger.warning("hixl: heartbeat to %s failed: %s", due.target.remote.engine_id, e)

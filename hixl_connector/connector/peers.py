@@ -127,8 +127,18 @@ class PeerRegistry:
     def mark_broken(self, peer: Peer) -> None:
         peer.broken = True
 
+    def notice_client(self, target: PeerRank) -> tuple[SideChannelClient, bool]:
+        """The client lease notices to ``target`` go through, and whether the caller owns
+        (and closes) it: a linked peer's one persistent client, else a fresh one to an
+        address no handshake vouched for."""
+        with self._guard:
+            peer = self._peers.get(target.key)
+        if peer is not None and not peer.broken:
+            return peer.client, False
+        return self.client_for(target), True
+
     def client_for(self, target: PeerRank) -> SideChannelClient:
-        """A side-channel client for notifications, without handshaking or linking."""
+        """A side-channel client for one handshake or notice, without linking."""
         return SideChannelClient(
             self._context,
             target.remote.host,

@@ -138,7 +138,7 @@ class HixlWorker:
             self._payload.compatibility, (self._tp_rank, self._tp_size), self._probe_slices
         )
         self._notices = LeaseNotifier(
-            self._peers.client_for,
+            self._peers.notice_client,
             self._peers.is_linked,
             plans.notify_targets,
             self._config.heartbeat_s,

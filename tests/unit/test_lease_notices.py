@@ -51,7 +51,7 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
     dead = [endpoint(f"dead-{i}", s.getsockname()[1]) for i, s in enumerate(silent)]
     failures: list[str] = []
     notifier = LeaseNotifier(
-        lambda t: SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S),
+        lambda t: (SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S), True),
         lambda t: t.remote.engine_id == "p-live",  # only the live peer completed a handshake
         lambda remote: {0: 1},  # equal TP: rank 0 of P, read by this rank alone
         heartbeat_s=0.01,
@@ -94,7 +94,7 @@ def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.C
     stalled.listen()
     live, stuck = endpoint("p-live", server.port), endpoint("p-stalled", stalled.getsockname()[1])
     notifier = LeaseNotifier(
-        lambda t: SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S),
+        lambda t: (SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S), True),
         lambda t: True,  # both completed a handshake earlier
         lambda remote: {0: 1},
         heartbeat_s=0.01,
