@@ -19,7 +19,7 @@ from typing import Any
 from hixl_connector.connector.blocks import chunk_pairs
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.kv_layout import KVLayout
-from hixl_connector.datadist import load_backend
+from hixl_connector.datadist import Backend, load_backend
 
 # Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
 # follow as BLOCKS_MODEL_ID + 1, + 2, ...
@@ -52,7 +52,7 @@ class RegisteredCache:
 
 @dataclass(frozen=True)
 class Engine:
-    api: Any  # the back-end module: LLMDataDist, BlocksCacheKey, LLMStatusCode, PROFILE, ...
+    api: Backend  # LLMDataDist, BlocksCacheKey, LLMStatusCode, PROFILE, ...
     datadist: Any
     caches: tuple[RegisteredCache, ...]  # destinations of D's pulls, one per model_id
     listen_port: int  # where peers link to; the configured port when not listening
@@ -110,7 +110,7 @@ class PullCall:
     tensors_per_layer: int
 
 
-def run_pulls(api: Any, manager: Any, calls: Sequence[PullCall], concurrent: bool) -> None:
+def run_pulls(api: Backend, manager: Any, calls: Sequence[PullCall], concurrent: bool) -> None:
     """Runs the calls one after another, the first failure stopping the rest; or, for reads
     from several peers (D reading several P ranks), all at once, so their transfers overlap.
     Then every call ends before the first failure is raised, so nothing lands afterwards."""
@@ -170,7 +170,9 @@ def _kv_device(layout: KVLayout) -> Any:
     return layout.views[0].device if layout.views else None
 
 
-def _configure(api: Any, config: HixlConfig, layout: KVLayout, cluster_id: int) -> tuple[Any, int]:
+def _configure(
+    api: Backend, config: HixlConfig, layout: KVLayout, cluster_id: int
+) -> tuple[Any, int]:
     profile = api.PROFILE
     llm_config = api.LLMConfig()
     device = _kv_device(layout)
@@ -280,7 +282,7 @@ def open_engine(
 
 
 def _register(
-    api: Any, datadist: Any, cluster_id: int, group: CacheGroup, placement: Any
+    api: Backend, datadist: Any, cluster_id: int, group: CacheGroup, placement: Any
 ) -> RegisteredCache:
     desc = api.CacheDesc(
         len(group.addrs),

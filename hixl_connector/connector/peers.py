@@ -28,6 +28,7 @@ from hixl_connector.connector.metadata import (
 )
 from hixl_connector.connector.side_channel import SideChannelClient
 from hixl_connector.connector.tp_mapping import heads_per_rank
+from hixl_connector.datadist import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Peer:
 class PeerRegistry:
     def __init__(
         self,
-        api: Any,
+        api: Backend,
         datadist: Any,
         context: zmq.Context,
         local: HandshakePayload,

@@ -5,7 +5,12 @@ implementation; ``load_backend("native" | "ascend" | "auto")`` chooses one expli
 this package is cheap: the native engine loads on ``LLMDataDist.init``. See README.md here.
 """
 
-from hixl_connector.datadist.backend import BACKENDS, BackendUnavailableError, load_backend
+from hixl_connector.datadist.backend import (
+    BACKENDS,
+    Backend,
+    BackendUnavailableError,
+    load_backend,
+)
 from hixl_connector.datadist.cache_manager import CacheManager
 from hixl_connector.datadist.config import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole
 from hixl_connector.datadist.llm_types import (
@@ -25,6 +30,7 @@ from hixl_connector.datadist.status import LLMException, LLMStatusCode, Status
 
 __all__ = [
     "BACKENDS",
+    "Backend",
     "BackendUnavailableError",
     "BlocksCacheKey",
     "Cache",

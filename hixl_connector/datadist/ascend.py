@@ -15,10 +15,9 @@ lists are pulled in chunks.
 from __future__ import annotations
 
 import importlib
-import types
 from typing import Any
 
-from hixl_connector.datadist.profile import BackendProfile
+from hixl_connector.datadist.profile import Backend, BackendProfile
 from hixl_connector.datadist.pull_handle import ThreadPullHandle
 
 API_NAMES = (
@@ -135,12 +134,8 @@ def pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> ThreadPu
     return ThreadPullHandle(cache_manager.pull_blocks, *args, **kwargs)
 
 
-def load() -> types.ModuleType:
+def load() -> Backend:
     cann = import_cann()
-    module = types.ModuleType("hixl_connector.datadist.backends.ascend")
-    for name in API_NAMES:
-        if hasattr(cann, name):
-            setattr(module, name, getattr(cann, name))
 
     class LLMDataDist(cann.LLMDataDist):  # type: ignore[name-defined]
         def init(self, options: dict[str, str]) -> None:
@@ -148,8 +143,10 @@ def load() -> types.ModuleType:
                 options = {k: v for k, v in options.items() if not k.startswith("hixl.")}
             super().init(options)
 
-    module.LLMDataDist = LLMDataDist  # type: ignore[attr-defined]
-    module.pull_blocks_async = pull_blocks_async  # type: ignore[attr-defined]
-    module.BACKEND_NAME = "ascend"  # type: ignore[attr-defined]
-    module.PROFILE = ASCEND_PROFILE  # type: ignore[attr-defined]
-    return module
+    names = {name: getattr(cann, name) for name in API_NAMES if hasattr(cann, name)}
+    return Backend(
+        BACKEND_NAME="ascend",
+        PROFILE=ASCEND_PROFILE,
+        pull_blocks_async=pull_blocks_async,
+        **{**names, "LLMDataDist": LLMDataDist},
+    )

@@ -5,20 +5,19 @@
 - "auto": ascend when both ``torch_npu`` and ``llm_datadist`` import and the KV tensors live on
   an NPU (``kv_device="npu"``; without a device, importability alone decides), else native.
 
-Each returns a module-like object with the same API names plus ``pull_blocks_async(cache_manager,
-...)``, ``BACKEND_NAME`` and ``PROFILE`` (a ``BackendProfile``). Loading "native" does not
-import the engine; ``LLMDataDist.init`` does.
+Each returns a ``Backend`` (profile.py): the same API names plus
+``pull_blocks_async(cache_manager, ...)``, ``BACKEND_NAME`` and ``PROFILE`` (a
+``BackendProfile``). Loading "native" does not import the engine; ``LLMDataDist.init`` does.
 """
 
 from __future__ import annotations
 
 import importlib
-import types
 from typing import Any
 
 from hixl_connector.datadist import ascend
 from hixl_connector.datadist.ascend import API_NAMES, BackendUnavailableError
-from hixl_connector.datadist.profile import NATIVE_PROFILE
+from hixl_connector.datadist.profile import NATIVE_PROFILE, Backend
 
 BACKENDS = ("native", "ascend", "auto")
 
@@ -27,15 +26,14 @@ def _native_pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> 
     return cache_manager.pull_blocks_async(*args, **kwargs)
 
 
-def _load_native() -> types.ModuleType:
+def _load_native() -> Backend:
     api = importlib.import_module("hixl_connector.datadist")
-    module = types.ModuleType("hixl_connector.datadist.backends.native")
-    for name in API_NAMES:
-        setattr(module, name, getattr(api, name))
-    module.pull_blocks_async = _native_pull_blocks_async  # type: ignore[attr-defined]
-    module.BACKEND_NAME = "native"  # type: ignore[attr-defined]
-    module.PROFILE = NATIVE_PROFILE  # type: ignore[attr-defined]
-    return module
+    return Backend(
+        BACKEND_NAME="native",
+        PROFILE=NATIVE_PROFILE,
+        pull_blocks_async=_native_pull_blocks_async,
+        **{name: getattr(api, name) for name in API_NAMES},
+    )
 
 
 def resolve_backend(name: str = "auto", kv_device: str | None = None) -> str:
@@ -49,11 +47,11 @@ def resolve_backend(name: str = "auto", kv_device: str | None = None) -> str:
     return "ascend" if ascend.ascend_available() else "native"
 
 
-def load_backend(name: str = "auto", kv_device: str | None = None) -> types.ModuleType:
+def load_backend(name: str = "auto", kv_device: str | None = None) -> Backend:
     """``kv_device``: the device type of the KV tensors ("cpu", "npu", ...), for "auto"."""
     if resolve_backend(name, kv_device) == "native":
         return _load_native()
     return ascend.load()
 
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "load_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "load_backend", "resolve_backend"]

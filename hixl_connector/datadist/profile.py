@@ -1,8 +1,10 @@
-"""BackendProfile: what a backend needs from the code that opens it, in one small record.
+"""``Backend``, the typed seam between the connector and an implementation of the
+LLM-DataDist v2 API, and ``BackendProfile``, what a backend needs from the code that opens it.
 
-The connector's worker uses nothing but the LLM-DataDist API. The few facts in which the
-backends differ (which memory they move, LLMConfig fields, alignment, request-size limits)
-live here, one profile per backend, and only ``hixl_connector.connector.engine_setup`` reads them.
+The connector's worker uses nothing but the LLM-DataDist API, through a ``Backend``
+(``load_backend``). The few facts in which the backends differ (which memory they move,
+LLMConfig fields, alignment, request-size limits) live in its profile, one per backend, and
+only ``hixl_connector.connector.engine_setup`` reads them.
 """
 
 from __future__ import annotations
@@ -40,3 +42,32 @@ class BackendProfile:
 NATIVE_PROFILE = BackendProfile(
     name="native", device_memory=False, transfer_backend="", native_options=True
 )
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of the LLM-DataDist v2 API: its classes and constants under CANN's
+    names (None where that implementation lacks one), and what drives it beyond CANN's API:
+    ``pull_blocks_async(cache_manager, key, cache, src, dst, **kwargs)`` returning a handle
+    with ``wait()``, the back-end's name and its profile."""
+
+    BACKEND_NAME: str
+    PROFILE: BackendProfile
+    pull_blocks_async: Callable[..., Any]
+    LLMDataDist: Any = None
+    LLMConfig: Any = None
+    LlmConfig: Any = None
+    LLMRole: Any = None
+    LLMClusterInfo: Any = None
+    LLMStatusCode: Any = None
+    LLMException: Any = None
+    Status: Any = None
+    DataType: Any = None
+    CacheDesc: Any = None
+    Cache: Any = None
+    CacheKey: Any = None
+    CacheKeyByIdAndIndex: Any = None
+    BlocksCacheKey: Any = None
+    Placement: Any = None
+    Memtype: Any = None
+    RegisterMemStatus: Any = None
