@@ -12,6 +12,10 @@ import sys
 COMMANDS = {
     "bench": ("hixl_connector.tools.bench", "benchmark pull_blocks between two processes"),
     "bench-tp": ("hixl_connector.tools.bench_tp", "TP-mismatched pulls vs equal TP, same bytes"),
+    "bench-serve": (
+        "hixl_connector.tools.bench_serve",
+        "vllm bench serve: plain server vs P/D through the router",
+    ),
     "demo": (
         "hixl_connector.tools.demo.pd_demo",
         "P/D with real vLLM and vllm-router vs a plain server",
