@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hixl_connector.connector.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, MAX_U64, is_int
 
 SCHEMA_VERSION = 3
@@ -100,11 +99,6 @@ class RecvSpec:
     # Where P publishes the lease, and the word D must find there around its read.
     lease_slot: int = 0
     lease_word: int = 0
-
-    @property
-    def leased_block_ids(self) -> tuple[int, ...]:
-        """The P blocks read: what P leased to this request."""
-        return tuple(b for b in self.remote_block_ids if b != NULL_BLOCK_ID)
 
 
 @dataclass(frozen=True)
