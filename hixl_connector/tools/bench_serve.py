@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from hixl_connector.tools.demo.client import metric_total, read_metrics
-from hixl_connector.tools.demo.processes import ManagedProcess, free_port
+from hixl_connector.tools.demo.pd_demo import connector_config
+from hixl_connector.tools.demo.processes import ManagedProcess
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     start_router,
@@ -33,7 +34,6 @@ from hixl_connector.tools.demo.servers import (
 )
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 HEALTH_TIMEOUT_S = 300.0
 BENCH_TIMEOUT_S = 900.0
 CLIENT = (
@@ -41,12 +41,6 @@ CLIENT = (
     "m.version = lambda name: '0.32.0' if name == 'vllm' else real(name); "
     "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', *sys.argv[1:]]; main()"
 )
-
-
-def connector_config(role: str) -> dict[str, Any]:
-    config = json.loads((CONFIG_DIR / f"{role}.json").read_text())
-    config["kv_connector_extra_config"]["side_channel_port"] = free_port()
-    return dict(config)
 
 
 def bench(url: str, model: Path, work: Path, name: str, args: argparse.Namespace) -> Any:

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from hixl_connector.tools.demo.client import RequestFailed, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.pd_demo import connector_config
 from hixl_connector.tools.demo.processes import ManagedProcess
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, start_router, start_vllm_server
 from hixl_connector.tools.demo.tiny_model import build_tiny_model, is_built
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 HEALTH_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
@@ -166,14 +166,6 @@ def wait_idle(url: str, name: str, timeout_s: float) -> str | None:
         if time.monotonic() > deadline:
             return f"{name} still holds {usage:.2%} of its KV blocks ({busy:.0f} requests)"
         time.sleep(0.2)
-
-
-def connector_config(role: str) -> dict[str, Any]:
-    from hixl_connector.tools.demo.processes import free_port
-
-    config: dict[str, Any] = json.loads((CONFIG_DIR / f"{role}.json").read_text())
-    config["kv_connector_extra_config"]["side_channel_port"] = free_port()
-    return config
 
 
 def soak(args: argparse.Namespace, say: Callable[[str], None]) -> SoakResult:
