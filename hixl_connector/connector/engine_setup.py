@@ -2,7 +2,7 @@
 
 The only place that knows how a back-end wants to be configured: it reads the back-end's
 ``BackendProfile`` (placement, LLMConfig fields, device id, alignment, request-size limit).
-The worker afterwards uses nothing but the datadist API, through ``Engine.pull_blocks``.
+The worker afterwards uses nothing but the datadist API, through ``Engine.run``.
 
 Rules of LLM-DataDist this module keeps (reference section 8): one LLMDataDist per process
 (one Engine per worker process); every cache registered before the first link (all of them
@@ -19,17 +19,21 @@ from typing import Any
 from hixl_connector.connector.blocks import chunk_pairs
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.kv_layout import KVLayout
-from hixl_connector.datadist import Backend, load_backend
+from hixl_connector.datadist import Backend, BlocksPull, load_backend
 
 # Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
 # follow as BLOCKS_MODEL_ID + 1, + 2, ...
 BLOCKS_MODEL_ID = 0
 # The same memory registered again in slices (block_slices), for peers of another block size.
 SLICES_MODEL_ID = 1024
-# P's lease words (lease_words), and the words D reads them into (one per transfer thread).
+# P's lease words (lease_words), and the words D reads them into: one row per transfer
+# thread, of MAX_LEASE_READERS words read before the blocks and as many after.
 LEASE_WORDS_MODEL_ID = 2048
 SCRATCH_WORDS_MODEL_ID = 2049
 WORD_BYTES = 8
+# Most prefill ranks one decode rank reads from (prefill TP / decode TP).
+MAX_LEASE_READERS = 64
+ONE_TENSOR = {"tensor_num_per_layer": 1}
 
 
 @dataclass(frozen=True)
@@ -58,32 +62,45 @@ class Engine:
     listen_port: int  # where peers link to; the configured port when not listening
     max_pairs_per_pull: int | None  # chunk size of long block lists; None: no limit
     slices: RegisteredCache | None = None  # the caches again in slices, where registered
-    scratch: RegisteredCache | None = None  # D: where a peer's lease word is read to
+    scratch: RegisteredCache | None = None  # D: where peers' lease words are read to
     scratch_words: Any = None  # ... and the words themselves (ctypes array)
 
-    def read_lease_word(self, remote_cluster_id: int, slot: int, index: int) -> int:
-        """Reads lease word ``slot`` of that peer into scratch word ``index`` (one per
-        concurrent reader) and returns it."""
+    def lease_guarded_pull(
+        self,
+        words: Sequence[tuple[int, int]],
+        reads: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+        sliced: bool,
+        row: int,
+    ) -> GuardedPull:
+        """One batch: lease word ``slot`` of each ``(remote_cluster_id, slot)`` in ``words``,
+        then for each ``(remote_cluster_id, src, dst)`` of ``reads`` unit ``src[i]`` of that
+        peer into unit ``dst[i]`` here, for every registered cache (a unit: one KV head of a
+        block where heads split, else a whole block; with ``sliced``, a slice of one), then
+        the words again. The words land in scratch row ``row`` (one per concurrent reader).
+        Each pull stays under the back-end's request-size limit."""
         if self.scratch is None:
             raise ValueError("this engine registered no scratch words: it does not decode")
-        key = self.api.BlocksCacheKey(remote_cluster_id, LEASE_WORDS_MODEL_ID)
-        self.datadist.cache_manager.pull_blocks(
-            key, self.scratch.cache, [slot], [index], tensor_num_per_layer=1
-        )
-        return int(self.scratch_words[index])
-
-    def pull(
-        self, reads: Sequence[tuple[int, Sequence[int], Sequence[int]]], sliced: bool = False
-    ) -> None:
-        """For each ``(remote_cluster_id, src, dst)``: pulls unit ``src[i]`` of that peer into
-        unit ``dst[i]`` here, for every registered cache (a unit: one KV head of a block where
-        heads split, else a whole block; with ``sliced``, a slice of one). Each call stays
-        under the back-end's request-size limit; raises the first failure (LLMException).
-        """
         if sliced and self.slices is None:
             raise ValueError("this engine registered no slices of its KV caches")
+        if len(words) > MAX_LEASE_READERS:
+            raise ValueError(
+                f"{len(words)} prefill ranks per decode rank: at most {MAX_LEASE_READERS}"
+            )
+        first = row * 2 * MAX_LEASE_READERS
+        scratch = self.scratch
+        guards = []
+        for i, (remote_cluster_id, slot) in enumerate(words):
+            key = self.api.BlocksCacheKey(remote_cluster_id, LEASE_WORDS_MODEL_ID)
+            for index in (first + i, first + MAX_LEASE_READERS + i):
+                self.scratch_words[index] = 0
+            guards.append((key, slot, first + i))
+        before = [BlocksPull(k, scratch.cache, [s], [i], ONE_TENSOR) for k, s, i in guards]
+        after = [
+            BlocksPull(k, scratch.cache, [s], [i + MAX_LEASE_READERS], ONE_TENSOR)
+            for k, s, i in guards
+        ]
         targets = (self.slices,) if sliced and self.slices is not None else self.caches
-        calls = []
+        blocks = []
         for remote_cluster_id, src, dst in reads:
             chunks = (
                 chunk_pairs(src, dst, self.max_pairs_per_pull)
@@ -92,52 +109,32 @@ class Engine:
             )
             for part in targets:
                 key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
-                calls += [
-                    PullCall(key, part.cache, list(s), list(d), part.tensors_per_layer)
-                    for s, d in chunks
-                ]
-        run_pulls(self.api, self.datadist.cache_manager, calls, concurrent=len(reads) > 1)
+                kwargs = {"tensor_num_per_layer": part.tensors_per_layer}
+                blocks += [BlocksPull(key, part.cache, list(s), list(d), kwargs) for s, d in chunks]
+        return GuardedPull(before + blocks + after, len(words), first)
+
+    def run(self, pulls: Sequence[BlocksPull]) -> None:
+        """The pulls in order, in one engine call; raises the first failure (LLMException)."""
+        self.api.pull_blocks_batch(self.datadist.cache_manager, pulls)
+
+    def words_read(self, pull: GuardedPull) -> tuple[list[int], list[int]]:
+        """The lease words as ``pull`` read them before and after the blocks."""
+        first, count = pull.first_word, pull.words
+        words = self.scratch_words
+        before = [int(words[first + i]) for i in range(count)]
+        after = [int(words[first + MAX_LEASE_READERS + i]) for i in range(count)]
+        return before, after
 
 
 @dataclass(frozen=True)
-class PullCall:
-    """One ``pull_blocks`` call: what and from where."""
+class GuardedPull:
+    """``words`` lease-word pulls, the block pulls, and the ``words`` pulls again; the words
+    land in scratch words ``first_word`` on (before) and ``first_word + MAX_LEASE_READERS`` on
+    (after)."""
 
-    key: Any
-    cache: Any
-    src: list[int]
-    dst: list[int]
-    tensors_per_layer: int
-
-
-def run_pulls(api: Backend, manager: Any, calls: Sequence[PullCall], concurrent: bool) -> None:
-    """Runs the calls one after another, the first failure stopping the rest; or, for reads
-    from several peers (D reading several P ranks), all at once, so their transfers overlap.
-    Then every call ends before the first failure is raised, so nothing lands afterwards."""
-    if not concurrent:
-        for c in calls:
-            manager.pull_blocks(
-                c.key, c.cache, c.src, c.dst, tensor_num_per_layer=c.tensors_per_layer
-            )
-        return
-    handles = []
-    failure: Exception | None = None
-    try:
-        for c in calls:
-            handles.append(
-                api.pull_blocks_async(
-                    manager, c.key, c.cache, c.src, c.dst, tensor_num_per_layer=c.tensors_per_layer
-                )
-            )
-    except Exception as e:  # refused at submission: the ones in flight still end first
-        failure = e
-    for handle in handles:
-        try:
-            handle.wait()
-        except Exception as e:
-            failure = failure or e
-    if failure is not None:
-        raise failure
+    pulls: list[BlocksPull]
+    words: int
+    first_word: int
 
 
 def cache_groups(layout: KVLayout) -> list[CacheGroup]:
@@ -238,7 +235,8 @@ def open_engine(
     datadist = api.LLMDataDist(role, cluster_id)
     datadist.init(llm_config.generate_options())
     host = api.Placement.HOST
-    scratch_words = (ctypes.c_uint64 * config.transfer_threads)() if consumer else None
+    scratch_count = config.transfer_threads * 2 * MAX_LEASE_READERS
+    scratch_words = (ctypes.c_uint64 * scratch_count)() if consumer else None
     try:
         caches = tuple(_register(api, datadist, cluster_id, group, placement) for group in groups)
         slices = None

@@ -1,10 +1,11 @@
 """D side: one job per RecvSpec on the worker's transfer pool, so vLLM's forward pass never
 waits on a transfer.
 
-A job handshakes and links on first use of each P rank it reads, then reads P's lease word
-for the request, the blocks, and the lease word again (`lease_words`): the read is good only
-if the word vouched for exactly these blocks before and after, so no round trip to P's Python
-is on the way. "done" then goes to P on the notice lanes, off the pull thread.
+A job handshakes and links on first use of each P rank it reads, then reads, in one engine
+call, P's lease word for the request, the blocks, and the lease word again (`lease_words`):
+the read is good only if the word vouched for exactly these blocks before and after, so no
+round trip to P's Python, nor back into this process's Python, is on the way. "done" then goes
+to P on the notice lanes, off the pull thread.
 
 When the TP sizes differ, `tp_mapping` says which P ranks this rank reads and which KV heads
 land where: the KV caches are registered one unit per KV head of a block, so a head
@@ -23,7 +24,7 @@ from typing import Any
 
 from hixl_connector.connector.block_slices import SliceRun, blocks_per_block, slice_ids
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.engine_setup import Engine
+from hixl_connector.connector.engine_setup import Engine, GuardedPull
 from hixl_connector.connector.kv_layout import KVLayout
 from hixl_connector.connector.lease_notices import LeaseNotifier
 from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec, RemoteEndpoint
@@ -137,7 +138,7 @@ class Receiver:
         self._record = record
         self._record_pull = record_pull
         self._finish = finish
-        # One scratch word per transfer thread: where a job reads P's lease words to.
+        # One row of scratch words per transfer thread: where a job reads P's lease words to.
         self._scratch: queue.SimpleQueue[int] = queue.SimpleQueue()
         for index in range(config.transfer_threads):
             self._scratch.put(index)
@@ -169,7 +170,7 @@ class Receiver:
 
     def receive(self, spec: RecvSpec, queued_at: float) -> None:
         peers: dict[int, Peer] = {}
-        scratch = self._scratch.get()
+        row = self._scratch.get()
         try:
             if spec.error:
                 raise LeaseError(spec.error)
@@ -179,32 +180,37 @@ class Receiver:
                 peers[p_rank] = self._peers.get(spec.remote.rank(p_rank))
                 self._check_block_sizes(peers[p_rank], spec)
             readers = [peers[p] for p in plan.notify if plan.reads_from(p)]
-            for peer in readers:
-                if not self._vouched(peer, spec, scratch):
-                    self._record("refused_pulls")
-                    raise LeaseError(
-                        f"prefill engine {peer.engine_id} rank {peer.payload.tp_rank} does not "
-                        f"lease these blocks to request {spec.remote_request_id} under lease "
-                        f"{spec.lease_id}: unknown or ended lease, or blocks outside it"
-                    )
+            self._check_block_ids(readers, spec)
             reads = [self._heads(peers[read.p_rank], read, spec) for read in plan.reads]
+            words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
+            pull = self._engine.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
             started = time.monotonic()
-            self._pull(spec, reads)
+            self._pull(spec, pull)
             finished = time.monotonic()
-            # P clears a word before it reuses the blocks and never publishes it again: still
-            # there after the read, the blocks were this request's throughout.
-            for peer in readers:
-                if not self._vouched(peer, spec, scratch):
-                    self._record("stale_pulls")
-                    raise LeaseError(
-                        f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
-                        "ended during the pull; its blocks may have been reused"
-                    )
+            before, after = self._engine.words_read(pull)
+            # P publishes a word before the blocks leave its engine and clears it before it
+            # reuses them, never publishing it again: found before and after, the blocks were
+            # this request's throughout. Anything else read alongside is discarded.
+            vouched = zip(readers, before, strict=True)
+            refusing = [peer for peer, word in vouched if word != spec.lease_word]
+            if refusing:
+                self._record("refused_pulls")
+                raise LeaseError(
+                    f"prefill engine {refusing[0].engine_id} rank {refusing[0].payload.tp_rank} "
+                    f"does not lease these blocks to request {spec.remote_request_id} under "
+                    f"lease {spec.lease_id}: unknown or ended lease, or blocks outside it"
+                )
+            if any(word != spec.lease_word for word in after):
+                self._record("stale_pulls")
+                raise LeaseError(
+                    f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
+                    "ended during the pull; its blocks may have been reused"
+                )
         except Exception as e:
             self._fail(spec, peers, e)
             return
         finally:
-            self._scratch.put(scratch)
+            self._scratch.put(row)
             with self._lock:
                 self._active.pop(spec.request_id, None)
                 self._cancelled.discard(spec.request_id)
@@ -213,20 +219,17 @@ class Receiver:
         moved = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
         self._received(spec, moved, finished - started, finished - queued_at)
 
-    def _pull(self, spec: RecvSpec, reads: list[Read]) -> None:
-        """Reads the blocks, unless the request was aborted since it was queued."""
+    def _pull(self, spec: RecvSpec, pull: GuardedPull) -> None:
+        """Reads the words and blocks in one engine call, unless the request was aborted
+        since it was queued."""
         self._check_cancelled(spec)
-        self._engine.pull(reads, sliced=spec.blocks_per_block > 1)
+        self._engine.run(pull.pulls)
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` are in place, vouched for by P: reports them."""
         self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
         self._finish(spec.request_id, True)
         self._notices.release_later(self._release(spec), "done")
-
-    def _vouched(self, peer: Peer, spec: RecvSpec, scratch: int) -> bool:
-        word = self._engine.read_lease_word(peer.cluster_id, spec.lease_slot, scratch)
-        return word == spec.lease_word
 
     def _heads(self, peer: Peer, read: HeadRead, spec: RecvSpec) -> Read:
         """One P rank's heads of the request's blocks, to land straight in their slots here:
@@ -249,6 +252,18 @@ class Receiver:
             read.count,
         )
         return peer.cluster_id, src, dst
+
+    def _check_block_ids(self, readers: list[Peer], spec: RecvSpec) -> None:
+        """Block ids beyond a P rank's cache are refused before anything is read (the words
+        would refuse them too, but only after the read failed on them)."""
+        highest = max(spec.remote_block_ids, default=-1)
+        for peer in readers:
+            if highest >= peer.payload.num_blocks:
+                self._record("refused_pulls")
+                raise LeaseError(
+                    f"block id {highest} is beyond the {peer.payload.num_blocks} blocks of "
+                    f"prefill engine {peer.engine_id} rank {peer.payload.tp_rank}"
+                )
 
     def _check_block_sizes(self, peer: Peer, spec: RecvSpec) -> None:
         """The block ids of the request were mapped for the block size P registered."""

@@ -174,7 +174,8 @@ class SideChannelServer:
         except BaseException as e:
             logger.critical(
                 "side channel %s:%d stopped serving (%r): this prefill engine no longer answers "
-                "handshakes or lease checks, so every pull from it fails until it restarts",
+                "handshakes or lease notices, so no decode engine can link to it and its leases "
+                "end only by expiry, until it restarts",
                 self.host,
                 self.port,
                 e,

@@ -15,6 +15,7 @@ from hixl_connector.datadist.cache_manager import CacheManager
 from hixl_connector.datadist.config import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole
 from hixl_connector.datadist.llm_types import (
     BlocksCacheKey,
+    BlocksPull,
     Cache,
     CacheDesc,
     CacheKey,
@@ -33,6 +34,7 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "BlocksCacheKey",
+    "BlocksPull",
     "Cache",
     "CacheDesc",
     "CacheKey",

@@ -1,9 +1,10 @@
 """The "ascend" backend: CANN's own ``llm_datadist`` package with its HIXL transfer back-end.
 
 The only module that imports ``llm_datadist`` and ``torch_npu``. Everything the API offers is
-CANN's, except two project adaptations: ``LLMDataDist.init`` drops the native engine's
-``hixl.*`` option keys, and ``pull_blocks_async`` is emulated by running ``pull_blocks`` on a
-thread (CANN has no asynchronous pull).
+CANN's, except three project adaptations: ``LLMDataDist.init`` drops the native engine's
+``hixl.*`` option keys, ``pull_blocks_async`` is emulated by running ``pull_blocks`` on a
+thread (CANN has no asynchronous pull), and ``pull_blocks_batch`` by calling ``pull_blocks``
+for each pull in turn (CANN has no batch of pulls).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
 ``hixl_connector.connector.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``,
@@ -15,8 +16,10 @@ lists are pulled in chunks.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
+from hixl_connector.datadist.llm_types import BlocksPull
 from hixl_connector.datadist.profile import Backend, BackendProfile
 from hixl_connector.datadist.pull_handle import ThreadPullHandle
 
@@ -134,6 +137,13 @@ def pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> ThreadPu
     return ThreadPullHandle(cache_manager.pull_blocks, *args, **kwargs)
 
 
+def pull_blocks_batch(cache_manager: Any, pulls: Sequence[BlocksPull]) -> None:
+    for pull in pulls:
+        cache_manager.pull_blocks(
+            pull.src_cache_key, pull.dst_cache, pull.src_blocks, pull.dst_blocks, **pull.kwargs
+        )
+
+
 def load() -> Backend:
     cann = import_cann()
 
@@ -148,5 +158,6 @@ def load() -> Backend:
         BACKEND_NAME="ascend",
         PROFILE=ASCEND_PROFILE,
         pull_blocks_async=pull_blocks_async,
+        pull_blocks_batch=pull_blocks_batch,
         **{**names, "LLMDataDist": LLMDataDist},
     )

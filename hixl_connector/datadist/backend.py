@@ -6,17 +6,20 @@
   an NPU (``kv_device="npu"``; without a device, importability alone decides), else native.
 
 Each returns a ``Backend`` (profile.py): the same API names plus
-``pull_blocks_async(cache_manager, ...)``, ``BACKEND_NAME`` and ``PROFILE`` (a
+``pull_blocks_async(cache_manager, ...)``, ``pull_blocks_batch(cache_manager, pulls)``,
+``BACKEND_NAME`` and ``PROFILE`` (a
 ``BackendProfile``). Loading "native" does not import the engine; ``LLMDataDist.init`` does.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 from hixl_connector.datadist import ascend
 from hixl_connector.datadist.ascend import API_NAMES, BackendUnavailableError
+from hixl_connector.datadist.llm_types import BlocksPull
 from hixl_connector.datadist.profile import NATIVE_PROFILE, Backend
 
 BACKENDS = ("native", "ascend", "auto")
@@ -26,12 +29,17 @@ def _native_pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> 
     return cache_manager.pull_blocks_async(*args, **kwargs)
 
 
+def _native_pull_blocks_batch(cache_manager: Any, pulls: Sequence[BlocksPull]) -> None:
+    cache_manager.pull_blocks_batch(pulls)
+
+
 def _load_native() -> Backend:
     api = importlib.import_module("hixl_connector.datadist")
     return Backend(
         BACKEND_NAME="native",
         PROFILE=NATIVE_PROFILE,
         pull_blocks_async=_native_pull_blocks_async,
+        pull_blocks_batch=_native_pull_blocks_batch,
         **{name: getattr(api, name) for name in API_NAMES},
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from hixl_connector.datadist.checks import (
@@ -15,6 +16,7 @@ from hixl_connector.datadist.checks import (
 )
 from hixl_connector.datadist.llm_types import (
     BlocksCacheKey,
+    BlocksPull,
     Cache,
     CacheDesc,
     CacheKey,
@@ -206,6 +208,21 @@ class CacheManager:
         args = self._validated_pull(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
         status, message = self._engine.pull(*args.native_args(self._timeout_ms))
         check_status(status, "[pull_blocks]", f"src_cache_key = {src_cache_key}: {message}")
+
+    def pull_blocks_batch(self, pulls: Sequence[BlocksPull]) -> None:
+        """Project extension: the pulls one after another, in one engine call (the GIL
+        released throughout), the first failure stopping the rest and raised as
+        ``pull_blocks`` raises it. Every pull's arguments are checked before any moves.
+
+        What it is for: a guard word, blocks and the guard word again, read back to back."""
+        args = [
+            self._validated_pull(
+                p.src_cache_key, p.dst_cache, p.src_blocks, p.dst_blocks, dict(p.kwargs)
+            )
+            for p in pulls
+        ]
+        status, message = self._engine.pull_batch([a.native_args(self._timeout_ms) for a in args])
+        check_status(status, "[pull_blocks_batch]", message)
 
     def pull_blocks_async(
         self,

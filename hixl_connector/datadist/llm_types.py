@@ -1,10 +1,12 @@
 """Descriptors and keys of the LLM-DataDist v2 API: DataType, Placement, CacheDesc, Cache and the
-three cache keys. Constructors check their arguments the way CANN llm_datadist does."""
+three cache keys. Constructors check their arguments the way CANN llm_datadist does. Also
+``BlocksPull``, one ``pull_blocks`` call as data (for the project's ``pull_blocks_batch``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from enum import Enum, IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from hixl_connector.datadist.checks import (
     INVALID_ID,
@@ -279,3 +281,13 @@ class CacheKeyByIdAndIndex:
             f"CacheKeyByIdAndIndex(cluster_id={self._cluster_id}, cache_id={self._cache_id}, "
             f"batch_index={self._batch_index})"
         )
+
+
+class BlocksPull(NamedTuple):
+    """The arguments of one ``pull_blocks`` call (project extension: ``pull_blocks_batch``)."""
+
+    src_cache_key: Any
+    dst_cache: Any
+    src_blocks: Sequence[int]
+    dst_blocks: Sequence[int]
+    kwargs: Mapping[str, Any] = {}

@@ -9,9 +9,11 @@ only ``hixl_connector.connector.engine_setup`` reads them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from hixl_connector.datadist.llm_types import BlocksPull
 
 
 def _no_alignment_rule(addrs: list[int], what: str) -> None:
@@ -49,11 +51,13 @@ class Backend:
     """One implementation of the LLM-DataDist v2 API: its classes and constants under CANN's
     names (None where that implementation lacks one), and what drives it beyond CANN's API:
     ``pull_blocks_async(cache_manager, key, cache, src, dst, **kwargs)`` returning a handle
-    with ``wait()``, the back-end's name and its profile."""
+    with ``wait()``, ``pull_blocks_batch(cache_manager, pulls)`` running ``BlocksPull``s in
+    order (the first failure raised), the back-end's name and its profile."""
 
     BACKEND_NAME: str
     PROFILE: BackendProfile
     pull_blocks_async: Callable[..., Any]
+    pull_blocks_batch: Callable[[Any, Sequence[BlocksPull]], None]
     LLMDataDist: Any = None
     LLMConfig: Any = None
     LlmConfig: Any = None

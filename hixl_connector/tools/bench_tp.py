@@ -2,9 +2,10 @@
 
 Llama-8B KV shape (32 layers, K and V tensors = 64 tensors, 8 KV heads, head_dim 128, bf16),
 16-token blocks, every tensor registered one unit per KV head of a block, as the connector
-registers vLLM's CPU KV cache. The unit ids come from ``tp_mapping`` and the calls run through
-``engine_setup.run_pulls`` exactly as the worker does it (reads from several P ranks at
-once). Fresh random block ids for every pull; each case alternates with its reference:
+registers vLLM's CPU KV cache. The unit ids come from ``tp_mapping`` and the calls run as
+one ``pull_blocks_batch``, as the worker runs them (reads from several P ranks one after
+another, each spread over the engine's transfer threads). Fresh random block ids for every
+pull; each case alternates with its reference:
 
 - "P tp2 -> D tp1": a D rank holding all 8 heads reads heads 0-3 from one 4-head P rank and
   4-7 from another (two ``pull_blocks``, each into half of every block), against the
@@ -31,9 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from hixl_connector.connector.engine_setup import PullCall, run_pulls
 from hixl_connector.connector.tp_mapping import plan_rank, unit_ids
-from hixl_connector.datadist import load_backend
+from hixl_connector.datadist import BlocksPull, load_backend
 from hixl_connector.tools.bench import (
     LAYERS,
     NUM_TENSORS,
@@ -122,18 +122,18 @@ class DRank:
         P engine of these ranks, timed together."""
         api = load_backend("native", None)
         plan = plan_rank(KV_HEADS, len(ranks), d_tp, 0)
-        calls = [
-            PullCall(
+        pulls = [
+            BlocksPull(
                 api.BlocksCacheKey(ranks[read.p_rank].cluster, 0),
                 self.cache,
                 unit_ids(src, ranks[read.p_rank].heads, read.src_head, read.count),
                 unit_ids(dst, self.heads, read.dst_head, read.count),
-                tensors_per_layer=2,  # K and V
+                {"tensor_num_per_layer": 2},  # K and V
             )
             for read in plan.reads
         ]
         start = time.perf_counter()
-        run_pulls(api, self.dd.cache_manager, calls, concurrent=len(calls) > 1)
+        api.pull_blocks_batch(self.dd.cache_manager, pulls)
         elapsed = time.perf_counter() - start
         for read in plan.reads:  # each head slot holds the bytes of the P rank it came from
             unit = dst[0] * self.heads + read.dst_head

@@ -20,7 +20,8 @@ DEFAULT_REPORT = "artifacts/faults/reliability.json"
 HOW_TO = (
     "Measured by `pytest tests/faults` (real vLLM CPU servers and router, the engines inside "
     "them, network namespaces; leases of 3 s, pull timeout 3 s, and D waiting 1 s between "
-    "the lease check and the read so that each fault lands mid-pull). *Detected after*: "
+    "its first read of P's lease word and the blocks, so that each fault lands mid-pull). "
+    "*Detected after*: "
     "from the fault (kill, stop, cut, disconnect, P's answer) to the moment its effect was "
     "seen: the client got the failure or the answer, or P's KV usage was back to idle. "
     "*Left over*: vLLM's own KV usage gauge and request gauges afterwards. Longer runs: "
@@ -31,7 +32,7 @@ HOW_TO = (
 EXPOSURE = (
     "| listener | default address | exposure |\n"
     "|---|---|---|\n"
-    "| side channel (P: handshake, lease check/done/release/heartbeat) | "
+    "| side channel (P: handshake, lease done/release/heartbeat) | "
     "`side_channel_host` = 127.0.0.1, port `side_channel_port` + rank | this host only; "
     "set a routable address for multi-host P/D, with `auth_token` (HMAC on every message) |\n"
     "| engine TCP server (P: KV reads) | `engine_host` = `side_channel_host`, port "

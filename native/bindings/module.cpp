@@ -207,6 +207,24 @@ NB_MODULE(_native, m) {
           },
           PULL_ARGS)
       .def(
+          "pull_batch",
+          [](hixl::Engine& e, const std::vector<nb::tuple>& batch) {
+            std::vector<hixl::PullRequest> requests;
+            requests.reserve(batch.size());
+            for (const nb::tuple& a : batch) {
+              if (a.size() != 15) throw nb::value_error("pull_batch: each pull takes 15 arguments");
+              requests.push_back(make_request(
+                  nb::cast<int64_t>(a[0]), nb::cast<int>(a[1]), nb::cast<int64_t>(a[2]),
+                  nb::cast<int64_t>(a[3]), nb::cast<int64_t>(a[4]), nb::cast<int64_t>(a[5]),
+                  nb::cast<int64_t>(a[6]), nb::cast<int64_t>(a[7]), a[8], a[9],
+                  nb::cast<int64_t>(a[10]), nb::cast<int64_t>(a[11]), nb::cast<int64_t>(a[12]),
+                  nb::cast<int64_t>(a[13]), nb::cast<int64_t>(a[14])));
+            }
+            nb::gil_scoped_release release;
+            return to_result(e.pull_batch(requests));
+          },
+          nb::arg("pulls"))
+      .def(
           "submit_pull",
           [](hixl::Engine& e, int64_t remote, int kind, int64_t model_id, int64_t cache_id,
              int64_t req_id, int64_t prefix_id, int64_t batch_index, int64_t dst_cache_id,

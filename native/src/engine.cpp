@@ -368,6 +368,17 @@ std::string Engine::peer_transport(int64_t remote) const {
 }
 
 Status Engine::pull(const PullRequest& request) { return impl_->pull(request); }
+Status Engine::pull_batch(const std::vector<PullRequest>& requests) {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Status s = impl_->pull(requests[i]);
+    if (!s.ok()) {
+      s.message = "pull " + std::to_string(i + 1) + " of " + std::to_string(requests.size()) +
+                  " in the batch: " + s.message;
+      return s;
+    }
+  }
+  return Status::Ok();
+}
 Status Engine::submit_pull(PullRequest request, uint64_t* handle) {
   return impl_->submit(std::move(request), handle);
 }

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hixl_connector.datadist import BlocksPull
+
 from . import datadist_peer as layout
 from .datadist_harness import Client, Peer
 
@@ -164,3 +166,30 @@ def test_async_pull_extension(setup: Setup) -> None:
     assert handle.poll() is True  # the result is kept
     everything = range(layout.NUM_TENSORS)
     setup.expect(pairs, everything, everything)
+
+
+def _batch(setup: Setup, pairs: list[tuple[Any, int]]) -> None:
+    setup.reset()
+    pulls = [BlocksPull(setup.key, setup.cache, [s], [d]) for s, d in pairs]
+    setup.api.pull_blocks_batch(setup.client.dd.cache_manager, pulls)
+
+
+def test_batch_extension_pulls_in_order(setup: Setup) -> None:
+    _batch(setup, [(1, 60), (2, 61), (5, 60)])  # the last pull into 60 lands last
+    everything = range(layout.NUM_TENSORS)
+    setup.expect([(5, 60), (2, 61)], everything, everything)
+
+
+def test_batch_extension_stops_at_the_first_failure(setup: Setup) -> None:
+    with pytest.raises(setup.api.LLMException) as info:
+        _batch(setup, [(1, 60), (NB, 61), (3, 62)])  # the second reads beyond P's cache
+    assert info.value.status_code == setup.api.LLMStatusCode.LLM_PARAM_INVALID
+    everything = range(layout.NUM_TENSORS)
+    setup.expect([(1, 60)], everything, everything)  # the third never ran
+
+
+def test_batch_extension_checks_every_pull_before_any_moves(setup: Setup) -> None:
+    with pytest.raises(TypeError):
+        _batch(setup, [(1, 60), ("x", 61)])
+    everything = range(layout.NUM_TENSORS)
+    setup.expect([], everything, everything)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from .deployments import LEASE_S, PULL_DELAY_S, PULL_TIMEOUT_S
+from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_DELAY_S, PULL_TIMEOUT_S
 from .fault_harness import (
     FaultReport,
     LegResult,
@@ -34,6 +34,7 @@ from .fault_harness import (
 IDLE_TIMEOUT_S = LEASE_S + 10.0
 # A failed receive reaches the client one engine step after the pull gave up.
 MARGIN_S = 3.0
+QUEUED_BEHIND_KILL = 10
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +215,38 @@ def test_prefill_killed_during_pull_then_restarted(
         result.finished_at - began,
         both_idle(pd),
     )
+
+
+def test_requests_queued_behind_a_killed_prefill_all_end_within_one_timeout(
+    pd: Servers, fault_report: FaultReport
+) -> None:
+    # Two reads in flight (one per transfer thread), ten queued behind them on D.
+    prompts = [token_prompt(120, seed=60 + i) for i in range(QUEUED_BEHIND_KILL + 2)]
+    legs = [prefill_leg(pd["prefill"], prompt) for prompt in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(run_decode, pd["decode"], prompt, params, 60.0)
+            for prompt, params in zip(prompts, legs, strict=True)
+        ]
+        time.sleep(PULL_DELAY_S / 3)  # the first reads wait out the delay, the rest queue
+        pd.kill("prefill", signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [future.result(timeout=60) for future in futures]
+    ended = max(result.finished_at for result in results) - killed_at
+    assert all(result.failed for result in results), "a read from a dead P must not succeed"
+    # The reads in flight fail once their delay ends; the first queued request then waits one
+    # handshake timeout for the dead P, and every one behind it fails at once.
+    assert ended < PULL_DELAY_S + HANDSHAKE_TIMEOUT_S + 1.0, f"the last ended {ended:.1f} s after"
+    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    fault_report.record(
+        f"P killed (SIGKILL) with {QUEUED_BEHIND_KILL} requests queued on D",
+        "the first request after the kill waits one handshake timeout; D remembers the failure "
+        "and the rest fail at once (not one timeout each)",
+        ended,
+        leftover(pd["decode"]) + "; P: process gone",
+    )
+    pd.restart("prefill")
+    two_legs_identical(pd, seed=70)
 
 
 def test_decode_killed_after_prefill(

@@ -6,18 +6,21 @@ HixlConnector validates the rest:
 
 - ``test_corrupt_received_kv``: D overwrites what it received with noise before vLLM uses
   it: the corrupted-KV control, which must change the output;
-- ``test_pull_delay_s``: D waits this long between its first read of P's lease word and its
-  read of the blocks, so a fault (an expired lease, a stopped P, a cut link) lands mid-pull.
+- ``test_pull_delay_s``: D waits this long between its first read of P's lease words and its
+  read of the blocks (the one engine call of a pull made two), so a fault (an expired lease, a
+  stopped P, a cut link) lands mid-pull.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
+from hixl_connector.connector.engine_setup import GuardedPull
 from hixl_connector.connector.facade import HixlConnector
 from hixl_connector.connector.metadata import RecvSpec
-from hixl_connector.connector.receiver import Read, Receiver
+from hixl_connector.connector.receiver import Receiver
 
 CONTROLS = ("test_corrupt_received_kv", "test_pull_delay_s")
 MODULE = "hixl_test_connector"
@@ -36,10 +39,14 @@ class ControlledReceiver(Receiver):
     corrupt = False
     delay_s = 0.0
 
-    def _pull(self, spec: RecvSpec, reads: list[Read]) -> None:
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        super()._pull(spec, reads)
+    def _pull(self, spec: RecvSpec, pull: GuardedPull) -> None:
+        if not self.delay_s:
+            return super()._pull(spec, pull)
+        # The one engine call split where the delay goes: what lands is the same, in the same
+        # order, with time for a fault in between.
+        self._engine.run(pull.pulls[: pull.words])
+        time.sleep(self.delay_s)
+        super()._pull(spec, dataclasses.replace(pull, pulls=pull.pulls[pull.words :]))
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         if self.corrupt:

@@ -102,6 +102,10 @@ class Engine {
   std::string peer_transport(int64_t remote_cluster_id) const;
 
   Status pull(const PullRequest& request);
+  // The requests in order, as one call: the first failure stops the rest and is returned,
+  // its message naming its place. Lets a caller read a guard word, blocks and the guard word
+  // again without returning to Python (and its lock) in between.
+  Status pull_batch(const std::vector<PullRequest>& requests);
   Status submit_pull(PullRequest request, uint64_t* handle);
   Status wait(uint64_t handle, int64_t timeout_ms);
   Status poll(uint64_t handle);
