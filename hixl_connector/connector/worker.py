@@ -275,11 +275,6 @@ class HixlWorker:
             snapshot, self._stats = self._stats, HixlKVConnectorStats()
             return snapshot
 
-    def per_peer_state_sizes(self) -> tuple[int, int, int]:
-        """(linked peers, address locks, heartbeat peers): client-named, so kept bounded."""
-        linked, locks = self._peers.tracked_addresses() if self._peers else (0, 0)
-        return linked, locks, self._notices.tracked_peers() if self._notices else 0
-
     def _record(self, counter: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats.record(counter, n)

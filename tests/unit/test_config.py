@@ -174,7 +174,7 @@ def test_from_vllm_config_reads_extra_config() -> None:
 
     kv = KVTransferConfig(
         kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_unit_connector",  # VllmConfig resolves the class
+        kv_connector_module_path="hixl_connector.connector.facade",  # VllmConfig resolves it
         kv_role="kv_consumer",
         engine_id="engine-z",
         kv_connector_extra_config={"side_channel_port": 6200},
@@ -208,7 +208,7 @@ def test_pipeline_and_context_parallelism_are_refused_at_start(name: str, flag: 
 
     kv = KVTransferConfig(
         kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_unit_connector",
+        kv_connector_module_path="hixl_connector.connector.facade",
         kv_role="kv_producer",
         engine_id="engine-pp",
     )
