@@ -18,11 +18,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, MAX_U64, is_int
+from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_U64, is_int
+from hixl_connector.connector.rank_addresses import CLUSTER_ID_STEP, cluster_id_at, port_at
 
 SCHEMA_VERSION = 3
-# A prefill engine's ranks share one window of ports and cluster ids (config.CLUSTER_ID_STEP).
-MAX_TP_SIZE = 1024
+# A prefill engine's ranks share one window of ports and cluster ids (rank_addresses).
+MAX_TP_SIZE = CLUSTER_ID_STEP
 MAX_KV_CACHE_GROUPS = 64
 MAX_BLOCK_SIZE = 2**20
 MAX_LEASE_SLOT = 2**32
@@ -42,16 +43,17 @@ class RemoteEndpoint:
     cluster_id: int  # cluster id of P's tp rank 0; rank r is cluster_id + r
 
     def rank(self, p_rank: int) -> PeerRank:
-        """One TP rank of this engine; raises ValueError when it has no such rank or port."""
+        """One TP rank of this engine; raises ValueError when it has no such rank, or when
+        that rank's port or cluster id would be out of range."""
         if not is_int(p_rank) or not 0 <= p_rank < self.tp_size:
             raise ValueError(
                 f"prefill engine {self.engine_id} has tp_size {self.tp_size}, no rank {p_rank!r}"
             )
-        if self.port + p_rank > MAX_PORT:
-            raise ValueError(
-                f"prefill engine {self.engine_id}: side channel port {self.port} + rank "
-                f"{p_rank} exceeds {MAX_PORT}"
-            )
+        try:
+            port_at("remote_port", self.port, p_rank)
+            cluster_id_at("remote_cluster_id", self.cluster_id, p_rank)
+        except ValueError as e:
+            raise ValueError(f"prefill engine {self.engine_id}: {e}") from None
         return PeerRank(self, p_rank)
 
 
@@ -64,7 +66,13 @@ class PeerRank:
 
     @property
     def port(self) -> int:
-        return self.remote.port + self.rank
+        """Its side-channel port."""
+        return port_at("remote_port", self.remote.port, self.rank)
+
+    @property
+    def cluster_id(self) -> int:
+        """The cluster id its handshake must announce."""
+        return cluster_id_at("remote_cluster_id", self.remote.cluster_id, self.rank)
 
     @property
     def key(self) -> tuple[str, str, int]:
