@@ -40,7 +40,7 @@ class RemoteEndpoint:
     host: str
     port: int  # side channel port of P's tp rank 0; rank r listens on port + r
     tp_size: int
-    cluster_id: int  # cluster id of P's tp rank 0; rank r is cluster_id + r
+    cluster_id: int  # cluster id of P's tp rank 0; rank r's handshake must announce + r
 
     def rank(self, p_rank: int) -> PeerRank:
         """One TP rank of this engine; raises ValueError when it has no such rank, or when
@@ -121,10 +121,10 @@ class ReleaseSpec:
 
 @dataclass(frozen=True)
 class SendSpec:
-    """P: keep these blocks leased until "done"/"release" from every consumer, or expiry."""
+    """P: keep a request's blocks leased until "done"/"release" from every consumer, or
+    expiry. The blocks themselves stay with vLLM (delay-free) and in the lease word."""
 
     request_id: str
-    block_ids: tuple[int, ...]
     lease_id: int
     slot: int  # its lease word's slot (lease_words)
     word: int  # the word published there
@@ -175,7 +175,12 @@ class RemotePrefill:
 
 
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
-    """Validates P's params on D; raises InvalidTransferParams naming what is wrong."""
+    """Validates P's params on D; raises InvalidTransferParams naming what is wrong.
+
+    ``remote_cluster_id`` is required and read: P's rank r must announce
+    ``remote_cluster_id + r`` in its handshake, and D refuses to link a rank that announces
+    another cluster id (PeerRegistry), so params and the engine D links always agree.
+    """
     if not isinstance(params, Mapping):
         raise InvalidTransferParams(f"kv_transfer_params must be a dict, got {params!r}")
     missing = [key for key in REQUIRED_PARAMS if params.get(key) is None]

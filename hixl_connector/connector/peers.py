@@ -215,6 +215,14 @@ class PeerRegistry:
                 f"asked rank {target.rank} of tp_size {remote.tp_size}, got rank "
                 f"{payload.tp_rank} of tp_size {payload.tp_size}"
             )
+        if payload.cluster_id != target.cluster_id:
+            # Pulls address the peer by the handshake's cluster id; params naming another
+            # one come from a P configured differently from the one serving this address.
+            raise PeerError(
+                f"prefill engine {payload.engine_id} rank {payload.tp_rank} has cluster id "
+                f"{payload.cluster_id}, its kv_transfer_params say {target.cluster_id} "
+                "(remote_cluster_id + rank)"
+            )
         # Whether the TP sizes can be mapped at all was settled before the handshake
         # (tp_mapping.check_shardable, in the worker's plan).
         fields = self._local.compatibility

@@ -283,7 +283,7 @@ class HixlScheduler:
         for rank_words in self._words:
             rank_words.publish(slot, word)
         self._leased[request_id] = (lease_id, slot)
-        self._to_send.append(SendSpec(request_id, leased, lease_id, slot, word))
+        self._to_send.append(SendSpec(request_id, lease_id, slot, word))
         return True, build_remote_decode_params(
             self._endpoint,
             request_id,

@@ -115,7 +115,7 @@ def test_connector_metadata_pickles() -> None:
     meta = HixlConnectorMetadata(
         to_recv=[RecvSpec("d", "p", 1, P, (4, 5), (8, 9))],
         to_release=[ReleaseSpec("d2", "p2", 2, P)],
-        to_send=[SendSpec("p3", (1, 2, 3), 3, 7, 0xABC)],
+        to_send=[SendSpec("p3", 3, 7, 0xABC)],
         heartbeats=[(P, "p", 1)],
     )
     assert pickle.loads(pickle.dumps(meta)) == meta

@@ -290,7 +290,7 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
 
     output, _ = step(scheduler)
     assert metadata(output).to_send == [
-        SendSpec(rid, tuple(blocks[rid]), leases[rid], slot, lease_word(leases[rid], [blocks[rid]]))
+        SendSpec(rid, leases[rid], slot, lease_word(leases[rid], [blocks[rid]]))
         for slot, rid in enumerate(("p1", "p2"))
     ]
     assert hixl(scheduler).num_leased == 2
