@@ -23,16 +23,12 @@ import zmq
 from hixl_connector.connector.block_slices import SliceRun
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.engine_setup import Engine, open_engine
+from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
 from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.lease_notices import LeaseNotifier
 from hixl_connector.connector.lease_words import LeaseWords, words_path
 from hixl_connector.connector.leases import LeaseTable
-from hixl_connector.connector.metadata import (
-    SCHEMA_VERSION,
-    HandshakePayload,
-    HixlConnectorMetadata,
-    compatibility_hash,
-)
+from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.notifications import LeaseNotice, Notification
 from hixl_connector.connector.peers import PeerRegistry
 from hixl_connector.connector.rank_addresses import rank_address

@@ -11,12 +11,8 @@ import pytest
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.metadata import (
-    SCHEMA_VERSION,
-    HandshakePayload,
-    RemoteEndpoint,
-    compatibility_hash,
-)
+from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
+from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers import PeerError, PeerRegistry
 from hixl_connector.connector.side_channel import SideChannelServer
 from hixl_connector.datadist.config import LLMClusterInfo
