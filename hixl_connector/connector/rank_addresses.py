@@ -37,7 +37,6 @@ class AddressBases(Protocol):
 
 @dataclass(frozen=True)
 class RankAddress:
-    position: int  # in the engine's windows: dp_rank * tp_size + tp_rank
     cluster_id: int
     side_channel_port: int
     engine_port: int  # 0: any free port, announced in the handshake
@@ -90,7 +89,6 @@ def rank_address(bases: AddressBases, dp_rank: int, tp_rank: int, tp_size: int) 
     """Everything a (dp, tp) rank listens on and is linked by."""
     position = rank_position(dp_rank, tp_rank, tp_size)
     return RankAddress(
-        position=position,
         cluster_id=cluster_id_at("cluster_id_base", bases.cluster_id_base, position),
         side_channel_port=port_at("side_channel_port", bases.side_channel_port, position),
         engine_port=port_at("engine_port", bases.engine_port, position),

@@ -41,7 +41,7 @@ def test_every_rank_of_an_engine_gets_its_own_position_and_addresses(
     dp_rank, tp_rank, tp_size = rank
     address = rank_address(Bases(), dp_rank, tp_rank, tp_size)
     position = dp_rank * tp_size + tp_rank
-    assert address.position == position < CLUSTER_ID_STEP
+    assert rank_position(dp_rank, tp_rank, tp_size) == position < CLUSTER_ID_STEP
     assert address.cluster_id == 4096 + position
     assert address.side_channel_port == 6000 + position
     assert address.engine_port == 7000 + position
