@@ -1,10 +1,11 @@
 """Where one TP rank of an engine is reached: its ports and its LLM-DataDist cluster id.
 
-An engine (one DP rank of a vLLM server) lays its ranks out at consecutive positions of
-three windows, each starting at a configured base: side-channel ports, transfer-engine ports
-and cluster ids. Rank ``tp_rank`` of DP rank ``dp_rank`` sits at position
-``dp_rank * tp_size + tp_rank``. P announces rank 0 of its DP rank in kv_transfer_params
-(position 0 of that engine), and D finds P's rank ``r`` at position ``r`` from there.
+An engine (one engine id: a vLLM server with all its DP ranks) lays its ranks out at
+consecutive positions of three windows, each starting at a configured base: side-channel
+ports, transfer-engine ports and cluster ids. Rank ``tp_rank`` of DP rank ``dp_rank`` sits at
+position ``dp_rank * tp_size + tp_rank``. P announces the port and cluster id of TP rank 0 of
+its DP rank in kv_transfer_params, and D finds TP rank ``r`` of that DP rank ``r`` positions
+further (``port_at`` and ``cluster_id_at`` from those bases).
 
 The only place that does this arithmetic. Pure: every result is range-checked, and a
 position, port or cluster id out of range raises ValueError naming the inputs.
