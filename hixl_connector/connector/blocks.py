@@ -1,4 +1,4 @@
-"""Pure block-id mapping: prefix-hit trimming, pairing, contiguous runs, chunking.
+"""Pure block-id mapping: prefix-hit trimming, contiguous runs, chunking.
 
 Nothing here knows about vLLM, tensors or transports; every function takes and returns plain
 ints so it can be checked exhaustively.
@@ -52,12 +52,6 @@ def remote_at_positions(
             "longer holds (out of its sliding window): the two sides' windows differ"
         )
     return tuple(remote[s] if s < len(remote) else NULL_BLOCK_ID for s in slots)
-
-
-def pair_blocks(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int]]:
-    """(src, dst) pairs in order; the two lists must have equal length."""
-    _check_same_length(src, dst)
-    return list(zip(src, dst, strict=True))
 
 
 def group_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:

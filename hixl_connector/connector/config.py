@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, is_int
+from hixl_connector.connector.rank_addresses import CLUSTER_ID_STEP
 from hixl_connector.datadist.native import AUTH_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -32,9 +33,6 @@ MAX_TCP_CONNECTIONS = 16
 TOKEN_RECIPE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 BACKENDS = ("auto", "native", "ascend")
 TRANSPORTS = ("auto", "cma", "tcp")
-# Each engine owns a window of cluster ids, one per (dp, tp) rank; 1024 ranks per engine
-# is far more than any deployment uses, and keeps derived windows from overlapping.
-CLUSTER_ID_STEP = 1024
 CLUSTER_ID_SPACE = 2**31
 MAX_TIMEOUT_S = (2**31 - 1) // 1000
 
@@ -123,32 +121,6 @@ class HixlConfig:
             raise ValueError("kv_transfer_config.engine_id is not set")
         check_parallelism(vllm_config.parallel_config)
         return cls.from_dict(kv_transfer_config.kv_connector_extra_config, engine_id)
-
-    def rank_offset(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
-        """Position of a (dp, tp) rank in this engine's window of ports and cluster ids."""
-        for name, value, low in (("dp_rank", dp_rank, 0), ("tp_rank", tp_rank, 0)):
-            if not is_int(value) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not is_int(tp_size) or tp_size < 1:
-            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        if tp_rank >= tp_size:
-            raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size}")
-        return dp_rank * tp_size + tp_rank
-
-    def cluster_id_for_rank(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
-        cluster_id = self.cluster_id_base + self.rank_offset(dp_rank, tp_rank, tp_size)
-        if cluster_id > MAX_CLUSTER_ID:
-            raise ValueError(f"cluster id {cluster_id} exceeds {MAX_CLUSTER_ID}")
-        return cluster_id
-
-    def side_channel_port_for_rank(self, dp_rank: int, tp_rank: int, tp_size: int) -> int:
-        port = self.side_channel_port + self.rank_offset(dp_rank, tp_rank, tp_size)
-        if port > MAX_PORT:
-            raise ValueError(
-                f"side_channel_port {self.side_channel_port} + rank offset gives port {port} "
-                f"> {MAX_PORT} for dp_rank={dp_rank} tp_rank={tp_rank} tp_size={tp_size}"
-            )
-        return port
 
 
 # Parallel layouts whose ranks hold a part of the layers or of the tokens: a rank's blocks

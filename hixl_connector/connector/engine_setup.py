@@ -19,6 +19,7 @@ from typing import Any
 from hixl_connector.connector.blocks import chunk_pairs
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.kv_layout import KVLayout
+from hixl_connector.connector.rank_addresses import RankAddress
 from hixl_connector.datadist import Backend, BlocksPull, load_backend
 
 # Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
@@ -167,9 +168,7 @@ def _kv_device(layout: KVLayout) -> Any:
     return layout.views[0].device if layout.views else None
 
 
-def _configure(
-    api: Backend, config: HixlConfig, layout: KVLayout, cluster_id: int
-) -> tuple[Any, int]:
+def _configure(api: Backend, config: HixlConfig, layout: KVLayout) -> Any:
     profile = api.PROFILE
     llm_config = api.LLMConfig()
     device = _kv_device(layout)
@@ -179,9 +178,6 @@ def _configure(
     # destination cache too. The hixl transfer back-end needs it anyway.
     llm_config.enable_remote_cache_accessible = True
     llm_config.sync_kv_timeout = int(config.pull_timeout_s * 1000)
-    port = config.engine_port
-    if port:  # one listener per rank: a rank's position in the engine's window of ports
-        port += cluster_id - config.cluster_id_base
     if profile.transfer_backend:
         llm_config.transfer_backend = profile.transfer_backend
     if profile.name == "ascend" and config.ascend_local_comm_res:
@@ -193,18 +189,20 @@ def _configure(
         # Always set, even empty: the connector's config is the one source of the token, so
         # the engine never falls back to HIXL_AUTH_TOKEN behind an explicit "auth_token": "".
         llm_config.hixl_auth_token = config.auth_token
-    return llm_config, port
+    return llm_config
 
 
 def open_engine(
     config: HixlConfig,
     layout: KVLayout,
-    cluster_id: int,
+    rank: RankAddress,
     producer: bool,
     consumer: bool,
     lease_words: tuple[int, int] | None = None,
 ) -> Engine:
-    """``lease_words``: (address, count) of P's lease words, registered for D to read."""
+    """``rank``: this rank's cluster id and engine port (one listener per rank);
+    ``lease_words``: (address, count) of P's lease words, registered for D to read."""
+    cluster_id, port = rank.cluster_id, rank.engine_port
     device = _kv_device(layout)
     api = load_backend(config.backend, getattr(device, "type", None))
     profile = api.PROFILE
@@ -222,7 +220,7 @@ def open_engine(
     role = {(True, False): api.LLMRole.PROMPT, (False, True): api.LLMRole.DECODER}.get(
         (producer, consumer), api.LLMRole.MIX
     )
-    llm_config, port = _configure(api, config, layout, cluster_id)
+    llm_config = _configure(api, config, layout)
     # The hixl transfer back-end listens on both sides; the native engine only where served.
     if producer or profile.transfer_backend:
         if port == 0 and not profile.native_options:

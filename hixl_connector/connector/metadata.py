@@ -1,30 +1,33 @@
-"""Everything that crosses a process boundary.
+"""What the scheduler half tells the worker half, and what P tells D through the router.
 
 - scheduler -> worker: the per-step ``HixlConnectorMetadata`` (pickled by vLLM);
-- P -> router -> D: ``kv_transfer_params`` (NixlConnector pull fields plus HIXL fields);
-- worker <-> worker: the handshake payload and the done/heartbeat/release notifications,
-  as dicts of msgpack-able primitives only (str, int, bool, None, list, dict).
+- P -> router -> D: ``kv_transfer_params`` (NixlConnector pull fields plus HIXL fields).
 
-Whatever arrives from another process is validated here, and a bad message raises
-``ValueError`` with a message that says which field was wrong and how.
+The worker <-> worker messages live beside it: the handshake in ``handshake``, the
+done/heartbeat/release notices in ``notifications``. Params that arrive from another
+process are validated here, and bad ones raise ``InvalidTransferParams`` naming the field.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, MAX_U64, is_int
+from hixl_connector.connector.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_CLUSTER_ID,
+    MAX_KV_CACHE_GROUPS,
+    MAX_PORT,
+    MAX_U64,
+    check_field,
+    is_int,
+)
+from hixl_connector.connector.rank_addresses import CLUSTER_ID_STEP, cluster_id_at, port_at
 
-SCHEMA_VERSION = 3
-# A prefill engine's ranks share one window of ports and cluster ids (config.CLUSTER_ID_STEP).
-MAX_TP_SIZE = 1024
-MAX_KV_CACHE_GROUPS = 64
-MAX_BLOCK_SIZE = 2**20
+# A prefill engine's ranks share one window of ports and cluster ids (rank_addresses).
+MAX_TP_SIZE = CLUSTER_ID_STEP
 MAX_LEASE_SLOT = 2**32
 
 
@@ -39,19 +42,20 @@ class RemoteEndpoint:
     host: str
     port: int  # side channel port of P's tp rank 0; rank r listens on port + r
     tp_size: int
-    cluster_id: int  # cluster id of P's tp rank 0; rank r is cluster_id + r
+    cluster_id: int  # cluster id of P's tp rank 0; rank r's handshake must announce + r
 
     def rank(self, p_rank: int) -> PeerRank:
-        """One TP rank of this engine; raises ValueError when it has no such rank or port."""
+        """One TP rank of this engine; raises ValueError when it has no such rank, or when
+        that rank's port or cluster id would be out of range."""
         if not is_int(p_rank) or not 0 <= p_rank < self.tp_size:
             raise ValueError(
                 f"prefill engine {self.engine_id} has tp_size {self.tp_size}, no rank {p_rank!r}"
             )
-        if self.port + p_rank > MAX_PORT:
-            raise ValueError(
-                f"prefill engine {self.engine_id}: side channel port {self.port} + rank "
-                f"{p_rank} exceeds {MAX_PORT}"
-            )
+        try:
+            port_at("remote_port", self.port, p_rank)
+            cluster_id_at("remote_cluster_id", self.cluster_id, p_rank)
+        except ValueError as e:
+            raise ValueError(f"prefill engine {self.engine_id}: {e}") from None
         return PeerRank(self, p_rank)
 
 
@@ -64,7 +68,13 @@ class PeerRank:
 
     @property
     def port(self) -> int:
-        return self.remote.port + self.rank
+        """Its side-channel port."""
+        return port_at("remote_port", self.remote.port, self.rank)
+
+    @property
+    def cluster_id(self) -> int:
+        """The cluster id its handshake must announce."""
+        return cluster_id_at("remote_cluster_id", self.remote.cluster_id, self.rank)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -113,10 +123,10 @@ class ReleaseSpec:
 
 @dataclass(frozen=True)
 class SendSpec:
-    """P: keep these blocks leased until "done"/"release" from every consumer, or expiry."""
+    """P: keep a request's blocks leased until "done"/"release" from every consumer, or
+    expiry. The blocks themselves stay with vLLM (delay-free) and in the lease word."""
 
     request_id: str
-    block_ids: tuple[int, ...]
     lease_id: int
     slot: int  # its lease word's slot (lease_words)
     word: int  # the word published there
@@ -167,7 +177,12 @@ class RemotePrefill:
 
 
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
-    """Validates P's params on D; raises InvalidTransferParams naming what is wrong."""
+    """Validates P's params on D; raises InvalidTransferParams naming what is wrong.
+
+    ``remote_cluster_id`` is required and read: P's rank r must announce
+    ``remote_cluster_id + r`` in its handshake, and D refuses to link a rank that announces
+    another cluster id (PeerRegistry), so params and the engine D links always agree.
+    """
     if not isinstance(params, Mapping):
         raise InvalidTransferParams(f"kv_transfer_params must be a dict, got {params!r}")
     missing = [key for key in REQUIRED_PARAMS if params.get(key) is None]
@@ -176,7 +191,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             "kv_transfer_params for a remote prefill lack required field(s) "
             f"{', '.join(missing)}; pass P's returned kv_transfer_params to D unchanged"
         )
-    check = functools.partial(_check, "kv_transfer_params")
+    check = functools.partial(check_field, "kv_transfer_params")
     try:
         for key, expected in (("dcp_size", 1), ("pp_size", 1), ("transfer_mode", "pull")):
             if params.get(key) not in (None, expected):
@@ -187,7 +202,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         remote = RemoteEndpoint(
             engine_id=check("remote_engine_id", params, str),
             host=check("remote_host", params, str),
-            port=check("remote_port", params, int, 1, 65535),
+            port=check("remote_port", params, int, 1, MAX_PORT),
             tp_size=check("tp_size", params, int, 1, MAX_TP_SIZE),
             cluster_id=check("remote_cluster_id", params, int, 0, MAX_CLUSTER_ID),
         )
@@ -267,167 +282,3 @@ def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
             if not is_int(block_id) or block_id < 0:
                 raise ValueError(f"remote_block_ids holds {block_id!r}, not a block id >= 0")
     return tuple(tuple(group) for group in value)
-
-
-# --- handshake
-
-# What must be equal on both sides for KV to be copied byte for byte, whatever the TP sizes
-# and block sizes. A block of one tensor is ``units_per_block`` units of ``unit_token_bytes``
-# per token (one KV head each when ``kv_split`` is "heads"); TP shapes the unit count per
-# rank and block sizes may differ (block_slices), so those travel beside the fields. A
-# payload may carry further fields (msgpack primitives); they are hashed and compared too.
-COMPATIBILITY_FIELD_TYPES: dict[str, type] = {
-    **dict.fromkeys(("model", "dtype", "kv_layout", "kv_split"), str),
-    **dict.fromkeys(("num_layers", "num_kv_heads", "head_size"), int),
-    **dict.fromkeys(("unit_token_bytes", "tensors_per_layer", "num_tensors"), int),
-}
-# How a block divides between TP ranks: by KV head (heads contiguous inside a block), not at
-# all because every rank holds the whole (MLA-style) cache, or not at all (interleaved heads).
-KV_SPLITS = ("heads", "replicated", "none")
-
-
-def compatibility_hash(fields: Mapping[str, Any]) -> str:
-    """sha256 (hex) of a canonical encoding: sorted keys, no whitespace, schema version."""
-    try:
-        canonical = json.dumps(
-            {"schema_version": SCHEMA_VERSION, "fields": dict(fields)},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
-    except TypeError as exc:
-        raise ValueError(f"compatibility fields must be plain values: {exc}") from None
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-def describe_mismatch(local_fields: Mapping[str, Any], remote_fields: Mapping[str, Any]) -> str:
-    """One entry per differing field with both values; "" when the fields agree."""
-    missing = "<missing>"
-    return "; ".join(
-        f"{name}: local={local_fields.get(name, missing)!r} "
-        f"remote={remote_fields.get(name, missing)!r}"
-        for name in sorted(set(local_fields) | set(remote_fields))
-        if local_fields.get(name, missing) != remote_fields.get(name, missing)
-    )
-
-
-def validate_compatibility_fields(fields: Any) -> dict[str, Any]:
-    where = "handshake compatibility"
-    if not isinstance(fields, Mapping):
-        raise ValueError(f"{where} must be a dict, got {type(fields).__name__}")
-    for name, kind in COMPATIBILITY_FIELD_TYPES.items():
-        _check(where, name, fields, kind, 1 if kind is int else None)
-    if fields["kv_split"] not in KV_SPLITS:
-        raise ValueError(
-            f"{where} field 'kv_split' must be one of {KV_SPLITS}, got {fields['kv_split']!r}"
-        )
-    for name, value in fields.items():
-        if not isinstance(name, str) or not _is_primitive(value):
-            raise ValueError(f"{where} field {name!r} holds a non-primitive value {value!r}")
-    return dict(fields)
-
-
-@dataclass(frozen=True)
-class HandshakePayload:
-    schema_version: int
-    compatibility_hash: str
-    compatibility: dict[str, Any]  # see COMPATIBILITY_FIELD_TYPES
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    cluster_id: int
-    engine_host: str
-    engine_port: int
-    num_blocks: int
-    units_per_block: int  # registered units per block: this rank's KV heads, or 1
-    block_sizes: list[int]  # tokens per block of each KV-cache group
-    slice_bytes: int  # bytes of one registered slice (block_slices); 0: not registered
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
-            "compatibility": dict(self.compatibility)
-        }
-
-    @classmethod
-    def from_dict(cls, data: Any) -> HandshakePayload:
-        where = "handshake payload"
-        _check_schema(where, data)
-        expected = set(cls.__dataclass_fields__)
-        if set(data) != expected:
-            raise ValueError(
-                f"{where} fields differ from schema {SCHEMA_VERSION}: "
-                f"missing {sorted(expected - set(data))}, unknown {sorted(set(data) - expected)}"
-            )
-        compatibility = validate_compatibility_fields(data["compatibility"])
-        declared = _check(where, "compatibility_hash", data, str)
-        if declared != compatibility_hash(compatibility):
-            raise ValueError(f"{where} compatibility_hash does not match its own fields")
-        tp_size = _check(where, "tp_size", data, int, 1)
-        tp_rank = _check(where, "tp_rank", data, int, 0)
-        if tp_rank >= tp_size:
-            raise ValueError(f"{where} tp_rank {tp_rank} is out of range for tp_size {tp_size}")
-        return cls(
-            schema_version=SCHEMA_VERSION,
-            compatibility_hash=declared,
-            compatibility=compatibility,
-            engine_id=_check(where, "engine_id", data, str),
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            cluster_id=_check(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
-            engine_host=_check(where, "engine_host", data, str),
-            engine_port=_check(where, "engine_port", data, int, 1, 65535),
-            num_blocks=_check(where, "num_blocks", data, int, 1),
-            units_per_block=_check(where, "units_per_block", data, int, 1, 65535),
-            block_sizes=_block_sizes(where, data.get("block_sizes")),
-            slice_bytes=_check(where, "slice_bytes", data, int, 0, 2**20),
-        )
-
-
-def _block_sizes(where: str, value: Any) -> list[int]:
-    if not isinstance(value, list) or not 0 < len(value) <= MAX_KV_CACHE_GROUPS:
-        raise ValueError(
-            f"{where} field 'block_sizes' must be a list of 1 to "
-            f"{MAX_KV_CACHE_GROUPS} ints, got {value!r:.200}"
-        )
-    for size in value:
-        _check(where, "block_sizes", size, int, 1, MAX_BLOCK_SIZE)
-    return list(value)
-
-
-# --- validation helpers
-def _is_primitive(value: Any) -> bool:
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return True
-    return isinstance(value, list) and all(_is_primitive(item) for item in value)
-
-
-def _check_schema(where: str, data: Any) -> None:
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
-    version = data.get("schema_version")
-    if version != SCHEMA_VERSION or not is_int(version):
-        raise ValueError(
-            f"{where} uses schema version {version!r} but this side speaks {SCHEMA_VERSION}; "
-            "run the same hixl_connector version on prefill and decode"
-        )
-
-
-def _check(
-    where: str,
-    name: str,
-    data: Any,
-    kind: type,
-    low: int | None = None,
-    high: int | None = None,
-) -> Any:
-    """Returns ``data[name]`` (or ``data`` itself when it is not a mapping) if well-typed."""
-    value: Any = data.get(name) if isinstance(data, Mapping) else data
-    if kind is int:
-        ok = is_int(value) and (low is None or value >= low) and (high is None or value <= high)
-        expected = "an int" + (f" >= {low}" if low is not None else "")
-        expected += f" <= {high}" if high is not None else ""
-    else:
-        ok = isinstance(value, str) and bool(value)
-        expected = "a non-empty string"
-    if not ok:
-        raise ValueError(f"{where} field {name!r} must be {expected}, got {value!r}")
-    return value

@@ -20,12 +20,8 @@ import zmq
 
 from hixl_connector.connector.block_slices import BlockSizeMismatch, blocks_per_block
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.metadata import (
-    SCHEMA_VERSION,
-    HandshakePayload,
-    PeerRank,
-    describe_mismatch,
-)
+from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, describe_mismatch
+from hixl_connector.connector.metadata import PeerRank
 from hixl_connector.connector.side_channel import SideChannelClient
 from hixl_connector.connector.tp_mapping import heads_per_rank
 from hixl_connector.datadist import Backend
@@ -214,6 +210,14 @@ class PeerRegistry:
             raise PeerError(
                 f"asked rank {target.rank} of tp_size {remote.tp_size}, got rank "
                 f"{payload.tp_rank} of tp_size {payload.tp_size}"
+            )
+        if payload.cluster_id != target.cluster_id:
+            # Pulls address the peer by the handshake's cluster id; params naming another
+            # one come from a P configured differently from the one serving this address.
+            raise PeerError(
+                f"prefill engine {payload.engine_id} rank {payload.tp_rank} has cluster id "
+                f"{payload.cluster_id}, its kv_transfer_params say {target.cluster_id} "
+                "(remote_cluster_id + rank)"
             )
         # Whether the TP sizes can be mapped at all was settled before the handshake
         # (tp_mapping.check_shardable, in the worker's plan).

@@ -32,6 +32,7 @@ from hixl_connector.connector.metadata import (
     build_remote_decode_params,
     parse_remote_prefill,
 )
+from hixl_connector.connector.rank_addresses import rank_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,13 +76,14 @@ class HixlScheduler:
         self._group_block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         dp_rank = parallel.data_parallel_index
         self._engine_id, self._dp_rank = engine_id, dp_rank
-        # P announces rank 0's port and cluster id; D's rank r adds r.
+        # P announces rank 0's port and cluster id; D finds rank r at position r from there.
+        rank_zero = rank_address(config, dp_rank, 0, self._tp_size)
         self._endpoint = RemoteEndpoint(
             engine_id=engine_id,
             host=config.side_channel_host,
-            port=config.side_channel_port_for_rank(dp_rank, 0, self._tp_size),
+            port=rank_zero.side_channel_port,
             tp_size=self._tp_size,
-            cluster_id=config.cluster_id_for_rank(dp_rank, 0, self._tp_size),
+            cluster_id=rank_zero.cluster_id,
         )
         # A random start keeps a restarted P engine from reissuing ids D still holds.
         self._next_lease_id = secrets.randbits(32)
@@ -281,7 +283,7 @@ class HixlScheduler:
         for rank_words in self._words:
             rank_words.publish(slot, word)
         self._leased[request_id] = (lease_id, slot)
-        self._to_send.append(SendSpec(request_id, leased, lease_id, slot, word))
+        self._to_send.append(SendSpec(request_id, lease_id, slot, word))
         return True, build_remote_decode_params(
             self._endpoint,
             request_id,

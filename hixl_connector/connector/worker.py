@@ -23,18 +23,15 @@ import zmq
 from hixl_connector.connector.block_slices import SliceRun
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.engine_setup import Engine, open_engine
+from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
 from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.lease_notices import LeaseNotifier
 from hixl_connector.connector.lease_words import LeaseWords, words_path
 from hixl_connector.connector.leases import LeaseTable
-from hixl_connector.connector.metadata import (
-    SCHEMA_VERSION,
-    HandshakePayload,
-    HixlConnectorMetadata,
-    compatibility_hash,
-)
+from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.notifications import LeaseNotice, Notification
 from hixl_connector.connector.peers import PeerRegistry
+from hixl_connector.connector.rank_addresses import rank_address
 from hixl_connector.connector.receiver import ReadPlans, Receiver
 from hixl_connector.connector.scheduler import group_block_sizes
 from hixl_connector.connector.side_channel import SideChannelServer
@@ -79,7 +76,7 @@ class HixlWorker:
         self._tp_rank = int(get_tensor_model_parallel_rank())
         # The index, not the rank: vLLM resets data_parallel_rank to 0 for dense models.
         self._dp_rank = int(parallel.data_parallel_index)
-        self._cluster_id = config.cluster_id_for_rank(self._dp_rank, self._tp_rank, self._tp_size)
+        self._address = rank_address(config, self._dp_rank, self._tp_rank, self._tp_size)
         model = vllm_config.model_config
         self._num_kv_heads = int(model.get_total_num_kv_heads())
         self._mla = bool(getattr(model, "use_mla", False))
@@ -123,7 +120,7 @@ class HixlWorker:
         words = (self._words.address, self._words.slots) if self._words else None
         try:
             engine = open_engine(
-                self._config, layout, self._cluster_id, self._is_producer, self._is_consumer, words
+                self._config, layout, self._address, self._is_producer, self._is_consumer, words
             )
         except Exception:
             if self._words is not None:
@@ -162,7 +159,7 @@ class HixlWorker:
             self._server = SideChannelServer(
                 self._context,
                 self._config.side_channel_host,
-                self._side_channel_port(),
+                self._address.side_channel_port,
                 {
                     "handshake": self._on_handshake,
                     "done": self._on_done,
@@ -176,12 +173,9 @@ class HixlWorker:
             layout.num_tensors,
             layout.num_blocks,
             layout.block_bytes,
-            self._cluster_id,
+            self._address.cluster_id,
             self._tp_rank,
         )
-
-    def _side_channel_port(self) -> int:
-        return self._config.side_channel_port_for_rank(self._dp_rank, self._tp_rank, self._tp_size)
 
     def _kv_split(self, layout: KVLayout) -> str:
         if self._mla:
@@ -208,7 +202,7 @@ class HixlWorker:
             engine_id=self._engine_id,
             tp_rank=self._tp_rank,
             tp_size=self._tp_size,
-            cluster_id=self._cluster_id,
+            cluster_id=self._address.cluster_id,
             engine_host=self._config.engine_host,
             engine_port=engine_port,
             num_blocks=layout.num_blocks,
@@ -274,11 +268,6 @@ class HixlWorker:
                 return None
             snapshot, self._stats = self._stats, HixlKVConnectorStats()
             return snapshot
-
-    def per_peer_state_sizes(self) -> tuple[int, int, int]:
-        """(linked peers, address locks, heartbeat peers): client-named, so kept bounded."""
-        linked, locks = self._peers.tracked_addresses() if self._peers else (0, 0)
-        return linked, locks, self._notices.tracked_peers() if self._notices else 0
 
     def _record(self, counter: str, n: int = 1) -> None:
         with self._stats_lock:

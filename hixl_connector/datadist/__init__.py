@@ -1,5 +1,15 @@
 """LLM-DataDist v2 API (the names, defaults and status codes of CANN ``llm_datadist``).
 
+The connector's one seam to transfer engines. What lives here:
+
+- the API itself, implemented on the native engine: ``native`` (``LLMDataDist``, the only
+  module that loads ``hixl_connector._native``), ``cache_manager``, ``config``
+  (``LLMConfig``, ``LLMClusterInfo``, ``LLMRole``), ``llm_types`` (descriptors and cache
+  keys), ``status`` (codes and ``LLMException``), ``pull_handle`` (async pulls);
+- CANN's argument rules: ``checks`` (types and C ranges), ``validation`` (``pull_blocks``);
+- the back-ends: ``backend`` (``load_backend``), ``profile`` (the typed ``Backend`` and what
+  each back-end needs), ``ascend`` (CANN ``llm_datadist`` with torch_npu).
+
 ``from hixl_connector.datadist import LLMDataDist, LLMConfig, ...`` gives the native-engine
 implementation; ``load_backend("native" | "ascend" | "auto")`` chooses one explicitly. Importing
 this package is cheap: the native engine loads on ``LLMDataDist.init``. See README.md here.

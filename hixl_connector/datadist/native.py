@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 MAX_CLUSTERS_PER_CALL = 16
 AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
+# The bindings this module is written against (``ABI_VERSION`` in native/bindings/module.cpp):
+# an extension built from other sources would fail later, on some name or argument.
+NATIVE_ABI_VERSION = 1
 
 
 def load_native() -> Any:
@@ -45,6 +48,13 @@ def load_native() -> Any:
             "the native engine hixl_connector._native is not built; install the package with "
             "`pip install --no-build-isolation -e .` (needs a C++17 compiler and CMake)"
         ) from exc
+    built = getattr(_native, "ABI_VERSION", None)
+    if built != NATIVE_ABI_VERSION:
+        raise ImportError(
+            f"stale build: hixl_connector._native has ABI_VERSION {built!r}, this package "
+            f"needs {NATIVE_ABI_VERSION}; rebuild with bash .ci/setup (or "
+            "`pip install --no-build-isolation -e .`)"
+        )
     return _native
 
 

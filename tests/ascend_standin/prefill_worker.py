@@ -39,7 +39,7 @@ def main() -> None:
         for slot, (request_id, lease, blocks) in enumerate(spec["leases"]):
             word = lease_word(lease, [blocks])
             words.publish(slot, word)
-            sends.append(SendSpec(request_id, tuple(blocks), lease, slot, word))
+            sends.append(SendSpec(request_id, lease, slot, word))
         worker.start_load_kv(HixlConnectorMetadata(to_send=sends))
         print(json.dumps({"pid": os.getpid()}), flush=True)
         sys.stdin.read()

@@ -12,6 +12,7 @@ import torch
 from hixl_connector.connector.config import AUTH_TOKEN_ENV, HixlConfig
 from hixl_connector.connector.engine_setup import open_engine
 from hixl_connector.connector.kv_layout import describe_kv_caches
+from hixl_connector.connector.rank_addresses import rank_address
 
 from .datadist_harness import Peer
 
@@ -27,7 +28,9 @@ def test_an_explicit_empty_token_links_to_a_peer_without_auth(
     assert config.auth_token == ""
     kv = torch.zeros(2, 8, 2, 16, 64)
     layout = describe_kv_caches({f"l{i}": kv[i] for i in range(2)}, 8, 2)
-    engine = open_engine(config, layout, 4100, producer=False, consumer=True)
+    engine = open_engine(
+        config, layout, rank_address(config, 0, 0, 1), producer=False, consumer=True
+    )
     try:
         api: Any = engine.api
         info = api.LLMClusterInfo()

@@ -36,7 +36,7 @@ from engine.wire_client import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hixl_connector.connector.metadata import SCHEMA_VERSION
+from hixl_connector.connector.handshake import SCHEMA_VERSION
 from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError, _signature
 
 from .deployments import AUTH_TOKEN

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-# vLLM imports the test connector by module name (kv_connector_module_path).
+# The tests import their helpers (vllm_harness, tiny_model) by module name.
 sys.path.insert(0, str(Path(__file__).parent))
 if importlib.util.find_spec("hixl_connector") is None:  # not pip-installed: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

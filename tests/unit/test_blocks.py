@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given
@@ -12,7 +12,6 @@ from hixl_connector.connector.blocks import (
     blocks_for_tokens,
     chunk_pairs,
     group_runs,
-    pair_blocks,
     remote_at_positions,
 )
 
@@ -43,6 +42,13 @@ def any_pairs(draw: st.DrawFn) -> tuple[list[int], list[int]]:
     src = draw(block_ids)
     dst = draw(st.lists(st.integers(0, 200), min_size=len(src), max_size=len(src)))
     return src, dst
+
+
+def pair_blocks(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int]]:
+    """(src, dst) pairs in order: what the runs must reassemble to."""
+    if len(src) != len(dst):
+        raise ValueError(f"block lists differ in length: {len(src)} != {len(dst)}")
+    return list(zip(src, dst, strict=True))
 
 
 def expand(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:

@@ -9,11 +9,11 @@ import pytest
 
 from hixl_connector.connector.config import (
     CLUSTER_ID_SPACE,
-    CLUSTER_ID_STEP,
     MIN_AUTH_TOKEN_CHARS,
     HixlConfig,
     derived_cluster_id_base,
 )
+from hixl_connector.connector.rank_addresses import CLUSTER_ID_STEP, rank_address
 
 ENV_TOKEN = "env-token-0123456789abcdef0123456789"
 KEY_TOKEN = "key-token-0123456789abcdef0123456789"
@@ -159,14 +159,14 @@ def test_derived_cluster_id_base_is_stable_and_aligned() -> None:
 
 def test_rank_ids_and_ports() -> None:
     config = HixlConfig.from_dict({"cluster_id_base": 2048, "side_channel_port": 6000}, "e")
-    assert config.cluster_id_for_rank(0, 0, 2) == 2048
-    assert config.cluster_id_for_rank(1, 1, 2) == 2048 + 3
-    assert config.cluster_id_for_rank(2, 0, 4) == 2048 + 8
-    assert config.side_channel_port_for_rank(1, 1, 2) == 6003
+    assert rank_address(config, 0, 0, 2).cluster_id == 2048
+    assert rank_address(config, 1, 1, 2).cluster_id == 2048 + 3
+    assert rank_address(config, 2, 0, 4).cluster_id == 2048 + 8
+    assert rank_address(config, 1, 1, 2).side_channel_port == 6003
     with pytest.raises(ValueError, match="tp_rank 2 is out of range"):
-        config.cluster_id_for_rank(0, 2, 2)
+        rank_address(config, 0, 2, 2)
     with pytest.raises(ValueError, match="65535"):
-        HixlConfig.from_dict({"side_channel_port": 65535}, "e").side_channel_port_for_rank(0, 1, 2)
+        rank_address(HixlConfig.from_dict({"side_channel_port": 65535}, "e"), 0, 1, 2)
 
 
 def test_from_vllm_config_reads_extra_config() -> None:
@@ -174,7 +174,7 @@ def test_from_vllm_config_reads_extra_config() -> None:
 
     kv = KVTransferConfig(
         kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_unit_connector",  # VllmConfig resolves the class
+        kv_connector_module_path="hixl_connector.connector.facade",  # VllmConfig resolves it
         kv_role="kv_consumer",
         engine_id="engine-z",
         kv_connector_extra_config={"side_channel_port": 6200},
@@ -208,7 +208,7 @@ def test_pipeline_and_context_parallelism_are_refused_at_start(name: str, flag: 
 
     kv = KVTransferConfig(
         kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_unit_connector",
+        kv_connector_module_path="hixl_connector.connector.facade",
         kv_role="kv_producer",
         engine_id="engine-pp",
     )

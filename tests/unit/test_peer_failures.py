@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.metadata import SCHEMA_VERSION, HandshakePayload, RemoteEndpoint
+from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload
+from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers import PeerError, PeerRegistry
 
 TIMEOUT_S = 1.0

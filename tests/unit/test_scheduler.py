@@ -30,6 +30,7 @@ from vllm_harness import (
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
 from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
+from hixl_connector.connector.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
@@ -279,17 +280,17 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
         "remote_num_tokens": 40,
         "remote_blocks_expiry_time": None,
         "transfer_mode": "pull",
-        "remote_cluster_id": config.cluster_id_for_rank(0, 0, 1),
+        "remote_cluster_id": rank_address(config, 0, 0, 1).cluster_id,
         "remote_lease_id": leases["p1"],
         "remote_lease_slot": 0,
     }
     assert finished["p2"].kv_transfer_params["remote_lease_slot"] == 1
-    assert config.cluster_id_for_rank(0, 0, 1) == 4096
+    assert rank_address(config, 0, 0, 1).cluster_id == 4096
     assert free_blocks(scheduler) == idle - 6  # delay-free: both requests keep 3 blocks
 
     output, _ = step(scheduler)
     assert metadata(output).to_send == [
-        SendSpec(rid, tuple(blocks[rid]), leases[rid], slot, lease_word(leases[rid], [blocks[rid]]))
+        SendSpec(rid, leases[rid], slot, lease_word(leases[rid], [blocks[rid]]))
         for slot, rid in enumerate(("p1", "p2"))
     ]
     assert hixl(scheduler).num_leased == 2

@@ -28,6 +28,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from hixl_connector.connector.facade import HixlConnector
 from hixl_connector.connector.lease_words import LeaseWords, words_path
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler import HixlScheduler
@@ -50,7 +51,7 @@ def make_scheduler(
 ) -> Scheduler:
     kv_transfer = KVTransferConfig(
         kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_unit_connector",
+        kv_connector_module_path="hixl_connector.connector.facade",
         kv_role=kv_role,
         engine_id=engine_id,
         kv_load_failure_policy=policy,
@@ -99,8 +100,10 @@ def make_scheduler(
 
 
 def hixl(scheduler: Scheduler) -> HixlScheduler:
+    """The scheduler half inside the real HixlConnector that vLLM built."""
     connector: Any = scheduler.connector
-    return connector.hixl
+    assert isinstance(connector, HixlConnector) and connector._scheduler is not None
+    return connector._scheduler
 
 
 def free_blocks(scheduler: Scheduler) -> int:

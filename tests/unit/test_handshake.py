@@ -1,0 +1,135 @@
+"""The handshake payload: round trip, schema version, validation, compatibility hash."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from hixl_connector.connector.handshake import (
+    SCHEMA_VERSION,
+    HandshakePayload,
+    compatibility_hash,
+    describe_mismatch,
+)
+
+
+def wire(message: dict[str, Any]) -> Any:
+    return msgpack.unpackb(msgpack.packb(message, use_bin_type=True), raw=False)
+
+
+FIELDS: dict[str, Any] = {
+    "model": "/models/tiny",
+    "dtype": "float32",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_size": 32,
+    "kv_layout": "LBHNC",
+    "kv_split": "heads",
+    "unit_token_bytes": 512,
+    "tensors_per_layer": 1,
+    "num_tensors": 2,
+}
+
+
+def payload_dict(**overrides: Any) -> dict[str, Any]:
+    fields = overrides.pop("compatibility", FIELDS)
+    data = {
+        "schema_version": SCHEMA_VERSION,
+        "compatibility": fields,
+        "engine_id": "prefill-0",
+        "tp_rank": 1,
+        "tp_size": 2,
+        "cluster_id": 4097,
+        "engine_host": "10.0.0.1",
+        "engine_port": 40000,
+        "num_blocks": 1024,
+        "units_per_block": 1,
+        "block_sizes": [16],
+        "slice_bytes": 128,
+    }
+    data.update(overrides)
+    if "compatibility_hash" not in data:
+        data["compatibility_hash"] = compatibility_hash(fields)
+    return data
+
+
+def test_payload_round_trips_through_msgpack() -> None:
+    payload = HandshakePayload.from_dict(payload_dict())
+    assert HandshakePayload.from_dict(wire(payload.to_dict())) == payload
+    assert payload.compatibility == FIELDS
+
+
+def test_extra_compatibility_fields_are_hashed_and_kept() -> None:
+    fields = FIELDS | {"block_shape": [2, 16, 64], "kv_cache_dtype": "auto"}
+    payload = HandshakePayload.from_dict(wire(payload_dict(compatibility=fields)))
+    assert payload.compatibility["block_shape"] == [2, 16, 64]
+    assert compatibility_hash(fields) != compatibility_hash(FIELDS)
+
+
+def test_other_schema_version_is_refused_clearly() -> None:
+    other = SCHEMA_VERSION + 1
+    with pytest.raises(
+        ValueError, match=f"schema version {other} but this side speaks {SCHEMA_VERSION}"
+    ):
+        HandshakePayload.from_dict(payload_dict(schema_version=other))
+    with pytest.raises(ValueError, match="schema version None"):
+        HandshakePayload.from_dict({"engine_id": "x"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tp_rank": 2}, "tp_rank 2 is out of range"),
+        ({"engine_port": 0}, "engine_port"),
+        ({"num_blocks": "1024"}, "num_blocks"),
+        ({"cluster_id": -1}, "cluster_id"),
+        ({"engine_id": ""}, "engine_id"),
+        ({"compatibility_hash": "0" * 64}, "does not match its own fields"),
+        ({"extra": 1}, r"unknown \['extra'\]"),
+        ({"compatibility": FIELDS | {"unit_token_bytes": 0}}, "unit_token_bytes"),
+        ({"block_sizes": []}, "block_sizes"),
+        ({"block_sizes": [16, 0]}, "block_sizes"),
+        ({"block_sizes": 16}, "block_sizes"),
+        ({"slice_bytes": -1}, "slice_bytes"),
+        ({"compatibility": FIELDS | {"kv_split": "rows"}}, "kv_split"),
+        ({"units_per_block": 0}, "units_per_block"),
+        ({"compatibility": {k: v for k, v in FIELDS.items() if k != "dtype"}}, "'dtype'"),
+        ({"compatibility": FIELDS | {"blob": b"raw"}, "compatibility_hash": ""}, "non-primitive"),
+    ],
+)
+def test_bad_payload_raises_clear_errors(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HandshakePayload.from_dict(payload_dict(**overrides))
+
+
+def test_payload_missing_field_is_named() -> None:
+    data = payload_dict()
+    del data["num_blocks"]
+    with pytest.raises(ValueError, match=r"missing \['num_blocks'\]"):
+        HandshakePayload.from_dict(data)
+
+
+def test_compatibility_hash_is_canonical() -> None:
+    reordered = dict(reversed(list(FIELDS.items())))
+    assert compatibility_hash(reordered) == compatibility_hash(FIELDS)
+    assert len(compatibility_hash(FIELDS)) == 64
+    for name in FIELDS:
+        changed = FIELDS | {name: FIELDS[name] * 2}
+        assert compatibility_hash(changed) != compatibility_hash(FIELDS), name
+
+
+def test_describe_mismatch_names_each_field_with_both_values() -> None:
+    remote = FIELDS | {"unit_token_bytes": 256, "dtype": "bfloat16", "only_remote": 1}
+    text = describe_mismatch(FIELDS, remote)
+    assert "unit_token_bytes: local=512 remote=256" in text
+    assert "dtype: local='float32' remote='bfloat16'" in text
+    assert "only_remote: local='<missing>' remote=1" in text
+    assert "num_layers" not in text
+    assert describe_mismatch(FIELDS, dict(FIELDS)) == ""
+
+
+def test_compatibility_hash_refuses_non_plain_values() -> None:
+    with pytest.raises(ValueError, match="plain values"):
+        compatibility_hash({"blob": b"raw"})

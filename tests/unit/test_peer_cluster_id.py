@@ -1,0 +1,105 @@
+"""D links a prefill rank only when its handshake announces the cluster id that P's
+kv_transfer_params name for that rank (``remote_cluster_id`` + rank)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import zmq
+
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
+from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.peers import PeerError, PeerRegistry
+from hixl_connector.connector.side_channel import SideChannelServer
+from hixl_connector.datadist.config import LLMClusterInfo
+from hixl_connector.datadist.status import LLMStatusCode
+
+FIELDS = {
+    "model": "tiny",
+    "dtype": "float32",
+    "kv_layout": "cpu",
+    "kv_split": "heads",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_size": 16,
+    "unit_token_bytes": 64,
+    "tensors_per_layer": 2,
+    "num_tensors": 4,
+}
+P_RANK_ONE_CLUSTER = 9001  # P's rank 1; its rank 0 is 9000
+
+
+def payload(engine_id: str, tp_rank: int, cluster_id: int) -> HandshakePayload:
+    return HandshakePayload(
+        schema_version=SCHEMA_VERSION,
+        compatibility_hash=compatibility_hash(FIELDS),
+        compatibility=dict(FIELDS),
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        tp_size=2,
+        cluster_id=cluster_id,
+        engine_host="127.0.0.1",
+        engine_port=7000,
+        num_blocks=8,
+        units_per_block=1,
+        block_sizes=[16],
+        slice_bytes=0,
+    )
+
+
+class LinkRecorder:
+    """The datadist calls PeerRegistry makes, all successful."""
+
+    def __init__(self) -> None:
+        self.linked: list[int] = []
+
+    def link_clusters(self, infos: list[Any], timeout_ms: int) -> tuple[Any, list[Any]]:
+        self.linked += [info.remote_cluster_id for info in infos]
+        return LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS]
+
+    def unlink_clusters(self, infos: list[Any], timeout_ms: int, force: bool) -> None:
+        pass
+
+
+@pytest.fixture
+def prefill_rank_one() -> Iterator[int]:
+    """A side channel serving the handshake of P's rank 1; yields its port."""
+    context = zmq.Context()
+    answer = {"payload": payload("prefill", 1, P_RANK_ONE_CLUSTER).to_dict()}
+    server = SideChannelServer(context, "127.0.0.1", 0, {"handshake": lambda _: answer})
+    try:
+        yield server.port
+    finally:
+        server.close()
+        context.term()
+
+
+@pytest.mark.parametrize(
+    ("remote_cluster_id", "error"),
+    [(P_RANK_ONE_CLUSTER - 1, None), (P_RANK_ONE_CLUSTER, "has cluster id 9001, .* say 9002")],
+)
+def test_params_must_name_the_cluster_id_the_handshake_announces(
+    prefill_rank_one: int, remote_cluster_id: int, error: str | None
+) -> None:
+    context = zmq.Context()
+    datadist = LinkRecorder()
+    api: Any = SimpleNamespace(LLMClusterInfo=LLMClusterInfo, LLMStatusCode=LLMStatusCode)
+    config = HixlConfig.from_dict({"handshake_timeout_s": 2.0}, "decode")
+    peers = PeerRegistry(api, datadist, context, payload("decode", 0, 1), config)
+    # P's rank 0 listens one port below: D finds rank 1 at remote_port + 1.
+    remote = RemoteEndpoint("prefill", "127.0.0.1", prefill_rank_one - 1, 2, remote_cluster_id)
+    try:
+        if error is None:
+            assert peers.get(remote.rank(1)).cluster_id == P_RANK_ONE_CLUSTER
+            assert datadist.linked == [P_RANK_ONE_CLUSTER]
+        else:
+            with pytest.raises(PeerError, match=error):
+                peers.get(remote.rank(1))
+            assert datadist.linked == []
+    finally:
+        peers.close()
+        context.term()
