@@ -1,9 +1,10 @@
 """The "ascend" backend: CANN's own ``llm_datadist`` package with its HIXL transfer back-end.
 
 The only module that imports ``llm_datadist`` and ``torch_npu``. Everything the API offers is
-CANN's, except two project adaptations: ``LLMDataDist.init`` drops the native engine's
-``hixl.*`` option keys, and ``pull_blocks_async`` is emulated by running ``pull_blocks`` on a
-thread (CANN has no asynchronous pull).
+CANN's, except project adaptations: ``LLMConfig``, ``LLMDataDist`` and its ``cache_manager``
+carry the project's checks where CANN silently accepts a mistake (``ascend_checks.py``;
+``init`` also drops the native engine's ``hixl.*`` option keys), and ``pull_blocks_async`` is
+emulated by running ``pull_blocks`` on a thread (CANN has no asynchronous pull).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
 ``hixl_connector.connector.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from hixl_connector.datadist.ascend_checks import checked_classes
 from hixl_connector.datadist.profile import Backend, BackendProfile
 from hixl_connector.datadist.pull_handle import ThreadPullHandle
 
@@ -136,17 +138,10 @@ def pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> ThreadPu
 
 def load() -> Backend:
     cann = import_cann()
-
-    class LLMDataDist(cann.LLMDataDist):  # type: ignore[name-defined]
-        def init(self, options: dict[str, str]) -> None:
-            if isinstance(options, dict):
-                options = {k: v for k, v in options.items() if not k.startswith("hixl.")}
-            super().init(options)
-
     names = {name: getattr(cann, name) for name in API_NAMES if hasattr(cann, name)}
     return Backend(
         BACKEND_NAME="ascend",
         PROFILE=ASCEND_PROFILE,
         pull_blocks_async=pull_blocks_async,
-        **{**names, "LLMDataDist": LLMDataDist},
+        **{**names, **checked_classes(cann)},
     )
