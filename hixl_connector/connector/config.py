@@ -13,6 +13,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,9 @@ BACKENDS = ("auto", "native", "ascend")
 TRANSPORTS = ("auto", "cma", "tcp")
 CLUSTER_ID_SPACE = 2**31
 MAX_TIMEOUT_S = (2**31 - 1) // 1000
+# A DNS host name (RFC 1123): dot-separated labels of letters, digits and inner hyphens.
+HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+MAX_HOST_NAME_CHARS = 253
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class HixlConfig:
                     f"unknown kv_connector_extra_config key {key!r}; valid keys: {', '.join(valid)}"
                 )
 
-        side_channel_host = _host(extra, "side_channel_host", "127.0.0.1")
+        side_channel_host = _side_channel_host(extra, "side_channel_host", "127.0.0.1")
         lease_s = _positive_float(extra, "lease_s", 30.0)
         heartbeat_s = _positive_float(extra, "heartbeat_s", lease_s / 6)
         threads = _int(extra, "transfer_threads", 2, low=1)
@@ -217,9 +221,27 @@ def _host(extra: Mapping[str, Any], key: str, default: str) -> str:
     return value
 
 
+def _side_channel_host(extra: Mapping[str, Any], key: str, default: str) -> str:
+    """ZeroMQ binds and connects to an IPv4 address, an IPv6 address (the side channel sets the
+    socket's ipv6 option for one) or a host name; anything else would fail P's bind or every
+    D's connect."""
+    value = _host(extra, key, default)
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        if HOST_NAME.fullmatch(value) and len(value) <= MAX_HOST_NAME_CHARS:
+            return value
+    raise ValueError(
+        f"kv_connector_extra_config key {key!r} must be an IPv4 address, an IPv6 address "
+        f"without brackets (such as ::1) or a host name, got {value!r}"
+    )
+
+
 def _ipv4(extra: Mapping[str, Any], key: str, default: str) -> str:
-    """The transfer engine links by IPv4 literal (as CANN's LLMClusterInfo does): a host name
-    or an IPv6 address would start fine and then fail every link, so refuse it now."""
+    """Both transfer engines link by IPv4 literal (the native engine's link path and CANN's
+    LLMClusterInfo convert with inet_aton): a host name or an IPv6 address would start fine and
+    then fail every link, so refuse it now."""
     value = _host(extra, key, default)
     try:
         ipaddress.IPv4Address(value)
@@ -227,8 +249,9 @@ def _ipv4(extra: Mapping[str, Any], key: str, default: str) -> str:
         where = "" if key in extra else f" (it follows side_channel_host {default!r})"
         raise ValueError(
             f"kv_connector_extra_config key {key!r} must be an IPv4 address such as 10.0.0.5, "
-            f"got {value!r}{where}: the transfer engine links by IPv4 address; set {key!r} "
-            "to the IPv4 address peers reach this host at"
+            f"got {value!r}{where}: the transfer engine (native or CANN's, on every backend) "
+            f"links by IPv4 address only; set {key!r} to the IPv4 address peers reach this "
+            "host at"
         ) from None
     return value
 

@@ -125,7 +125,10 @@ class SideChannelServer:
                 self.port = port
         except zmq.ZMQError as e:
             self._socket.close()
-            raise RuntimeError(f"side channel cannot bind {host}:{port}: {e}") from e
+            raise RuntimeError(
+                f"side channel cannot bind {host}:{port} (kv_connector_extra_config keys "
+                f"'side_channel_host', 'side_channel_port'): {e}"
+            ) from e
         self.host = host
         wake_address = f"inproc://hixl-side-channel-stop-{id(self)}"
         self._wake_rx = context.socket(zmq.PAIR)

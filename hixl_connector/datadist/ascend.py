@@ -1,10 +1,11 @@
 """The "ascend" backend: CANN's own ``llm_datadist`` package with its HIXL transfer back-end.
 
 The only module that imports ``llm_datadist`` and ``torch_npu``. Everything the API offers is
-CANN's, except three project adaptations: ``LLMDataDist.init`` drops the native engine's
-``hixl.*`` option keys, ``pull_blocks_async`` is emulated by running ``pull_blocks`` on a
-thread (CANN has no asynchronous pull), and ``pull_blocks_batch`` by calling ``pull_blocks``
-for each pull in turn (CANN has no batch of pulls).
+CANN's, except project adaptations: ``LLMConfig``, ``LLMDataDist`` and its ``cache_manager``
+carry the project's checks where CANN silently accepts a mistake (``ascend_checks.py``;
+``init`` also drops the native engine's ``hixl.*`` option keys), ``pull_blocks_async`` is
+emulated by running ``pull_blocks`` on a thread (CANN has no asynchronous pull), and
+``pull_blocks_batch`` by calling ``pull_blocks`` for each pull in turn (CANN has no batch).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
 ``hixl_connector.connector.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``,
@@ -19,6 +20,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
+from hixl_connector.datadist.ascend_checks import checked_classes
 from hixl_connector.datadist.llm_types import BlocksPull
 from hixl_connector.datadist.profile import Backend, BackendProfile
 from hixl_connector.datadist.pull_handle import ThreadPullHandle
@@ -146,18 +148,11 @@ def pull_blocks_batch(cache_manager: Any, pulls: Sequence[BlocksPull]) -> None:
 
 def load() -> Backend:
     cann = import_cann()
-
-    class LLMDataDist(cann.LLMDataDist):  # type: ignore[name-defined]
-        def init(self, options: dict[str, str]) -> None:
-            if isinstance(options, dict):
-                options = {k: v for k, v in options.items() if not k.startswith("hixl.")}
-            super().init(options)
-
     names = {name: getattr(cann, name) for name in API_NAMES if hasattr(cann, name)}
     return Backend(
         BACKEND_NAME="ascend",
         PROFILE=ASCEND_PROFILE,
         pull_blocks_async=pull_blocks_async,
         pull_blocks_batch=pull_blocks_batch,
-        **{**names, "LLMDataDist": LLMDataDist},
+        **{**names, **checked_classes(cann)},
     )

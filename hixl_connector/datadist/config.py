@@ -106,6 +106,17 @@ def _bool_option(value: bool) -> str:
     return "1" if value else "0"
 
 
+def check_option_name(config: object, name: str) -> None:
+    """CANN's LLMConfig stores any attribute, so a misspelled option (sync_kv_timout) is
+    silently never applied; here it is an error naming the options there are."""
+    if name.startswith("_") or isinstance(getattr(type(config), name, None), property):
+        return
+    options = sorted(
+        n for cls in type(config).__mro__ for n, v in vars(cls).items() if isinstance(v, property)
+    )
+    raise AttributeError(f"LLMConfig has no option {name!r}; options: {', '.join(options)}")
+
+
 class LLMConfig:
     """Typed builder of the options dict passed to ``LLMDataDist.init``.
 
@@ -136,11 +147,7 @@ class LLMConfig:
         self._hixl_transfer_threads: int | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
-        # CANN's LLMConfig stores any attribute, so a misspelled option (sync_kv_timout) is
-        # silently never applied; here it is an error naming the options there are.
-        if not name.startswith("_") and not isinstance(getattr(type(self), name, None), property):
-            options = sorted(n for n, v in vars(type(self)).items() if isinstance(v, property))
-            raise AttributeError(f"LLMConfig has no option {name!r}; options: {', '.join(options)}")
+        check_option_name(self, name)
         super().__setattr__(name, value)
 
     # --- CANN options -------------------------------------------------------------------

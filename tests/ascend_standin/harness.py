@@ -29,12 +29,22 @@ def standin_on_path() -> Iterator[Any]:
         yield llm_datadist
     finally:
         sys.path.remove(str(HERE))
-        sys.modules.pop("llm_datadist", None)
+        for name in [m for m in sys.modules if m.split(".")[0] == "llm_datadist"]:
+            del sys.modules[name]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 

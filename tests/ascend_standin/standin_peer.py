@@ -1,10 +1,12 @@
 """A prefill-side peer for the ascend stand-in tests: a real process that serves one blocks
 cache through the connector's "ascend" back-end on the llm_datadist STAND-IN.
 
-Run: python standin_peer.py --cluster-id N --port P
+Run: python standin_peer.py --cluster-id N --port P [--same-key-twice]
 Prints {"pid"} once it serves BlocksCacheKey(N, 0) (Placement.DEVICE, played by host memory;
 tensor t, block b holds bytes equal to (t * 31 + b) % 251). A stdin line "late" registers a
 second cache under model_id 1 (after the test has linked) and answers "ok". EOF: finalize, exit.
+With --same-key-twice it registers, straight on the stand-in (the back-end would refuse it), a
+second cache under the same key whose bytes are one higher: the key then names that one.
 """
 
 from __future__ import annotations
@@ -38,10 +40,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cluster-id", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--same-key-twice", action="store_true")
     args = parser.parse_args()
+    import llm_datadist
+
     from hixl_connector.datadist import load_backend
 
-    api = load_backend("ascend")
+    api = llm_datadist if args.same_key_twice else load_backend("ascend")
     config = api.LLMConfig()
     config.device_id = 0
     config.enable_cache_manager = True
@@ -57,6 +62,12 @@ def main() -> None:
     dd.cache_manager.register_blocks_cache(
         desc, [t.ctypes.data for t in keep], api.BlocksCacheKey(args.cluster_id, 0)
     )
+    if args.same_key_twice:
+        newer = [(t + 1).astype(np.uint8) for t in make_tensors()]
+        keep += newer
+        dd.cache_manager.register_blocks_cache(
+            desc, [t.ctypes.data for t in newer], api.BlocksCacheKey(args.cluster_id, 0)
+        )
     print(json.dumps({"pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         if line.strip() == "late":

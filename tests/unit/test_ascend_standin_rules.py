@@ -1,23 +1,32 @@
-"""The "ascend" back-end against the llm_datadist STAND-IN (tests/ascend_standin/): each rule of
-LLM-DataDist that the connector must keep raises as CANN does when it is broken.
+"""The llm_datadist STAND-IN (tests/ascend_standin/) behaves as CANN's Python layer does, and
+raises as CANN's documented C++ rules do; the "ascend" back-end runs over it.
 
-This proves the back-end's API use and the rules, on host memory; not the NPU/HCCS/RoCE path.
+What CANN silently accepts, the stand-in accepts too (so a test sees what Ascend would do);
+the project's own refusals of those mistakes are tested in test_ascend_checks.py. This proves
+the back-end's API use and the rules, on host memory; not the NPU/HCCS/RoCE path.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
-from harness import free_port, standin_on_path, start, stop  # noqa: E402
-from standin_peer import BLOCK_BYTES, NUM_BLOCKS, NUM_TENSORS, block_value  # noqa: E402
+from harness import standin_on_path  # noqa: E402
+from standin_client import (  # noqa: E402
+    first_bytes,
+    init_client,
+    link,
+    raises,
+    register,
+    running_peer,
+)
+from standin_peer import NUM_TENSORS, block_value  # noqa: E402
 
 from hixl_connector.connector.blocks import chunk_pairs  # noqa: E402
 from hixl_connector.datadist import ascend, load_backend  # noqa: E402
@@ -25,65 +34,39 @@ from hixl_connector.datadist import ascend, load_backend  # noqa: E402
 sys.path.remove(str(STANDIN_DIR))
 PEER_CLUSTER = 7001
 CLIENT_CLUSTER = 7002
+TWICE_PEER_CLUSTER = 7003
 
 
 @pytest.fixture(scope="module")
-def api() -> Iterator[Any]:
-    with standin_on_path():
-        yield load_backend("ascend")
+def standin() -> Iterator[Any]:
+    """CANN's package as the stand-in plays it, without the back-end's checks."""
+    with standin_on_path() as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def api(standin: Any) -> Any:
+    return load_backend("ascend")
 
 
 @pytest.fixture(scope="module")
 def peer(api: Any) -> Iterator[tuple[Any, int]]:
-    port = free_port()
-    script = str(STANDIN_DIR / "standin_peer.py")
-    proc, _ = start(
-        [sys.executable, script, "--cluster-id", str(PEER_CLUSTER), "--port", str(port)]
-    )
-    yield proc, port
-    stop(proc)
+    with running_peer(PEER_CLUSTER) as running:
+        yield running
 
 
 @pytest.fixture
 def client(api: Any) -> Iterator[Any]:
-    config = api.LLMConfig()
-    config.device_id = 0
-    config.enable_cache_manager = True
-    config.enable_remote_cache_accessible = True
-    config.transfer_backend = "hixl"
-    config.listen_ip_info = "127.0.0.1:0"
-    config.sync_kv_timeout = 5000
-    dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
-    dd.init(config.generate_options())
+    dd = init_client(api, CLIENT_CLUSTER)
     yield dd
     dd.finalize()
 
 
-def _register(api: Any, dd: Any, model_id: int, accessible: bool | None = True) -> Any:
-    tensors = [np.zeros(NUM_BLOCKS * BLOCK_BYTES, np.uint8) for _ in range(NUM_TENSORS)]
-    desc = api.CacheDesc(NUM_TENSORS, [NUM_BLOCKS, BLOCK_BYTES], api.DataType.DT_UINT8)
-    cache = dd.cache_manager.register_blocks_cache(
-        desc,
-        [t.ctypes.data for t in tensors],
-        api.BlocksCacheKey(CLIENT_CLUSTER, model_id),
-        remote_accessible=accessible,
-    )
-    return cache, tensors
-
-
-def _link(api: Any, dd: Any, port: int) -> None:
-    info = api.LLMClusterInfo()
-    info.remote_cluster_id = PEER_CLUSTER
-    info.append_local_ip_info("127.0.0.1", 0)
-    info.append_remote_ip_info("127.0.0.1", port)
-    status, per_cluster = dd.link_clusters([info], 5000)
-    assert status == api.LLMStatusCode.LLM_SUCCESS, (status, per_cluster)
-
-
-def _raises(api: Any, code: str, action: Callable[[], Any]) -> None:
-    with pytest.raises(api.LLMException) as info:
-        action()
-    assert info.value.status_code == getattr(api.LLMStatusCode, code), info.value
+@pytest.fixture
+def raw_client(standin: Any) -> Iterator[Any]:
+    dd = init_client(standin, CLIENT_CLUSTER)
+    yield dd
+    dd.finalize()
 
 
 def test_backend_is_the_standin_without_native_extensions(api: Any, client: Any) -> None:
@@ -91,8 +74,6 @@ def test_backend_is_the_standin_without_native_extensions(api: Any, client: Any)
     assert sys.modules["llm_datadist"].STANDIN
     assert not hasattr(client, "listen_port") and not hasattr(client, "engine_stats")
     assert not hasattr(client.cache_manager, "pull_blocks_async")
-    with pytest.raises(AttributeError):
-        api.LLMConfig().hixl_transport = "tcp"
 
 
 def test_second_llmdatadist_raises_llm_failed(api: Any, client: Any) -> None:
@@ -100,25 +81,78 @@ def test_second_llmdatadist_raises_llm_failed(api: Any, client: Any) -> None:
     config.device_id = 0
     config.enable_cache_manager = True
     second = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER + 1)
-    _raises(api, "LLM_FAILED", lambda: second.init(config.generate_options()))
+    raises(api, "LLM_FAILED", lambda: second.init(config.generate_options()))
 
 
-def test_key_reuse_raises(api: Any, client: Any) -> None:
-    _register(api, client, 0)
-    _raises(api, "LLM_FAILED", lambda: _register(api, client, 0))
-    _register(api, client, 1)  # a distinct model_id is fine
+def test_config_stores_unknown_attributes_and_forwards_any_option(standin: Any) -> None:
+    config = standin.LLMConfig()
+    config.sync_kv_timout = 9000  # misspelt: stored, never an option
+    config.hixl_transport = "tcp"  # the native engine's, not CANN's
+    config.device_id = 0
+    config.enable_cache_manager = True
+    assert config.hixl_transport == "tcp" and config.sync_kv_timout == 9000
+    options = config.generate_options()
+    assert "llm.SyncKvCacheWaitTime" not in options
+    assert not [key for key in options if key.startswith("hixl.")]
+    dd = standin.LLMDataDist(standin.LLMRole.DECODER, CLIENT_CLUSTER)
+    dd.init({**options, "custom.key": "1", "hixl.transport": "tcp"})  # forwarded, not refused
+    dd.finalize()
+
+
+@pytest.mark.parametrize("listen", ["::1:0", "[::1]:0"])
+def test_ipv6_listen_address_fails_init(standin: Any, listen: str) -> None:
+    action = lambda: init_client(standin, CLIENT_CLUSTER, listen)  # noqa: E731
+    raises(standin, "LLM_PARAM_INVALID", action, match='format should be "ip:port"')
+
+
+def test_host_name_in_cluster_info_raises_without_a_status(standin: Any) -> None:
+    info = standin.LLMClusterInfo()
+    with pytest.raises(RuntimeError, match="Can not parse ip str:prefill-0") as caught:
+        info.append_remote_ip_info("prefill-0", 26000)
+    assert not hasattr(caught.value, "status_code")  # the connector would see a broken link
+    info.append_remote_ip_info("10.0.0.5", 26000)
+    assert info.remote_ip_info_list == [(0x0500000A, 26000)]  # little-endian, as CANN
+
+
+def test_same_key_twice_names_the_newest_cache(standin: Any, raw_client: Any) -> None:
+    cache, tensors = register(standin, raw_client, CLIENT_CLUSTER, 0)
+    with running_peer(TWICE_PEER_CLUSTER, "--same-key-twice") as (_, port):
+        link(standin, raw_client, TWICE_PEER_CLUSTER, port)
+        key = standin.BlocksCacheKey(TWICE_PEER_CLUSTER, 0)
+        raw_client.cache_manager.pull_blocks(key, cache, [3, 4], [0, 1])
+    assert first_bytes(tensors[2], [0, 1]) == [block_value(2, s) + 1 for s in (3, 4)]
+
+
+def test_misspelt_pull_keyword_is_ignored_as_cann_does(
+    standin: Any, raw_client: Any, peer: Any
+) -> None:
+    """CANN reads pull_blocks keywords with dict.get: tensor_num_per_layr=4 is dropped, the
+    default of 2 tensors per layer applies, and layer 0 is tensors 0 and 1 only."""
+    cache, tensors = register(standin, raw_client, CLIENT_CLUSTER, 0)
+    link(standin, raw_client, PEER_CLUSTER, peer[1])
+    layer0 = {"src_layer_range": range(0, 1), "dst_layer_range": range(0, 1)}
+    key = standin.BlocksCacheKey(PEER_CLUSTER, 0)
+    raw_client.cache_manager.pull_blocks(key, cache, [3], [0], tensor_num_per_layr=4, **layer0)
+    assert [first_bytes(t, [0])[0] for t in tensors] == [block_value(0, 3), block_value(1, 3), 0, 0]
+    assert standin.pull_kwargs()[-1] == (
+        "dst_layer_range",
+        "src_layer_range",
+        "tensor_num_per_layr",
+    )
+    # An empty layer range means all layers, as in CANN.
+    raw_client.cache_manager.pull_blocks(key, cache, [5], [1], src_layer_range=range(2, 2))
+    assert [first_bytes(t, [1])[0] for t in tensors] == [block_value(t, 5) for t in range(4)]
 
 
 def test_pull_lands_in_the_documented_order(api: Any, client: Any, peer: Any) -> None:
-    cache, tensors = _register(api, client, 0)
-    _link(api, client, peer[1])
+    cache, tensors = register(api, client, CLIENT_CLUSTER, 0)
+    link(api, client, PEER_CLUSTER, peer[1])
     client.cache_manager.pull_blocks(
         api.BlocksCacheKey(PEER_CLUSTER, 0), cache, [3, 4, 9], [0, 1, 2], tensor_num_per_layer=2
     )
     for t, tensor in enumerate(tensors):
-        blocks = tensor.reshape(NUM_BLOCKS, BLOCK_BYTES)
-        assert [int(blocks[d][0]) for d in (0, 1, 2)] == [block_value(t, s) for s in (3, 4, 9)]
-        assert int(blocks[3].max()) == 0
+        assert first_bytes(tensor, [0, 1, 2]) == [block_value(t, s) for s in (3, 4, 9)]
+        assert first_bytes(tensor, [3]) == [0]
     calls = sys.modules["llm_datadist"].calls()
     assert calls[-5:] == [
         "LLMDataDist",
@@ -130,46 +164,47 @@ def test_pull_lands_in_the_documented_order(api: Any, client: Any, peer: Any) ->
 
 
 def test_destination_not_remote_accessible_raises_param(api: Any, client: Any, peer: Any) -> None:
-    cache, _ = _register(api, client, 0, accessible=False)
-    _link(api, client, peer[1])
+    cache, _ = register(api, client, CLIENT_CLUSTER, 0, accessible=False)
+    link(api, client, PEER_CLUSTER, peer[1])
     key = api.BlocksCacheKey(PEER_CLUSTER, 0)
-    _raises(
-        api, "LLM_PARAM_INVALID", lambda: client.cache_manager.pull_blocks(key, cache, [1], [1])
-    )
+    raises(api, "LLM_PARAM_INVALID", lambda: client.cache_manager.pull_blocks(key, cache, [1], [1]))
 
 
-def test_registration_after_link_is_not_remotely_usable(api: Any, client: Any, peer: Any) -> None:
+def test_registration_after_link_is_not_remotely_usable(
+    standin: Any, raw_client: Any, peer: Any
+) -> None:
     from harness import ask
 
-    early, _ = _register(api, client, 0)
-    _link(api, client, peer[1])
-    late, _ = _register(api, client, 1)  # CANN accepts it, but not for remote access
-    manager = client.cache_manager
-    key = api.BlocksCacheKey(PEER_CLUSTER, 0)
-    _raises(api, "LLM_PARAM_INVALID", lambda: manager.pull_blocks(key, late, [1], [1]))
+    early, _ = register(standin, raw_client, CLIENT_CLUSTER, 0)
+    link(standin, raw_client, PEER_CLUSTER, peer[1])
+    late, _ = register(standin, raw_client, CLIENT_CLUSTER, 1)  # CANN accepts it, but not for
+    manager = raw_client.cache_manager  # remote access
+    key = standin.BlocksCacheKey(PEER_CLUSTER, 0)
+    raises(standin, "LLM_PARAM_INVALID", lambda: manager.pull_blocks(key, late, [1], [1]))
     assert ask(peer[0], "late") == "ok"  # the peer registers model_id 1 after our link
-    late_key = api.BlocksCacheKey(PEER_CLUSTER, 1)
-    _raises(api, "LLM_KV_CACHE_NOT_EXIST", lambda: manager.pull_blocks(late_key, early, [1], [1]))
+    late_key = standin.BlocksCacheKey(PEER_CLUSTER, 1)
+    raises(
+        standin, "LLM_KV_CACHE_NOT_EXIST", lambda: manager.pull_blocks(late_key, early, [1], [1])
+    )
 
 
 def test_request_over_the_limit_raises_param_and_chunks_fit(
     api: Any, client: Any, peer: Any
 ) -> None:
-    cache, tensors = _register(api, client, 0)
-    _link(api, client, peer[1])
+    cache, tensors = register(api, client, CLIENT_CLUSTER, 0)
+    link(api, client, PEER_CLUSTER, peer[1])
     count = 70_000  # alternating ids: every pair is its own run, the worst case
     src = [(i % 2) * 5 for i in range(count)]
     dst = [(i % 2) * 7 for i in range(count)]
     key = api.BlocksCacheKey(PEER_CLUSTER, 0)
     manager = client.cache_manager
-    _raises(api, "LLM_PARAM_INVALID", lambda: manager.pull_blocks(key, cache, src, dst))
+    raises(api, "LLM_PARAM_INVALID", lambda: manager.pull_blocks(key, cache, src, dst))
     chunk = ascend.max_pairs_per_pull(NUM_TENSORS)
     chunks = chunk_pairs(src, dst, chunk)
     assert len(chunks) == 2
     for src_chunk, dst_chunk in chunks:
         manager.pull_blocks(key, cache, list(src_chunk), list(dst_chunk))
-    blocks = tensors[1].reshape(NUM_BLOCKS, BLOCK_BYTES)
-    assert int(blocks[7][0]) == block_value(1, 5) and int(blocks[0][0]) == block_value(1, 0)
+    assert first_bytes(tensors[1], [7, 0]) == [block_value(1, 5), block_value(1, 0)]
 
 
 def test_hccs_alignment_check_names_the_key() -> None:

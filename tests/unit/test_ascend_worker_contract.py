@@ -24,12 +24,24 @@ import pytest
 
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
-from harness import free_port, launch, ready, standin_on_path, stop  # noqa: E402
+from harness import (  # noqa: E402
+    free_port,
+    has_ipv6_loopback,
+    launch,
+    ready,
+    standin_on_path,
+    stop,
+)
 from worker_harness import expected_block, kv_caches, tp_group, vllm_config  # noqa: E402
 
 sys.path.remove(str(STANDIN_DIR))
 P_BASE, D_BASE = 100_000, 200_000
 RESULT_TIMEOUT_S = 30.0
+# The keyword arguments CANN's pull_blocks reads (reference section 1, Table 1).
+CANN_PULL_KEYWORDS = {"src_layer_range", "dst_layer_range", "tensor_num_per_layer"}
+# P's side channel on IPv6 loopback where the host has it (its engine stays on IPv4, as CANN
+# requires), so the handshake and lease messages cross IPv6 end to end.
+SIDE_HOST = "::1" if has_ipv6_loopback() else "127.0.0.1"
 # Pairs: more than the back-end puts in one pull_blocks request (65,406 for 4 tensors), within
 # the 65,536 blocks one lease notification may name.
 LONG = 65_500
@@ -46,10 +58,12 @@ LEASES: list[tuple[str, int, list[int]]] = [
 def prefill(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    side_port, engine_port = free_port(), free_port()
+    side_port, engine_port = free_port(SIDE_HOST), free_port()
     extra = {
         "backend": "ascend",
+        "side_channel_host": SIDE_HOST,
         "side_channel_port": side_port,
+        "engine_host": "127.0.0.1",
         "engine_port": engine_port,
         "cluster_id_base": P_BASE,
         "ascend_local_comm_res": '{"version":"1.3"}',
@@ -111,7 +125,7 @@ def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local:
     from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
 
     request, lease_id, remote_blocks = LEASES[lease]
-    remote = RemoteEndpoint("p-engine", "127.0.0.1", prefill["side_port"], 1, P_BASE)
+    remote = RemoteEndpoint("p-engine", SIDE_HOST, prefill["side_port"], 1, P_BASE)
     spec = RecvSpec(
         f"d-{request}",
         request,
@@ -212,6 +226,15 @@ def test_a_request_aborted_before_its_read_is_not_read(decode: Any, prefill: Any
     stats = worker.get_stats()
     assert stats is not None and sum(stats.data["cancelled_pulls"]) == 1
     assert not stats.data["failed_pulls"]
+
+
+def test_every_pull_keyword_is_one_cann_knows(decode: Any) -> None:
+    """CANN drops a keyword it does not know without a word (test_ascend_standin_rules.py), so
+    the stand-in records the names it receives and none may be outside CANN's list."""
+    received = decode["standin"].pull_kwargs()
+    assert len(received) == decode["standin"].calls().count("pull_blocks")
+    assert ("tensor_num_per_layer",) in received
+    assert {name for names in received for name in names} <= CANN_PULL_KEYWORDS
 
 
 def test_shutdown_unlinks_and_prefill_only_registers(decode: Any, prefill: Any) -> None:

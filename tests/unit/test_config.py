@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -225,11 +226,28 @@ def test_pipeline_and_context_parallelism_are_refused_at_start(name: str, flag: 
         ({"engine_host": "prefill-0.example"}, "'prefill-0.example': the transfer engine"),
         ({"engine_host": "::1"}, "got '::1'"),
         ({"side_channel_host": "localhost"}, "follows side_channel_host 'localhost'"),
+        ({"engine_host": "127.1"}, "'engine_host' must be an IPv4 address such as 10.0.0.5"),
     ],
 )
 def test_engine_host_must_be_an_ipv4_address(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HixlConfig.from_dict(extra, "e")
+    for backend in ("native", "ascend"):  # neither engine links by host name or IPv6
+        with pytest.raises(ValueError, match=message):
+            HixlConfig.from_dict({**extra, "backend": backend}, "e")
     # The side channel itself takes host names and IPv6 when the engine has its own address.
     config = HixlConfig.from_dict({"side_channel_host": "::1", "engine_host": "127.0.0.1"}, "e")
     assert (config.side_channel_host, config.engine_host) == ("::1", "127.0.0.1")
+
+
+@pytest.mark.parametrize("host", ["::1", "fd00::5", "localhost", "prefill-0.example", "10.0.0.5"])
+def test_side_channel_host_takes_addresses_and_host_names(host: str) -> None:
+    config = HixlConfig.from_dict({"side_channel_host": host, "engine_host": "10.0.0.5"}, "e")
+    assert config.side_channel_host == host
+
+
+@pytest.mark.parametrize("host", ["[::1]", "prefill-0:5701", "bad host", "-p0", "p..0"])
+def test_side_channel_host_refuses_what_zeromq_cannot_reach(host: str) -> None:
+    expected = re.escape("'side_channel_host' must be an IPv4 address, an IPv6 address without ")
+    with pytest.raises(ValueError, match=expected + ".*" + re.escape(repr(host))):
+        HixlConfig.from_dict({"side_channel_host": host, "engine_host": "10.0.0.5"}, "e")

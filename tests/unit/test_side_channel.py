@@ -239,3 +239,39 @@ def test_a_reply_not_signed_for_this_request_is_refused(context: zmq.Context) ->
     finally:
         client.close()
         fake.close(linger=0)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        pytest.param(
+            "::1",
+            marks=pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here"),
+        ),
+        "localhost",
+    ],
+)
+def test_ipv6_and_host_names_serve_and_connect(context: zmq.Context, host: str) -> None:
+    server = SideChannelServer(context, host, 0, {"echo": _echo}, TOKEN)
+    client = SideChannelClient(context, host, server.port, timeout_s=2, auth_token=TOKEN)
+    try:
+        assert client.request({"type": "echo", "value": host})["echo"] == host
+    finally:
+        client.close()
+        server.close()
+
+
+def test_unbindable_host_names_the_keys(context: zmq.Context) -> None:
+    with pytest.raises(
+        RuntimeError, match="cannot bind no-such-host.invalid:0.*'side_channel_host'"
+    ):
+        SideChannelServer(context, "no-such-host.invalid", 0, {"echo": _echo})
