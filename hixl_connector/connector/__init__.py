@@ -5,12 +5,12 @@
   ``scheduler``, ``metadata`` (its per-step metadata and ``kv_transfer_params``),
   ``config``, ``rank_addresses`` (each rank's ports and cluster id), ``limits``, ``blocks``,
   ``block_slices``, ``lease_words``.
-- Worker half (every worker): ``worker`` (registration, per-step hooks, P's lease handlers),
+- Worker half (every worker): ``worker`` (registration, per-step hooks),
   ``receiver`` (D's reads), ``peers`` (handshake and link per P rank), ``handshake`` (the
   payload and the compatibility check), ``engine_setup`` (the only module that configures
   the datadist back-end), ``kv_layout`` / ``kv_probe`` / ``tp_mapping`` (what bytes go
-  where), ``leases`` / ``lease_notices`` / ``heartbeats`` / ``notifications`` /
-  ``side_channel`` (the lease protocol), ``stats``.
+  where), the lease protocol (``lease_server`` on P, ``lease_client`` on D,
+  ``lease_messages`` between them, over ``side_channel``), ``stats``.
 
 The connector talks to transfer engines only through ``hixl_connector.datadist``.
 ``HixlConnector`` loads (and with it vLLM) on first access, so importing this package stays

@@ -4,7 +4,7 @@
 - P -> router -> D: ``kv_transfer_params`` (NixlConnector pull fields plus HIXL fields).
 
 The worker <-> worker messages live beside it: the handshake in ``handshake``, the
-done/heartbeat/release notices in ``notifications``. Params that arrive from another
+done/heartbeat/release notices in ``lease_messages``. Params that arrive from another
 process are validated here, and bad ones raise ``InvalidTransferParams`` naming the field.
 """
 

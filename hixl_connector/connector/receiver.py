@@ -26,7 +26,7 @@ from hixl_connector.connector.block_slices import SliceRun, blocks_per_block, sl
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.engine_setup import Engine, GuardedPull
 from hixl_connector.connector.kv_layout import KVLayout
-from hixl_connector.connector.lease_notices import LeaseNotifier
+from hixl_connector.connector.lease_client import LeaseClient
 from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec, RemoteEndpoint
 from hixl_connector.connector.peers import Peer, PeerRegistry
 from hixl_connector.connector.tp_mapping import (
@@ -121,7 +121,7 @@ class Receiver:
         block_sizes: tuple[int, ...],
         plans: ReadPlans,
         peers: PeerRegistry,
-        notices: LeaseNotifier,
+        notices: LeaseClient,
         tp_rank: int,
         record: Callable[[str], None],
         record_pull: Callable[[float, float, int, int], None],

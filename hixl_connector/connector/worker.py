@@ -3,8 +3,9 @@
 D: every RecvSpec becomes one job on a small transfer pool (`receiver.Receiver`), so vLLM's
 forward pass never waits on a transfer. Results are reported through `get_transfer_results`
 by every rank.
-P: a side-channel server answers handshakes and turns "done"/"release" notifications and
-lease expiry into `finished_sending`, so vLLM frees the blocks exactly once.
+P: a side-channel server answers handshakes, and `lease_server.LeaseServer` turns D's
+"done"/"release" notices and lease expiry into `finished_sending`, so vLLM frees the blocks
+exactly once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +25,10 @@ from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.engine_setup import Engine, open_engine
 from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
 from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
-from hixl_connector.connector.lease_notices import LeaseNotifier
+from hixl_connector.connector.lease_client import LeaseClient
+from hixl_connector.connector.lease_server import LeaseServer
 from hixl_connector.connector.lease_words import LeaseWords, words_path
-from hixl_connector.connector.leases import LeaseTable
 from hixl_connector.connector.metadata import HixlConnectorMetadata
-from hixl_connector.connector.notifications import LeaseNotice, Notification
 from hixl_connector.connector.peers import PeerRegistry
 from hixl_connector.connector.rank_addresses import rank_address
 from hixl_connector.connector.receiver import ReadPlans, Receiver
@@ -82,7 +81,6 @@ class HixlWorker:
         self._mla = bool(getattr(model, "use_mla", False))
         self._kv_cache_groups = _describe_groups(kv_cache_config)
         self._block_sizes = group_block_sizes(vllm_config, kv_cache_config)
-        self._leases = LeaseTable(config.lease_s)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._wake = threading.Event()  # a pull ended or a lease may have finished
         self._idle_step = False
@@ -94,9 +92,10 @@ class HixlWorker:
         self._layout: KVLayout | None = None
         self._payload: HandshakePayload | None = None
         self._peers: PeerRegistry | None = None
-        self._notices: LeaseNotifier | None = None
+        self._notices: LeaseClient | None = None
         self._receiver: Receiver | None = None
         self._words: LeaseWords | None = None  # P: this rank's lease words
+        self._leases: LeaseServer | None = None  # P: their leases
         self._server: SideChannelServer | None = None
 
     # -- registration -------------------------------------------------------------------
@@ -134,7 +133,7 @@ class HixlWorker:
         plans = ReadPlans(
             self._payload.compatibility, (self._tp_rank, self._tp_size), self._probe_slices
         )
-        self._notices = LeaseNotifier(
+        self._notices = LeaseClient(
             self._peers.notice_client,
             self._peers.is_linked,
             plans.notify_targets,
@@ -155,17 +154,15 @@ class HixlWorker:
             self._record_pull,
             self._finish,
         )
-        if self._is_producer:
+        if self._words is not None:
+            self._leases = LeaseServer(
+                self._config.lease_s, self._words, self._record, self._wake.set
+            )
             self._server = SideChannelServer(
                 self._context,
                 self._config.side_channel_host,
                 self._address.side_channel_port,
-                {
-                    "handshake": self._on_handshake,
-                    "done": self._on_done,
-                    "release": self._on_done,
-                    "heartbeat": self._on_heartbeat,
-                },
+                {"handshake": self._on_handshake, **self._leases.handlers()},
                 self._config.auth_token,
             )
         logger.info(
@@ -216,8 +213,8 @@ class HixlWorker:
     def start_load_kv(self, metadata: HixlConnectorMetadata) -> None:
         self._idle_step = metadata.idle
         now = time.monotonic()
-        for send in metadata.to_send:
-            self._leases.start(send.request_id, send.lease_id, now, send.slot, send.word)
+        if self._leases is not None:
+            self._leases.start(metadata.to_send, now)
         for recv in metadata.to_recv:
             assert self._receiver is not None, "a pull before register_kv_caches"
             self._receiver.queued(recv)
@@ -249,17 +246,7 @@ class HixlWorker:
             recving.add(outcome.request_id)
             if not outcome.ok:
                 failed.add(outcome.request_id)
-        expired = self._leases.expire(time.monotonic())
-        for request_id in expired:
-            logger.warning("hixl: lease of request %s expired; releasing its blocks", request_id)
-        if expired:
-            self._record("expired_leases", len(expired))
-        finished = set()
-        for lease in self._leases.take_finished():
-            # Cleared first: vLLM may hand the blocks to another request once it learns.
-            if self._words is not None:
-                self._words.clear(lease.slot, lease.word)
-            finished.add(lease.request_id)
+        finished = self._leases.finished(time.monotonic()) if self._leases else set()
         return finished, recving, failed
 
     def get_stats(self) -> HixlKVConnectorStats | None:
@@ -322,29 +309,6 @@ class HixlWorker:
         if message.get("tp_rank") != self._tp_rank:
             raise ValueError(f"this side channel serves rank {self._tp_rank}")
         return {"payload": self._payload.to_dict()}
-
-    def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
-        answer = _answer_each(
-            message,
-            lambda n, now: self._leases.consumer_done(
-                n.remote_request_id, n.lease_id, n.consumers, now, rank=n.rank
-            ),
-        )
-        self._wake.set()
-        return answer
-
-    def _on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
-        return _answer_each(
-            message, lambda n, now: self._leases.heartbeat(n.remote_request_id, n.lease_id, now)
-        )
-
-
-def _answer_each(
-    message: dict[str, Any], answer: Callable[[LeaseNotice, float], Any]
-) -> dict[str, Any]:
-    """Validates a D -> P notification and answers each of its items, in order."""
-    now = time.monotonic()
-    return {"results": [answer(notice, now) for notice in Notification.from_dict(message).items]}
 
 
 def _describe_groups(kv_cache_config: Any) -> list[str]:

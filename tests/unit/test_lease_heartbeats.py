@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hixl_connector.connector.heartbeats import HeartbeatSchedule
+from hixl_connector.connector.lease_client import HeartbeatSchedule
+from hixl_connector.connector.lease_messages import LeaseNotice
 from hixl_connector.connector.metadata import PeerRank, RemoteEndpoint
-from hixl_connector.connector.notifications import LeaseNotice
 
 
 def _remote(port: int, engine_id: str = "p-engine") -> PeerRank:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from hixl_connector.connector.lease_notices import LeaseNotifier, PeerLanes
+from hixl_connector.connector.lease_client import LeaseClient, PeerLanes
 from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint
 from hixl_connector.connector.side_channel import SideChannelClient, SideChannelServer
 
@@ -50,7 +50,7 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
     live = endpoint("p-live", server.port)
     dead = [endpoint(f"dead-{i}", s.getsockname()[1]) for i, s in enumerate(silent)]
     failures: list[str] = []
-    notifier = LeaseNotifier(
+    notifier = LeaseClient(
         lambda t: (SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S), True),
         lambda t: t.remote.engine_id == "p-live",  # only the live peer completed a handshake
         lambda remote: {0: 1},  # equal TP: rank 0 of P, read by this rank alone
@@ -93,7 +93,7 @@ def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.C
     stalled.bind(("127.0.0.1", 0))
     stalled.listen()
     live, stuck = endpoint("p-live", server.port), endpoint("p-stalled", stalled.getsockname()[1])
-    notifier = LeaseNotifier(
+    notifier = LeaseClient(
         lambda t: (SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S), True),
         lambda t: True,  # both completed a handshake earlier
         lambda remote: {0: 1},

@@ -1,5 +1,5 @@
-"""D side: the lease notices D sends P, "done", "release" and "heartbeat", all off the pull
-threads.
+"""D side of the lease protocol: the notices D sends P, "done", "release" and "heartbeat",
+all off the pull threads (P's side: lease_server; the messages: lease_messages).
 
 Best effort: P's lease expiry frees the blocks anyway; only promptness is lost. They run on
 their own threads, never queued behind pulls, so a stalled pull cannot let the leases of
@@ -7,6 +7,12 @@ other waiting requests expire. Each linked P rank has a lane (a thread) of its o
 has notices pending, so one stalled P cannot delay another's heartbeats; addresses no
 handshake vouched for (named by clients in kv_transfer_params, maybe dead) share one lane,
 so they cannot hold up linked peers nor grow the number of threads.
+
+Heartbeats: one message per peer carries every lease D still waits on there, at most every
+`heartbeat_s`, and never while the previous one to that peer is in flight: an unreachable P
+must not pile up work for the others. Peers are named by kv_transfer_params, i.e. by clients,
+so a peer is tracked only while a waiting request names it or its heartbeat is in flight;
+nothing is kept from history, and the state never outgrows the requests D is waiting on.
 """
 
 from __future__ import annotations
@@ -15,17 +21,21 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.heartbeats import DueHeartbeat, HeartbeatSchedule
+from hixl_connector.connector.lease_messages import (
+    MAX_NOTIFICATION_ITEMS,
+    LeaseNotice,
+    Notification,
+)
 from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
-from hixl_connector.connector.notifications import MAX_NOTIFICATION_ITEMS, LeaseNotice, Notification
 from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError
 
 logger = logging.getLogger(__name__)
 
 
-class LeaseNotifier:
+class LeaseClient:
     """``client_for(target)``: the client to use and whether to close it after (a linked
     peer's persistent client is shared); ``targets(remote)``: the P ranks this D rank
     notifies, each with the number of distinct D ranks that P rank waits for (see
@@ -176,3 +186,58 @@ class PeerLanes:
                 return
             del self._lanes[key]
         lane.shutdown(wait=False)  # its thread ends after this task
+
+
+PeerKey = tuple[str, str, int]  # (engine_id, side-channel host, port of the rank)
+
+
+@dataclass(frozen=True)
+class DueHeartbeat:
+    key: PeerKey
+    target: PeerRank
+    items: tuple[LeaseNotice, ...]
+
+
+class HeartbeatSchedule:
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._last_sent: dict[PeerKey, float] = {}
+        self._in_flight: set[PeerKey] = set()
+        self._lock = threading.Lock()  # the step thread schedules, the control thread finishes
+
+    def due(self, beats: list[tuple[PeerRank, str, int]], now: float) -> list[DueHeartbeat]:
+        """The heartbeats to send now for this step's waiting leases (marked in flight)."""
+        waiting: dict[PeerKey, list[LeaseNotice]] = {}
+        targets: dict[PeerKey, PeerRank] = {}
+        for target, remote_request_id, lease_id in beats:
+            key = target.key
+            waiting.setdefault(key, []).append(LeaseNotice(remote_request_id, lease_id))
+            targets[key] = target
+        due = []
+        with self._lock:
+            # A peer no waiting request names any more is forgotten: its next heartbeat, if it
+            # ever gets one, merely goes out a little early.
+            self._last_sent = {
+                key: sent_at
+                for key, sent_at in self._last_sent.items()
+                if key in waiting or key in self._in_flight
+            }
+            for key, items in waiting.items():
+                if key in self._in_flight:
+                    continue
+                sent_at = self._last_sent.get(key)
+                if sent_at is not None and now - sent_at < self._interval_s:
+                    continue
+                self._last_sent[key] = now
+                self._in_flight.add(key)
+                due.append(DueHeartbeat(key, targets[key], tuple(items)))
+        return due
+
+    def finished(self, key: PeerKey) -> None:
+        """The heartbeat to `key` was delivered or failed; the next one may be scheduled."""
+        with self._lock:
+            self._in_flight.discard(key)
+
+    def tracked_peers(self) -> int:
+        with self._lock:
+            return len(self._last_sent.keys() | self._in_flight)

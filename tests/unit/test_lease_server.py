@@ -1,11 +1,22 @@
-"""LeaseTable: every lease ends exactly once, by consumers' "done" or by expiry."""
+"""LeaseTable: every lease ends exactly once, by consumers' "done" or by expiry; LeaseServer
+answers D's notices and clears each lease word before it reports the lease (real shared
+memory)."""
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.leases import LeaseTable
+from hixl_connector.connector.lease_messages import LeaseNotice, Notification
+from hixl_connector.connector.lease_server import LeaseServer, LeaseTable
+from hixl_connector.connector.lease_words import CLEARED, LeaseWords, words_path
+from hixl_connector.connector.metadata import SendSpec
 
 
 def finished(table: LeaseTable) -> set[str]:
@@ -124,3 +135,65 @@ def test_done_after_expiry_is_not_a_good_read() -> None:
     table.start("r1", 5, now=0)
     table.expire(now=2)
     assert table.consumer_done("r1", 5, consumers=1, now=2, rank=0) == "unknown"
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.wakes = 0
+
+    def record(self, counter: str, n: int = 1) -> None:
+        self.counts[counter] = self.counts.get(counter, 0) + n
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+
+@pytest.fixture
+def words() -> Iterator[LeaseWords]:
+    path = words_path(f"test-{uuid.uuid4()}", 0, 0)
+    words = LeaseWords.create(path, 8)
+    yield words
+    words.unlink()
+    words.close()
+
+
+def done(kind: str, request_id: str, lease_id: int, rank: int = 0) -> dict[str, Any]:
+    return Notification(kind, (LeaseNotice(request_id, lease_id, 1, rank),)).to_dict()
+
+
+def test_server_clears_the_word_before_it_reports_a_lease_done(words: LeaseWords) -> None:
+    counters = Counters()
+    server = LeaseServer(10.0, words, counters.record, counters.wake)
+    handlers = server.handlers()
+    words.publish(2, 0xAB)
+    server.start([SendSpec("r1", 7, 2, 0xAB)], time.monotonic())
+    assert server.finished(time.monotonic()) == set() and words[2] == 0xAB
+    assert handlers["heartbeat"](Notification("heartbeat", (LeaseNotice("r1", 7),)).to_dict()) == {
+        "results": [True]
+    }
+    assert handlers["done"](done("done", "r1", 7)) == {"results": ["finished"]}
+    assert counters.wakes == 1
+    assert words[2] == 0xAB  # still published until the step thread reports the lease
+    assert server.finished(time.monotonic()) == {"r1"}
+    assert words[2] == CLEARED and len(server) == 0
+    assert server.finished(time.monotonic()) == set()  # reported exactly once
+
+
+def test_server_ends_an_expired_lease_and_counts_it(words: LeaseWords) -> None:
+    counters = Counters()
+    server = LeaseServer(0.5, words, counters.record, counters.wake)
+    words.publish(1, 0xCD)
+    now = time.monotonic()
+    server.start([SendSpec("r2", 9, 1, 0xCD)], now)
+    assert server.handlers()["release"](done("release", "r2", 8)) == {"results": ["unknown"]}
+    assert server.finished(now + 0.4) == set()
+    assert server.finished(now + 0.6) == {"r2"}
+    assert counters.counts == {"expired_leases": 1} and words[1] == CLEARED
+
+
+def test_server_refuses_a_malformed_notice(words: LeaseWords) -> None:
+    server = LeaseServer(1.0, words, Counters().record, Counters().wake)
+    for bad in ({"type": "done", "items": [["r", -1, 1, 0]]}, {"type": "done"}, []):
+        with pytest.raises(ValueError):
+            server.handlers()["done"](bad)  # type: ignore[arg-type]

@@ -1,4 +1,6 @@
-"""P-side block leases: which prefilled requests still pin their blocks, and until when.
+"""P side of the lease protocol: which prefilled requests still pin their blocks, and until
+when (``LeaseTable``), and ``LeaseServer``, which answers D's notices on the side channel and
+ends leases (D's side: lease_client; the messages: lease_messages).
 
 A lease starts when P's scheduler hands a finished prefill to the worker (SendSpec); its lease
 word (lease_words) already vouches for it, published by the scheduler. It ends
@@ -15,9 +17,19 @@ early notifications are parked (bounded in number and age) and applied when the 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from hixl_connector.connector.lease_messages import LeaseNotice, Notification
+from hixl_connector.connector.lease_words import LeaseWords
+from hixl_connector.connector.metadata import SendSpec
+
+logger = logging.getLogger(__name__)
 
 _EARLY_NOTICE_LIMIT = 4096
 _ENDED_MEMORY = 4096
@@ -135,3 +147,70 @@ class LeaseTable:
             return "unknown"
         self._early[request_id] = _EarlyNotice(lease_id, consumers, {rank}, now)
         return "early"
+
+
+class LeaseServer:
+    """P's leases: started from the scheduler's SendSpecs, ended by D's "done"/"release"
+    (``handlers``, on the side-channel thread) or by expiry (``finished``, on the step
+    thread), which clears each one's lease word before reporting it. ``wake`` is called when
+    a notice may have ended a lease; ``record`` counts "expired_leases"."""
+
+    def __init__(
+        self,
+        lease_s: float,
+        words: LeaseWords,
+        record: Callable[[str, int], None],
+        wake: Callable[[], None],
+    ) -> None:
+        self._table = LeaseTable(lease_s)
+        self._words = words
+        self._record = record
+        self._wake = wake
+
+    def start(self, sends: Iterable[SendSpec], now: float) -> None:
+        for send in sends:
+            self._table.start(send.request_id, send.lease_id, now, send.slot, send.word)
+
+    def finished(self, now: float) -> set[str]:
+        """The requests whose leases ended since the last call: their blocks may go."""
+        expired = self._table.expire(now)
+        for request_id in expired:
+            logger.warning("hixl: lease of request %s expired; releasing its blocks", request_id)
+        if expired:
+            self._record("expired_leases", len(expired))
+        finished = set()
+        for lease in self._table.take_finished():
+            # Cleared first: vLLM may hand the blocks to another request once it learns.
+            self._words.clear(lease.slot, lease.word)
+            finished.add(lease.request_id)
+        return finished
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        """The side channel's handlers of D's notices."""
+        return {"done": self._on_done, "release": self._on_done, "heartbeat": self._on_heartbeat}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
+        answer = _answer_each(
+            message,
+            lambda n, now: self._table.consumer_done(
+                n.remote_request_id, n.lease_id, n.consumers, now, rank=n.rank
+            ),
+        )
+        self._wake()
+        return answer
+
+    def _on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
+        return _answer_each(
+            message, lambda n, now: self._table.heartbeat(n.remote_request_id, n.lease_id, now)
+        )
+
+
+def _answer_each(
+    message: dict[str, Any], answer: Callable[[LeaseNotice, float], Any]
+) -> dict[str, Any]:
+    """Validates a D -> P notification and answers each of its items, in order."""
+    now = time.monotonic()
+    return {"results": [answer(notice, now) for notice in Notification.from_dict(message).items]}
