@@ -246,7 +246,7 @@ class HixlWorker:
             recving.add(outcome.request_id)
             if not outcome.ok:
                 failed.add(outcome.request_id)
-        finished = self._leases.finished(time.monotonic()) if self._leases else set()
+        finished = set() if self._leases is None else self._leases.finished(time.monotonic())
         return finished, recving, failed
 
     def get_stats(self) -> HixlKVConnectorStats | None:
