@@ -12,7 +12,7 @@
 #include <tuple>
 
 #include "hixl/engine.h"
-#include "../src/sha256.h"
+#include "../src/crypto.h"
 
 namespace nb = nanobind;
 using Result = std::tuple<int64_t, std::string>;

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "sha256.h"
+#include "crypto.h"
 
 namespace hixl {
 
@@ -25,7 +25,5 @@ Digest server_proof(const std::string& token, const Nonce& client_nonce,
                     const Nonce& server_nonce);
 Digest client_proof(const std::string& token, const Nonce& client_nonce,
                     const Nonce& server_nonce);
-// Constant-time comparison so timing does not leak how many bytes matched.
-bool digests_equal(const Digest& a, const Digest& b);
 
 }  // namespace hixl
