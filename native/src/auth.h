@@ -20,6 +20,7 @@ constexpr size_t kMinTokenChars = 32;
 // characters), else the reason to show the user.
 std::string token_problem(const std::string& token);
 
+// Fresh random bytes; throws std::system_error when the kernel cannot supply them.
 Nonce make_nonce();
 Digest server_proof(const std::string& token, const Nonce& client_nonce,
                     const Nonce& server_nonce);

@@ -10,6 +10,24 @@
 #include "auth.h"
 
 namespace hixl {
+
+Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unregistrations_addr) {
+  Identity id;
+  id.cluster_id = cluster_id;
+  id.pid = ::getpid();
+  struct stat st {};
+  if (::stat("/proc/self/ns/pid", &st) == 0) id.pid_namespace = st.st_ino;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::getline(boot, id.boot_id);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  id.host = host;
+  id.probe_addr = reinterpret_cast<uint64_t>(probe);
+  std::memcpy(id.probe.data(), probe, kProbeBytes);
+  id.unregistrations_addr = unregistrations_addr;
+  return id;
+}
+
 namespace {
 
 Status link_failed(const std::string& msg) { return Status::Error(status::kLinkFailed, msg); }
@@ -53,27 +71,8 @@ void refuse(int fd, int64_t code, const std::string& msg, Deadline deadline) {
   wire::send_frame(fd, wire::kError, wire::error_payload(code, msg), deadline, &timed_out);
 }
 
-}  // namespace
-
-Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unregistrations_addr) {
-  Identity id;
-  id.cluster_id = cluster_id;
-  id.pid = ::getpid();
-  struct stat st {};
-  if (::stat("/proc/self/ns/pid", &st) == 0) id.pid_namespace = st.st_ino;
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::getline(boot, id.boot_id);
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  id.host = host;
-  id.probe_addr = reinterpret_cast<uint64_t>(probe);
-  std::memcpy(id.probe.data(), probe, kProbeBytes);
-  id.unregistrations_addr = unregistrations_addr;
-  return id;
-}
-
-Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
-                        const std::string& token, Deadline deadline, Identity* peer) {
+Status client_steps(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
+                    const std::string& token, Deadline deadline, Identity* peer) {
   const std::string what = "handshake with cluster " + std::to_string(expected_cluster);
   Nonce client_nonce = make_nonce();
   wire::Encoder hello;
@@ -133,9 +132,8 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
   return Status::Ok();
 }
 
-std::string server_handshake(int fd, const Identity& me, const std::string& token,
-                             Deadline deadline, const Admission& admit, bool* auth_refused) {
-  *auth_refused = false;
+std::string server_steps(int fd, const Identity& me, const std::string& token,
+                         Deadline deadline, const Admission& admit, bool* auth_refused) {
   wire::Header h;
   std::vector<uint8_t> payload;
   bool timed_out = false;
@@ -200,6 +198,32 @@ std::string server_handshake(int fd, const Identity& me, const std::string& toke
   welcome.u64(me.unregistrations_addr);
   e = wire::send_frame(fd, wire::kWelcome, welcome.bytes(), deadline, &timed_out);
   return e;
+}
+
+}  // namespace
+
+Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
+                        const std::string& token, Deadline deadline, Identity* peer) {
+  // Nonces and proofs throw when the kernel or libcrypto fail; the link fails, not the process.
+  try {
+    return client_steps(fd, my_cluster, expected_cluster, channel, token, deadline, peer);
+  } catch (const std::exception& e) {
+    return link_failed("handshake with cluster " + std::to_string(expected_cluster) + ": " +
+                       e.what());
+  }
+}
+
+std::string server_handshake(int fd, const Identity& me, const std::string& token,
+                             Deadline deadline, const Admission& admit, bool* auth_refused) {
+  *auth_refused = false;
+  // Runs on a connection thread, where an escaping exception would end the process.
+  try {
+    return server_steps(fd, me, token, deadline, admit, auth_refused);
+  } catch (const std::exception& e) {
+    std::string why = std::string("handshake: internal error: ") + e.what();
+    refuse(fd, status::kFailed, why, deadline);
+    return why;
+  }
 }
 
 }  // namespace hixl

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 
 namespace hixl {
 
@@ -298,7 +299,8 @@ void fill_random(void* out, size_t n) {
     ssize_t r = ::getrandom(p, n, 0);
     if (r < 0) {
       if (errno == EINTR) continue;
-      break;
+      // A nonce or probe left partly zero would be guessable: never hand one out.
+      throw std::system_error(errno, std::generic_category(), "getrandom");
     }
     p += r;
     n -= static_cast<size_t>(r);

@@ -147,6 +147,7 @@ void set_nodelay(int fd);
 void set_keepalive(int fd);
 // Bytes that must be queued before a poll for input reports the socket readable (1 = any).
 void set_receive_low_water(int fd, int bytes);
+// Fills with kernel randomness; throws std::system_error when getrandom fails.
 void fill_random(void* out, size_t n);
 
 }  // namespace wire
