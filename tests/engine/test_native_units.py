@@ -1,9 +1,14 @@
 """Native engine pieces checked without a peer: the planner's runs, option and bind errors,
-the transfer pool under throwing work, and the HMAC primitives."""
+the transfer pool under throwing work and when its threads cannot start, and the HMAC
+primitives."""
 
 from __future__ import annotations
 
+import json
+import re
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -73,3 +78,49 @@ def test_hmac_sha256_known_vectors() -> None:
         ).hex()
         == "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
     )
+
+
+# Runs in its own interpreter: caps the address space so that only a few 8 MiB thread stacks
+# fit, asks for 64 transfer threads, and reports what the failure left behind.
+THREAD_START_FAILURE = """
+import json, os, resource
+from hixl_connector import _native
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+with open("/proc/self/status") as status:
+    vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, ((vm_kib << 10) + (48 << 20), hard))
+try:
+    _native.Engine(1, transfer_threads=64)
+    error = ""
+except RuntimeError as exc:
+    error = str(exc)
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+after = threads()
+engine = _native.Engine(2, transfer_threads=2)  # the process is still fine
+engine.close()
+print(json.dumps({"error": error, "before": before, "after": after}))
+"""
+
+
+def test_a_thread_pool_that_cannot_start_stops_its_threads_and_says_so() -> None:
+    """Thread creation failing part-way must neither terminate the process nor leave the
+    threads already started running: the Engine constructor raises a clear error."""
+    proc = subprocess.run(
+        [sys.executable, "-c", THREAD_START_FAILURE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert re.fullmatch(
+        r"cannot start the engine: cannot start transfer thread (\d+) of 64 "
+        r"\(the \d+ started were stopped\): .+",
+        result["error"],
+    ), result["error"]
+    assert result["after"] == result["before"]  # every started thread was joined
