@@ -27,9 +27,8 @@ std::string limit_message(const char* what, int limit) {
 // For a socket the accept thread refuses: one attempt, never blocks (a fresh socket's send
 // buffer is empty, so the frame normally fits at once).
 void refuse_without_waiting(int fd, const std::string& msg) {
-  bool timed_out = false;
   wire::send_frame(fd, wire::kError, wire::error_payload(status::kLinkBusy, msg),
-                   deadline_after_ms(0), &timed_out);
+                   deadline_after_ms(0));
 }
 
 }  // namespace
@@ -150,9 +149,8 @@ void Server::accept_loop() {
 }
 
 void Server::send_error(int fd, int64_t code, const std::string& msg) {
-  bool timed_out = false;
   wire::send_frame(fd, wire::kError, wire::error_payload(code, msg),
-                   deadline_after_ms(wire::kFrameTimeoutMs), &timed_out);
+                   deadline_after_ms(wire::kFrameTimeoutMs));
 }
 
 void Server::serve(Connection* conn) {
@@ -198,8 +196,7 @@ bool Server::admit_authenticated() {
 }
 
 void Server::serve_requests(int fd) {
-  std::string e;
-  while (e.empty()) {
+  for (;;) {
     // Idle authenticated connections may wait indefinitely (stop() wakes them with shutdown,
     // keepalive notices a vanished peer); once a frame starts it must complete within
     // kFrameTimeoutMs.
@@ -208,13 +205,12 @@ void Server::serve_requests(int fd) {
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 || (p.revents & (POLLERR | POLLNVAL))) break;
     wire::Header h;
-    bool timed_out = false;
     Deadline deadline = deadline_after_ms(wire::kFrameTimeoutMs);
-    e = wire::recv_header(fd, &h, deadline, &timed_out);
-    if (!e.empty()) {
-      if (e != "connection closed by peer") {
+    wire::IoResult io = wire::recv_header(fd, &h, deadline);
+    if (!io.ok()) {
+      if (io.error != wire::IoError::kPeerClosed) {  // a close between frames is an unlink
         stats_.rejected_requests++;
-        send_error(fd, status::kFailed, "bad frame: " + e);
+        send_error(fd, status::kFailed, "bad frame: " + io.reason);
       }
       break;
     }
@@ -226,8 +222,7 @@ void Server::serve_requests(int fd) {
     }
     std::vector<uint8_t> payload(h.length);
     MemoryCharge charge(meter_, static_cast<int64_t>(payload.size()));
-    e = wire::recv_all(fd, payload.data(), payload.size(), deadline, &timed_out);
-    if (!e.empty()) {
+    if (!wire::recv_all(fd, payload.data(), payload.size(), deadline).ok()) {
       stats_.rejected_requests++;
       break;
     }
@@ -235,10 +230,13 @@ void Server::serve_requests(int fd) {
       if (!handle_read(fd, payload)) break;
     } else if (h.type == wire::kTableRequest && payload.empty()) {
       std::vector<uint8_t> table = table_.encode_remote_visible();
-      e = wire::send_frame(fd, wire::kTable, table, deadline_after_ms(wire::kSendStallTimeoutMs),
-                           &timed_out);
+      if (!wire::send_frame(fd, wire::kTable, table,
+                            deadline_after_ms(wire::kSendStallTimeoutMs))
+               .ok()) {
+        break;
+      }
     } else if (h.type == wire::kBye) {
-      wire::send_frame(fd, wire::kByeAck, {}, deadline, &timed_out);
+      wire::send_frame(fd, wire::kByeAck, {}, deadline);
       break;
     } else {
       stats_.rejected_requests++;
@@ -265,10 +263,7 @@ bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
   const CacheTable::Pin source = table_.pin_remote_by_serial(serial);
   if (!source) {
     // The client planned from a copy of our table that names an unregistered cache.
-    bool timed_out = false;
-    return wire::send_frame(fd, wire::kStale, {}, deadline_after_ms(wire::kFrameTimeoutMs),
-                            &timed_out)
-        .empty();
+    return wire::send_frame(fd, wire::kStale, {}, deadline_after_ms(wire::kFrameTimeoutMs)).ok();
   }
   for (uint32_t i = 0; i < n; ++i) {
     uint64_t addr = 0, len = 0;
@@ -293,13 +288,13 @@ bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
   std::memcpy(header + 6, &type, 2);
   std::memcpy(header + 8, &total, 8);
   iov[0] = {header, sizeof(header)};
-  bool timed_out = false;
   // The reply fails only when the reader makes no progress for the stall timeout (a slow
   // reader of a huge reply is fine) or holds it past kReadReplyLimitMs (a trickle is not).
-  std::string e = wire::sendv_all_with_stall(fd, iov.data(), iov.size(),
-                                             wire::kSendStallTimeoutMs,
-                                             deadline_after_ms(kReadReplyLimitMs), &timed_out);
-  if (!e.empty()) return false;
+  if (!wire::sendv_all_with_stall(fd, iov.data(), iov.size(), wire::kSendStallTimeoutMs,
+                                  deadline_after_ms(kReadReplyLimitMs))
+           .ok()) {
+    return false;
+  }
   stats_.served_requests++;
   stats_.served_bytes += static_cast<int64_t>(total);
   return true;
