@@ -31,6 +31,12 @@ void refuse_without_waiting(int fd, const std::string& msg) {
                    deadline_after_ms(0));
 }
 
+void signal_eventfd(int fd) {
+  uint64_t one = 1;
+  ssize_t ignored = ::write(fd, &one, sizeof(one));
+  (void)ignored;
+}
+
 }  // namespace
 
 Server::Server(const std::string& host, int port, Identity identity, std::string token,
@@ -68,7 +74,10 @@ Server::Server(const std::string& host, int port, Identity identity, std::string
   port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
                                            : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   wake_fd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake_fd_.valid()) throw bind_error(host, port, std::string("eventfd: ") + std::strerror(errno));
+  finished_fd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_.valid() || !finished_fd_.valid()) {
+    throw bind_error(host, port, std::string("eventfd: ") + std::strerror(errno));
+  }
   wire::set_nonblocking(listen_fd_.get());
   accept_thread_ = std::thread([this] { accept_loop(); });
 }
@@ -81,9 +90,7 @@ void Server::stop() {
     if (stopped_) return;
     stopped_ = true;
   }
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_fd_.get(), &one, sizeof(one));
-  (void)ignored;
+  signal_eventfd(wake_fd_.get());
   if (accept_thread_.joinable()) accept_thread_.join();
   std::list<std::unique_ptr<Connection>> conns;
   {
@@ -110,10 +117,21 @@ void Server::reap_finished_locked() {
 
 void Server::accept_loop() {
   for (;;) {
-    pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
-    int r = ::poll(fds, 2, -1);
+    pollfd fds[3] = {{listen_fd_.get(), POLLIN, 0},
+                     {wake_fd_.get(), POLLIN, 0},
+                     {finished_fd_.get(), POLLIN, 0}};
+    int r = ::poll(fds, 3, -1);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 || (fds[1].revents & POLLIN)) return;
+    if (fds[2].revents & POLLIN) {
+      // A finished connection's thread and socket go now, not at the next accept, which
+      // may never come.
+      uint64_t count = 0;
+      ssize_t ignored = ::read(finished_fd_.get(), &count, sizeof(count));
+      (void)ignored;
+      std::lock_guard<std::mutex> lock(mu_);
+      reap_finished_locked();
+    }
     if (!(fds[0].revents & POLLIN)) continue;
     UniqueFd fd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd.valid()) {
@@ -155,28 +173,14 @@ void Server::send_error(int fd, int64_t code, const std::string& msg) {
 
 void Server::serve(Connection* conn) {
   const int fd = conn->fd.get();
-  bool full = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    full = authenticated_ >= kMaxConnections;
-  }
   bool authenticated = false;
-  if (full) {  // refuse before the handshake: it could only end in the same refusal
+  // An exception must not escape a connection thread (that would end the process); it
+  // ends this connection only.
+  try {
+    serve_connection(fd, &authenticated);
+  } catch (const std::exception& e) {
     stats_.rejected_requests++;
-    send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
-  } else {
-    // The slot moves to the authenticated pool before WELCOME, so a full pool is refused
-    // in place of WELCOME rather than after it.
-    auto admit = [&]() -> std::string {
-      authenticated = admit_authenticated();
-      return authenticated ? "" : limit_message("authenticated", kMaxConnections);
-    };
-    bool auth_refused = false;
-    std::string e = server_handshake(fd, identity_, token_,
-                                     deadline_after_ms(wire::kHandshakeTimeoutMs), admit,
-                                     &auth_refused);
-    if (!e.empty()) stats_.rejected_requests++;
-    if (authenticated && e.empty()) serve_requests(fd);
+    send_error(fd, status::kFailed, std::string("internal error: ") + e.what());
   }
   {
     // Before the shutdown, so a peer that sees the close may count on the slot being free.
@@ -185,6 +189,32 @@ void Server::serve(Connection* conn) {
   }
   ::shutdown(fd, SHUT_RDWR);  // the peer sees the close now; the fd is closed when reaped
   conn->done.store(true);
+  signal_eventfd(finished_fd_.get());  // after `done`, so the accept thread reaps this one
+}
+
+void Server::serve_connection(int fd, bool* authenticated) {
+  bool full = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    full = authenticated_ >= kMaxConnections;
+  }
+  if (full) {  // refuse before the handshake: it could only end in the same refusal
+    stats_.rejected_requests++;
+    send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
+  } else {
+    // The slot moves to the authenticated pool before WELCOME, so a full pool is refused
+    // in place of WELCOME rather than after it.
+    auto admit = [&]() -> std::string {
+      *authenticated = admit_authenticated();
+      return *authenticated ? "" : limit_message("authenticated", kMaxConnections);
+    };
+    bool auth_refused = false;
+    std::string e = server_handshake(fd, identity_, token_,
+                                     deadline_after_ms(wire::kHandshakeTimeoutMs), admit,
+                                     &auth_refused);
+    if (!e.empty()) stats_.rejected_requests++;
+    if (*authenticated && e.empty()) serve_requests(fd);
+  }
 }
 
 bool Server::admit_authenticated() {
