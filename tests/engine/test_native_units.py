@@ -1,6 +1,6 @@
 """Native engine pieces checked without a peer: the planner's runs, option and bind errors,
 the transfer pool under throwing work and when its threads cannot start, and the HMAC
-primitives."""
+primitives (the references and self-tests come from the bench module)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ import sys
 import numpy as np
 import pytest
 
-from hixl_connector import _native
+from hixl_connector import _native, _native_bench
 
 
 def test_plan_runs() -> None:
-    assert _native.plan_runs([3, 4, 5], [10, 11, 12]) == [(3, 10, 3)]
-    assert _native.plan_runs([5, 4, 3], [12, 11, 10]) == [(5, 12, 1), (4, 11, 1), (3, 10, 1)]
-    assert _native.plan_runs(np.array([1, 2, 7, 8], np.uint64), np.array([0, 1, 2, 3])) == [
+    assert _native_bench.plan_runs([3, 4, 5], [10, 11, 12]) == [(3, 10, 3)]
+    assert _native_bench.plan_runs([5, 4, 3], [12, 11, 10]) == [(5, 12, 1), (4, 11, 1), (3, 10, 1)]
+    assert _native_bench.plan_runs(np.array([1, 2, 7, 8], np.uint64), np.array([0, 1, 2, 3])) == [
         (1, 0, 2),
         (7, 2, 2),
     ]
-    assert _native.plan_runs([], []) == []
-    assert _native.time_plan(list(range(128)), list(range(128)), 64, 3) > 0
+    assert _native_bench.plan_runs([], []) == []
+    assert _native_bench.time_plan(list(range(128)), list(range(128)), 64, 3) > 0
 
 
 def test_engine_options_and_bind_errors() -> None:
@@ -52,7 +52,7 @@ def test_engine_options_and_bind_errors() -> None:
 def test_thread_pool_survives_throwing_tasks_and_shares() -> None:
     """A task or pull share that throws (std::bad_alloc, say) must not end the process, hang
     a caller, or leave a share running after run_shares returned."""
-    result = _native.thread_pool_selftest()
+    result = _native_bench.thread_pool_selftest()
     assert result["rethrown"] == 1  # the caller got the share's exception
     assert result["shares_run_after_return"] == 0
     # 1 ms shares: the 5 before the throw and the few in flight ran, the rest were skipped.
@@ -63,17 +63,17 @@ def test_thread_pool_survives_throwing_tasks_and_shares() -> None:
 
 
 def test_hmac_sha256_known_vectors() -> None:
-    assert _native.sha256(b"abc").hex().startswith("ba7816bf8f01cfea")
+    assert _native_bench.sha256(b"abc").hex().startswith("ba7816bf8f01cfea")
     # RFC 4231 test cases 1 and 2.
-    assert _native.hmac_sha256(b"\x0b" * 20, b"Hi There").hex() == (
+    assert _native_bench.hmac_sha256(b"\x0b" * 20, b"Hi There").hex() == (
         "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
     )
-    assert _native.hmac_sha256(b"Jefe", b"what do ya want for nothing?").hex() == (
+    assert _native_bench.hmac_sha256(b"Jefe", b"what do ya want for nothing?").hex() == (
         "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
     )
     # RFC 4231 case 6: a key longer than the block size is hashed first.
     assert (
-        _native.hmac_sha256(
+        _native_bench.hmac_sha256(
             b"\xaa" * 131, b"Test Using Larger Than Block-Size Key - Hash Key First"
         ).hex()
         == "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
