@@ -46,7 +46,8 @@ def load_native() -> Any:
     except ImportError as exc:
         raise ImportError(
             "the native engine hixl_connector._native is not built; install the package with "
-            "`pip install --no-build-isolation -e .` (needs a C++17 compiler and CMake)"
+            "`pip install --no-build-isolation -e .` (needs a C++17 compiler, CMake and the "
+            "OpenSSL headers)"
         ) from exc
     built = getattr(_native, "ABI_VERSION", None)
     if built != NATIVE_ABI_VERSION:

@@ -169,7 +169,7 @@ def _random_pairs(
 
 
 def _ops(
-    native: Any,
+    refs: Any,
     src: list[int],
     dst: list[int],
     src_bases: list[int],
@@ -178,7 +178,7 @@ def _ops(
 ) -> tuple[list[int], list[int], list[int]]:
     """The engine's plan as (dst, src, length) lists: one op per tensor per run."""
     dst_addrs, src_addrs, lengths = [], [], []
-    for src_start, dst_start, length in native.plan_runs(src, dst):
+    for src_start, dst_start, length in refs.plan_runs(src, dst):
         for t in range(NUM_TENSORS):
             dst_addrs.append(dst_bases[t] + dst_start * block_bytes)
             src_addrs.append(src_bases[t] + src_start * block_bytes)
@@ -196,8 +196,8 @@ class Measurement:
     process_vm_readv calls from the server's pool), run back to back in rotating order so
     that all of them see the same load on a shared machine."""
 
-    def __init__(self, native: Any, dd: Any, layout: Layout, threads: int, server: Server) -> None:
-        self.native, self.dd, self.layout, self.threads = native, dd, layout, threads
+    def __init__(self, refs: Any, dd: Any, layout: Layout, threads: int, server: Server) -> None:
+        self.refs, self.dd, self.layout, self.threads = refs, dd, layout, threads
         self.server = server
         self.key = _api().BlocksCacheKey(SERVER_CLUSTER, 0)
         self.pool = _alloc_pool(layout, fill=False)
@@ -222,16 +222,14 @@ class Measurement:
     def copy(self, count: int) -> float:
         src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
         ops = _ops(
-            self.native, src, dst, self.replica_bases, self.pool_bases, self.layout.block_bytes
+            self.refs, src, dst, self.replica_bases, self.pool_bases, self.layout.block_bytes
         )
-        return float(self.native.scatter_copy(*ops, self.threads))
+        return float(self.refs.scatter_copy(*ops, self.threads))
 
     def raw_read(self, count: int) -> float:
         src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
-        ops = _ops(
-            self.native, src, dst, self.server.bases, self.pool_bases, self.layout.block_bytes
-        )
-        elapsed = float(self.native.scatter_read_process(self.server.pid, *ops, self.threads))
+        ops = _ops(self.refs, src, dst, self.server.bases, self.pool_bases, self.layout.block_bytes)
+        elapsed = float(self.refs.scatter_read_process(self.server.pid, *ops, self.threads))
         if elapsed < 0:
             raise RuntimeError("process_vm_readv from the benchmark server failed")
         return elapsed
@@ -253,7 +251,7 @@ class Measurement:
 
 
 def measure_transport(
-    native: Any,
+    refs: Any,
     transport: str,
     layout: Layout,
     server: Server,
@@ -266,7 +264,7 @@ def measure_transport(
     dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
     dd.init(_options(transport, threads, None))
     try:
-        m = Measurement(native, dd, layout, threads, server)
+        m = Measurement(refs, dd, layout, threads, server)
         info = api.LLMClusterInfo()
         info.remote_cluster_id = SERVER_CLUSTER
         info.append_local_ip_info("127.0.0.1", 0)
@@ -303,6 +301,20 @@ def measure_transport(
         dd.finalize()
 
 
+def load_references() -> Any:
+    """The benchmark references (planner timing, scatter memcpy, bare process_vm_readv), a
+    module of their own that the connector never loads."""
+    try:
+        from hixl_connector import _native_bench
+    except ImportError as exc:
+        raise ImportError(
+            "the benchmark module hixl_connector._native_bench is not built; install the "
+            "package with `pip install --no-build-isolation -e .` (needs a C++17 compiler, "
+            "CMake and the OpenSSL headers)"
+        ) from exc
+    return _native_bench
+
+
 def _median_ratio(reference: list[float], measured: list[float]) -> float:
     """Median of per-iteration reference/measured time ratios (speed of measured relative to
     reference): robust to load that changes during the run."""
@@ -310,15 +322,13 @@ def _median_ratio(reference: list[float], measured: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from hixl_connector.datadist.native import load_native
-
-    _native = load_native()
+    refs = load_references()
 
     tokens = 512 if args.quick else 2048
     pool_bytes = (256 << 20) if args.quick else (1 << 30)
     iters, lat_iters = (2, 5) if args.quick else (15, 50)
     plan_blocks = np.random.default_rng(3).permutation(4096)[:256].tolist()
-    plan_s = _native.time_plan(
+    plan_s = refs.time_plan(
         plan_blocks[:128], plan_blocks[128:], NUM_TENSORS, 200 if args.quick else 2000
     )
     report: dict[str, Any] = {
@@ -347,7 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for transport in args.transports:
                 report["transports"][transport][name] = measure_transport(
-                    _native, transport, layout, server, tokens, iters, lat_iters, args.threads
+                    refs, transport, layout, server, tokens, iters, lat_iters, args.threads
                 )
         finally:
             server_stats = server.stop()

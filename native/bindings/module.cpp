@@ -1,5 +1,6 @@
-// nanobind bindings: the only interface between the C++ engine and Python
-// (contract: hixl_connector._native). The GIL is released for every call that may block.
+// nanobind bindings of the runtime module hixl_connector._native: the engine facade and its
+// status codes, nothing else (benchmark references live in _native_bench). The GIL is
+// released for every call that may block.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -11,66 +12,16 @@
 #include <string>
 #include <tuple>
 
+#include "convert.h"
 #include "hixl/engine.h"
-#include "../src/sha256.h"
 
 namespace nb = nanobind;
+using hixl_bindings::to_vector;
 using Result = std::tuple<int64_t, std::string>;
 
 namespace {
 
 Result to_result(const hixl::Status& s) { return {s.code, s.message}; }
-
-template <typename Elem, typename Out>
-bool copy_array(nb::handle h, std::vector<Out>* out) {
-  nb::ndarray<const Elem, nb::ndim<1>, nb::device::cpu> a;
-  if (!nb::try_cast(h, a, false)) return false;
-  out->resize(a.shape(0));
-  const Elem* data = a.data();
-  const int64_t stride = a.stride(0);
-  for (size_t i = 0; i < out->size(); ++i) {
-    (*out)[i] = static_cast<Out>(data[static_cast<int64_t>(i) * stride]);
-  }
-  return true;
-}
-
-// Accepts a 1-D int64/uint64 numpy array (no per-element Python work) or any int sequence.
-template <typename Out>
-std::vector<Out> to_vector(nb::handle h, const char* name) {
-  std::vector<Out> out;
-  if (nb::ndarray_check(h) &&
-      (copy_array<int64_t>(h, &out) || copy_array<uint64_t>(h, &out))) {
-    return out;
-  }
-  if (!nb::isinstance<nb::sequence>(h) || nb::isinstance<nb::str>(h)) {
-    throw nb::type_error((std::string(name) + " must be a sequence of int or a 1-D int64/uint64 array")
-                             .c_str());
-  }
-  nb::sequence seq = nb::borrow<nb::sequence>(h);
-  out.reserve(nb::len(seq));
-  for (nb::handle item : seq) {
-    Out v;
-    if (!nb::try_cast(item, v)) {
-      throw nb::type_error((std::string(name) + " holds a non-integer or out-of-range value")
-                               .c_str());
-    }
-    out.push_back(v);
-  }
-  return out;
-}
-
-// The op lists of the copy references: equal-length address and length sequences.
-struct OpLists {
-  OpLists(nb::handle d, nb::handle s, nb::handle l)
-      : dst(to_vector<uint64_t>(d, "dst_addrs")),
-        src(to_vector<uint64_t>(s, "src_addrs")),
-        lengths(to_vector<uint64_t>(l, "lengths")) {
-    if (dst.size() != src.size() || dst.size() != lengths.size()) {
-      throw nb::value_error("dst_addrs, src_addrs and lengths differ in length");
-    }
-  }
-  std::vector<uint64_t> dst, src, lengths;
-};
 
 hixl::PullRequest make_request(int64_t remote, int kind, int64_t model_id, int64_t cache_id,
                                int64_t req_id, int64_t prefix_id, int64_t batch_index,
@@ -102,10 +53,6 @@ hixl::PullRequest make_request(int64_t remote, int kind, int64_t model_id, int64
       nb::arg("dst_cache_id"), nb::arg("src_blocks"), nb::arg("dst_blocks"),             \
       nb::arg("src_tensor_first"), nb::arg("src_tensor_count"), nb::arg("dst_tensor_first"), \
       nb::arg("dst_tensor_count"), nb::arg("timeout_ms")
-
-nb::bytes digest_bytes(const hixl::Digest& d) {
-  return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
-}
 
 }  // namespace
 
@@ -261,60 +208,4 @@ NB_MODULE(_native, m) {
             e.close();
           })
       .def("stats", &hixl::Engine::stats);
-
-  m.def(
-      "plan_runs",
-      [](nb::handle src, nb::handle dst) {
-        auto s = to_vector<int64_t>(src, "src_blocks");
-        auto d = to_vector<int64_t>(dst, "dst_blocks");
-        if (s.size() != d.size()) throw nb::value_error("src_blocks and dst_blocks differ in length");
-        std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> out;
-        for (const auto& r : hixl::plan_runs(s.data(), d.data(), s.size())) {
-          out.emplace_back(r.src_start, r.dst_start, r.length);
-        }
-        return out;
-      },
-      nb::arg("src_blocks"), nb::arg("dst_blocks"));
-  m.def(
-      "time_plan",
-      [](nb::handle src, nb::handle dst, int num_tensors, int iterations) {
-        auto s = to_vector<int64_t>(src, "src_blocks");
-        auto d = to_vector<int64_t>(dst, "dst_blocks");
-        nb::gil_scoped_release release;
-        return hixl::time_plan(s, d, num_tensors, iterations);
-      },
-      nb::arg("src_blocks"), nb::arg("dst_blocks"), nb::arg("num_tensors"),
-      nb::arg("iterations"));
-  m.def(
-      "scatter_copy",
-      [](nb::handle dst, nb::handle src, nb::handle lengths, int threads) {
-        OpLists ops(dst, src, lengths);
-        nb::gil_scoped_release release;
-        return hixl::scatter_copy(ops.dst, ops.src, ops.lengths, threads);
-      },
-      nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("threads"));
-  m.def("thread_pool_selftest", [] {
-    nb::gil_scoped_release release;
-    return hixl::thread_pool_selftest();
-  });
-  m.def(
-      "scatter_read_process",
-      [](int pid, nb::handle dst, nb::handle src, nb::handle lengths, int threads) {
-        OpLists ops(dst, src, lengths);
-        nb::gil_scoped_release release;
-        return hixl::scatter_read_process(pid, ops.dst, ops.src, ops.lengths, threads);
-      },
-      nb::arg("pid"), nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"),
-      nb::arg("threads"));
-  m.def(
-      "hmac_sha256",
-      [](nb::bytes key, nb::bytes data) {
-        std::string k(key.c_str(), key.size());
-        return digest_bytes(hixl::hmac_sha256(k, data.c_str(), data.size()));
-      },
-      nb::arg("key"), nb::arg("data"), "HMAC-SHA256 used by link authentication (for tests).");
-  m.def(
-      "sha256",
-      [](nb::bytes data) { return digest_bytes(hixl::sha256(data.c_str(), data.size())); },
-      nb::arg("data"));
 }

@@ -41,10 +41,4 @@ Digest client_proof(const std::string& token, const Nonce& client_nonce,
   return proof(token, "hixl-client-v1", server_nonce, client_nonce);
 }
 
-bool digests_equal(const Digest& a, const Digest& b) {
-  uint8_t diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<uint8_t>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 }  // namespace hixl

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "sha256.h"
+#include "crypto.h"
 
 namespace hixl {
 
@@ -20,12 +20,11 @@ constexpr size_t kMinTokenChars = 32;
 // characters), else the reason to show the user.
 std::string token_problem(const std::string& token);
 
+// Fresh random bytes; throws std::system_error when the kernel cannot supply them.
 Nonce make_nonce();
 Digest server_proof(const std::string& token, const Nonce& client_nonce,
                     const Nonce& server_nonce);
 Digest client_proof(const std::string& token, const Nonce& client_nonce,
                     const Nonce& server_nonce);
-// Constant-time comparison so timing does not leak how many bytes matched.
-bool digests_equal(const Digest& a, const Digest& b);
 
 }  // namespace hixl

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <set>
 #include <stdexcept>
+#include <system_error>
 
 #include "auth.h"
 #include "cache_table.h"
@@ -61,10 +62,15 @@ class Engine::Impl {
  public:
   explicit Impl(const EngineOptions& o) : opts(o) {
     validate(o);
-    wire::fill_random(probe, sizeof(probe));
+    // Resources the system may refuse (randomness, threads): a clear error, not a crash.
+    try {
+      wire::fill_random(probe, sizeof(probe));
+      pool = std::make_unique<ThreadPool>(o.transfer_threads);
+    } catch (const std::system_error& e) {
+      throw std::runtime_error(std::string("cannot start the engine: ") + e.what());
+    }
     identity = local_identity(o.cluster_id, probe,
                               reinterpret_cast<uint64_t>(table.unregistrations_address()));
-    pool = std::make_unique<ThreadPool>(o.transfer_threads);
     if (o.listen_port >= 0) {
       server = std::make_unique<Server>(o.listen_host, o.listen_port, identity, o.auth_token,
                                         table, stats, meter);

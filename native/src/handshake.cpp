@@ -10,50 +10,6 @@
 #include "auth.h"
 
 namespace hixl {
-namespace {
-
-Status link_failed(const std::string& msg) { return Status::Error(status::kLinkFailed, msg); }
-
-Status io_failure(const std::string& what, const std::string& why, bool timed_out) {
-  return Status::Error(timed_out ? status::kTimeout : status::kLinkFailed,
-                       what + ": " + why);
-}
-
-// Receives one frame of the expected type, turning an ERROR frame into its status.
-Status expect_frame(int fd, uint16_t type, std::vector<uint8_t>* payload, uint64_t max_payload,
-                    Deadline deadline, const std::string& what) {
-  wire::Header h;
-  bool timed_out = false;
-  std::string e = wire::recv_frame(fd, &h, payload, max_payload, deadline, &timed_out);
-  if (!e.empty()) return io_failure(what, e, timed_out);
-  if (h.type == wire::kError) {
-    Status s = wire::decode_error(*payload, what);
-    if (s.code != status::kTimeout) s.code = status::kLinkFailed;
-    return s;
-  }
-  if (h.type != type) return link_failed(what + ": unexpected frame type " + std::to_string(h.type));
-  return Status::Ok();
-}
-
-// The ERROR frame the server sent before it closed the connection, if one is there to read;
-// Ok when there is none.
-Status pending_refusal(int fd, Deadline deadline, const std::string& what) {
-  wire::Header h;
-  std::vector<uint8_t> payload;
-  bool timed_out = false;
-  std::string e = wire::recv_frame(fd, &h, &payload, 1024, deadline, &timed_out);
-  if (!e.empty() || h.type != wire::kError) return Status::Ok();
-  Status s = wire::decode_error(payload, what);
-  s.code = status::kLinkFailed;
-  return s;
-}
-
-void refuse(int fd, int64_t code, const std::string& msg, Deadline deadline) {
-  bool timed_out = false;
-  wire::send_frame(fd, wire::kError, wire::error_payload(code, msg), deadline, &timed_out);
-}
-
-}  // namespace
 
 Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unregistrations_addr) {
   Identity id;
@@ -72,8 +28,49 @@ Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unreg
   return id;
 }
 
-Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
-                        const std::string& token, Deadline deadline, Identity* peer) {
+namespace {
+
+Status link_failed(const std::string& msg) { return Status::Error(status::kLinkFailed, msg); }
+
+Status io_failure(const std::string& what, const wire::IoResult& io) {
+  return Status::Error(io.timed_out() ? status::kTimeout : status::kLinkFailed,
+                       what + ": " + io.reason);
+}
+
+// Receives one frame of the expected type, turning an ERROR frame into its status.
+Status expect_frame(int fd, uint16_t type, std::vector<uint8_t>* payload, uint64_t max_payload,
+                    Deadline deadline, const std::string& what) {
+  wire::Header h;
+  wire::IoResult io = wire::recv_frame(fd, &h, payload, max_payload, deadline);
+  if (!io.ok()) return io_failure(what, io);
+  if (h.type == wire::kError) {
+    Status s = wire::decode_error(*payload, what);
+    if (s.code != status::kTimeout) s.code = status::kLinkFailed;
+    return s;
+  }
+  if (h.type != type) return link_failed(what + ": unexpected frame type " + std::to_string(h.type));
+  return Status::Ok();
+}
+
+// The ERROR frame the server sent before it closed the connection, if one is there to read;
+// Ok when there is none.
+Status pending_refusal(int fd, Deadline deadline, const std::string& what) {
+  wire::Header h;
+  std::vector<uint8_t> payload;
+  if (!wire::recv_frame(fd, &h, &payload, 1024, deadline).ok() || h.type != wire::kError) {
+    return Status::Ok();
+  }
+  Status s = wire::decode_error(payload, what);
+  s.code = status::kLinkFailed;
+  return s;
+}
+
+void refuse(int fd, int64_t code, const std::string& msg, Deadline deadline) {
+  wire::send_frame(fd, wire::kError, wire::error_payload(code, msg), deadline);
+}
+
+Status client_steps(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
+                    const std::string& token, Deadline deadline, Identity* peer) {
   const std::string what = "handshake with cluster " + std::to_string(expected_cluster);
   Nonce client_nonce = make_nonce();
   wire::Encoder hello;
@@ -81,14 +78,13 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
   hello.i64(expected_cluster);
   hello.u8(channel);
   hello.raw(client_nonce.data(), client_nonce.size());
-  bool timed_out = false;
-  std::string e = wire::send_frame(fd, wire::kHello, hello.bytes(), deadline, &timed_out);
+  wire::IoResult io = wire::send_frame(fd, wire::kHello, hello.bytes(), deadline);
   std::vector<uint8_t> payload;
-  if (!e.empty()) {
+  if (!io.ok()) {
     // A server that refused us on accept (busy) sent its reason before it closed, and our
     // HELLO drew the reset: the reason is more use to the caller than "connection reset".
     Status refusal = pending_refusal(fd, std::min(deadline, deadline_after_ms(100)), what);
-    return refusal.ok() ? io_failure(what, e, timed_out) : refusal;
+    return refusal.ok() ? io_failure(what, io) : refusal;
   }
 
   Status s = expect_frame(fd, wire::kChallenge, &payload, 1024, deadline, what);
@@ -115,8 +111,8 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
   Digest mine{};
   if (!token.empty()) mine = client_proof(token, client_nonce, server_nonce);
   std::vector<uint8_t> auth(mine.begin(), mine.end());
-  e = wire::send_frame(fd, wire::kAuth, auth, deadline, &timed_out);
-  if (!e.empty()) return io_failure(what, e, timed_out);
+  io = wire::send_frame(fd, wire::kAuth, auth, deadline);
+  if (!io.ok()) return io_failure(what, io);
 
   s = expect_frame(fd, wire::kWelcome, &payload, 16384, deadline, what);
   if (!s.ok()) return s;
@@ -133,16 +129,14 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
   return Status::Ok();
 }
 
-std::string server_handshake(int fd, const Identity& me, const std::string& token,
-                             Deadline deadline, const Admission& admit, bool* auth_refused) {
-  *auth_refused = false;
+std::string server_steps(int fd, const Identity& me, const std::string& token,
+                         Deadline deadline, const Admission& admit, bool* auth_refused) {
   wire::Header h;
   std::vector<uint8_t> payload;
-  bool timed_out = false;
-  std::string e = wire::recv_frame(fd, &h, &payload, 1024, deadline, &timed_out);
-  if (!e.empty()) {
-    refuse(fd, status::kLinkFailed, "handshake: " + e, deadline);
-    return e;
+  wire::IoResult io = wire::recv_frame(fd, &h, &payload, 1024, deadline);
+  if (!io.ok()) {
+    refuse(fd, status::kLinkFailed, "handshake: " + io.reason, deadline);
+    return io.reason;
   }
   wire::Decoder dec(payload.data(), payload.size());
   int64_t client_cluster = 0, expected = 0;
@@ -167,11 +161,11 @@ std::string server_handshake(int fd, const Identity& me, const std::string& toke
   challenge.u8(token.empty() ? 0 : 1);
   challenge.raw(server_nonce.data(), server_nonce.size());
   challenge.raw(proof.data(), proof.size());
-  e = wire::send_frame(fd, wire::kChallenge, challenge.bytes(), deadline, &timed_out);
-  if (!e.empty()) return e;
+  io = wire::send_frame(fd, wire::kChallenge, challenge.bytes(), deadline);
+  if (!io.ok()) return io.reason;
 
-  e = wire::recv_frame(fd, &h, &payload, 1024, deadline, &timed_out);
-  if (!e.empty()) return e;
+  io = wire::recv_frame(fd, &h, &payload, 1024, deadline);
+  if (!io.ok()) return io.reason;
   Digest client{};
   if (h.type != wire::kAuth || payload.size() != client.size()) {
     *auth_refused = true;
@@ -198,8 +192,33 @@ std::string server_handshake(int fd, const Identity& me, const std::string& toke
   welcome.u64(me.probe_addr);
   welcome.raw(me.probe.data(), me.probe.size());
   welcome.u64(me.unregistrations_addr);
-  e = wire::send_frame(fd, wire::kWelcome, welcome.bytes(), deadline, &timed_out);
-  return e;
+  return wire::send_frame(fd, wire::kWelcome, welcome.bytes(), deadline).reason;
+}
+
+}  // namespace
+
+Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
+                        const std::string& token, Deadline deadline, Identity* peer) {
+  // Nonces and proofs throw when the kernel or libcrypto fail; the link fails, not the process.
+  try {
+    return client_steps(fd, my_cluster, expected_cluster, channel, token, deadline, peer);
+  } catch (const std::exception& e) {
+    return link_failed("handshake with cluster " + std::to_string(expected_cluster) + ": " +
+                       e.what());
+  }
+}
+
+std::string server_handshake(int fd, const Identity& me, const std::string& token,
+                             Deadline deadline, const Admission& admit, bool* auth_refused) {
+  *auth_refused = false;
+  // Runs on a connection thread, where an escaping exception would end the process.
+  try {
+    return server_steps(fd, me, token, deadline, admit, auth_refused);
+  } catch (const std::exception& e) {
+    std::string why = std::string("handshake: internal error: ") + e.what();
+    refuse(fd, status::kFailed, why, deadline);
+    return why;
+  }
 }
 
 }  // namespace hixl

@@ -4,18 +4,16 @@ namespace hixl {
 namespace {
 
 Status fetch_table(int fd, Deadline deadline, RemoteTable* table, const std::string& peer) {
-  bool timed_out = false;
-  std::string e = wire::send_frame(fd, wire::kTableRequest, {}, deadline, &timed_out);
+  wire::IoResult io = wire::send_frame(fd, wire::kTableRequest, {}, deadline);
   wire::Header h;
   std::vector<uint8_t> payload;
-  if (e.empty()) {
-    e = wire::recv_frame(fd, &h, &payload, wire::kMaxTablePayload, deadline, &timed_out);
-  }
-  if (!e.empty()) {
-    return Status::Error(timed_out ? status::kTimeout : status::kLinkFailed,
-                         "fetching the cache table of " + peer + ": " + e);
+  if (io.ok()) io = wire::recv_frame(fd, &h, &payload, wire::kMaxTablePayload, deadline);
+  if (!io.ok()) {
+    return Status::Error(io.timed_out() ? status::kTimeout : status::kLinkFailed,
+                         "fetching the cache table of " + peer + ": " + io.reason);
   }
   if (h.type == wire::kError) return wire::decode_error(payload, "cache table of " + peer);
+  std::string e;
   if (h.type != wire::kTable || !RemoteTable::decode(payload.data(), payload.size(), table, &e)) {
     return Status::Error(status::kLinkFailed, "cache table of " + peer + ": " +
                                                   (e.empty() ? "unexpected frame" : e));
@@ -155,14 +153,13 @@ bool Link::close_and_drain(Deadline deadline) {
 
 std::string Link::say_goodbye(Deadline deadline) {
   std::lock_guard<std::mutex> control(control_mu_);
-  bool timed_out = false;
-  std::string e = wire::send_frame(control_.get(), wire::kBye, {}, deadline, &timed_out);
-  if (!e.empty()) return e;
+  wire::IoResult io = wire::send_frame(control_.get(), wire::kBye, {}, deadline);
+  if (!io.ok()) return io.reason;
   wire::Header h;
   std::vector<uint8_t> payload;
-  e = wire::recv_frame(control_.get(), &h, &payload, 1024, deadline, &timed_out);
-  if (e.empty() && h.type != wire::kByeAck) e = "unexpected reply to BYE";
-  return e;
+  io = wire::recv_frame(control_.get(), &h, &payload, 1024, deadline);
+  if (!io.ok()) return io.reason;
+  return h.type == wire::kByeAck ? "" : "unexpected reply to BYE";
 }
 
 }  // namespace hixl

@@ -16,6 +16,14 @@ struct Op {
   uint64_t len;
 };
 
+// Consecutive block pairs merged: src_start..+length lands on dst_start..+length.
+struct BlockRun {
+  uint64_t src_start;
+  uint64_t dst_start;
+  uint64_t length;
+};
+std::vector<BlockRun> plan_runs(const int64_t* src, const int64_t* dst, size_t count);
+
 struct ResolvedRange {
   uint64_t first = 0;
   uint64_t count = 0;

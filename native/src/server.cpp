@@ -27,9 +27,14 @@ std::string limit_message(const char* what, int limit) {
 // For a socket the accept thread refuses: one attempt, never blocks (a fresh socket's send
 // buffer is empty, so the frame normally fits at once).
 void refuse_without_waiting(int fd, const std::string& msg) {
-  bool timed_out = false;
   wire::send_frame(fd, wire::kError, wire::error_payload(status::kLinkBusy, msg),
-                   deadline_after_ms(0), &timed_out);
+                   deadline_after_ms(0));
+}
+
+void signal_eventfd(int fd) {
+  uint64_t one = 1;
+  ssize_t ignored = ::write(fd, &one, sizeof(one));
+  (void)ignored;
 }
 
 }  // namespace
@@ -69,7 +74,10 @@ Server::Server(const std::string& host, int port, Identity identity, std::string
   port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
                                            : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   wake_fd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake_fd_.valid()) throw bind_error(host, port, std::string("eventfd: ") + std::strerror(errno));
+  finished_fd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_.valid() || !finished_fd_.valid()) {
+    throw bind_error(host, port, std::string("eventfd: ") + std::strerror(errno));
+  }
   wire::set_nonblocking(listen_fd_.get());
   accept_thread_ = std::thread([this] { accept_loop(); });
 }
@@ -82,9 +90,7 @@ void Server::stop() {
     if (stopped_) return;
     stopped_ = true;
   }
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_fd_.get(), &one, sizeof(one));
-  (void)ignored;
+  signal_eventfd(wake_fd_.get());
   if (accept_thread_.joinable()) accept_thread_.join();
   std::list<std::unique_ptr<Connection>> conns;
   {
@@ -111,10 +117,21 @@ void Server::reap_finished_locked() {
 
 void Server::accept_loop() {
   for (;;) {
-    pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
-    int r = ::poll(fds, 2, -1);
+    pollfd fds[3] = {{listen_fd_.get(), POLLIN, 0},
+                     {wake_fd_.get(), POLLIN, 0},
+                     {finished_fd_.get(), POLLIN, 0}};
+    int r = ::poll(fds, 3, -1);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 || (fds[1].revents & POLLIN)) return;
+    if (fds[2].revents & POLLIN) {
+      // A finished connection's thread and socket go now, not at the next accept, which
+      // may never come.
+      uint64_t count = 0;
+      ssize_t ignored = ::read(finished_fd_.get(), &count, sizeof(count));
+      (void)ignored;
+      std::lock_guard<std::mutex> lock(mu_);
+      reap_finished_locked();
+    }
     if (!(fds[0].revents & POLLIN)) continue;
     UniqueFd fd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd.valid()) {
@@ -150,35 +167,20 @@ void Server::accept_loop() {
 }
 
 void Server::send_error(int fd, int64_t code, const std::string& msg) {
-  bool timed_out = false;
   wire::send_frame(fd, wire::kError, wire::error_payload(code, msg),
-                   deadline_after_ms(wire::kFrameTimeoutMs), &timed_out);
+                   deadline_after_ms(wire::kFrameTimeoutMs));
 }
 
 void Server::serve(Connection* conn) {
   const int fd = conn->fd.get();
-  bool full = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    full = authenticated_ >= kMaxConnections;
-  }
   bool authenticated = false;
-  if (full) {  // refuse before the handshake: it could only end in the same refusal
+  // An exception must not escape a connection thread (that would end the process); it
+  // ends this connection only.
+  try {
+    serve_connection(fd, &authenticated);
+  } catch (const std::exception& e) {
     stats_.rejected_requests++;
-    send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
-  } else {
-    // The slot moves to the authenticated pool before WELCOME, so a full pool is refused
-    // in place of WELCOME rather than after it.
-    auto admit = [&]() -> std::string {
-      authenticated = admit_authenticated();
-      return authenticated ? "" : limit_message("authenticated", kMaxConnections);
-    };
-    bool auth_refused = false;
-    std::string e = server_handshake(fd, identity_, token_,
-                                     deadline_after_ms(wire::kHandshakeTimeoutMs), admit,
-                                     &auth_refused);
-    if (!e.empty()) stats_.rejected_requests++;
-    if (authenticated && e.empty()) serve_requests(fd);
+    send_error(fd, status::kFailed, std::string("internal error: ") + e.what());
   }
   {
     // Before the shutdown, so a peer that sees the close may count on the slot being free.
@@ -187,6 +189,32 @@ void Server::serve(Connection* conn) {
   }
   ::shutdown(fd, SHUT_RDWR);  // the peer sees the close now; the fd is closed when reaped
   conn->done.store(true);
+  signal_eventfd(finished_fd_.get());  // after `done`, so the accept thread reaps this one
+}
+
+void Server::serve_connection(int fd, bool* authenticated) {
+  bool full = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    full = authenticated_ >= kMaxConnections;
+  }
+  if (full) {  // refuse before the handshake: it could only end in the same refusal
+    stats_.rejected_requests++;
+    send_error(fd, status::kLinkBusy, limit_message("authenticated", kMaxConnections));
+  } else {
+    // The slot moves to the authenticated pool before WELCOME, so a full pool is refused
+    // in place of WELCOME rather than after it.
+    auto admit = [&]() -> std::string {
+      *authenticated = admit_authenticated();
+      return *authenticated ? "" : limit_message("authenticated", kMaxConnections);
+    };
+    bool auth_refused = false;
+    std::string e = server_handshake(fd, identity_, token_,
+                                     deadline_after_ms(wire::kHandshakeTimeoutMs), admit,
+                                     &auth_refused);
+    if (!e.empty()) stats_.rejected_requests++;
+    if (*authenticated && e.empty()) serve_requests(fd);
+  }
 }
 
 bool Server::admit_authenticated() {
@@ -198,8 +226,7 @@ bool Server::admit_authenticated() {
 }
 
 void Server::serve_requests(int fd) {
-  std::string e;
-  while (e.empty()) {
+  for (;;) {
     // Idle authenticated connections may wait indefinitely (stop() wakes them with shutdown,
     // keepalive notices a vanished peer); once a frame starts it must complete within
     // kFrameTimeoutMs.
@@ -208,13 +235,12 @@ void Server::serve_requests(int fd) {
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 || (p.revents & (POLLERR | POLLNVAL))) break;
     wire::Header h;
-    bool timed_out = false;
     Deadline deadline = deadline_after_ms(wire::kFrameTimeoutMs);
-    e = wire::recv_header(fd, &h, deadline, &timed_out);
-    if (!e.empty()) {
-      if (e != "connection closed by peer") {
+    wire::IoResult io = wire::recv_header(fd, &h, deadline);
+    if (!io.ok()) {
+      if (io.error != wire::IoError::kPeerClosed) {  // a close between frames is an unlink
         stats_.rejected_requests++;
-        send_error(fd, status::kFailed, "bad frame: " + e);
+        send_error(fd, status::kFailed, "bad frame: " + io.reason);
       }
       break;
     }
@@ -226,8 +252,7 @@ void Server::serve_requests(int fd) {
     }
     std::vector<uint8_t> payload(h.length);
     MemoryCharge charge(meter_, static_cast<int64_t>(payload.size()));
-    e = wire::recv_all(fd, payload.data(), payload.size(), deadline, &timed_out);
-    if (!e.empty()) {
+    if (!wire::recv_all(fd, payload.data(), payload.size(), deadline).ok()) {
       stats_.rejected_requests++;
       break;
     }
@@ -235,10 +260,13 @@ void Server::serve_requests(int fd) {
       if (!handle_read(fd, payload)) break;
     } else if (h.type == wire::kTableRequest && payload.empty()) {
       std::vector<uint8_t> table = table_.encode_remote_visible();
-      e = wire::send_frame(fd, wire::kTable, table, deadline_after_ms(wire::kSendStallTimeoutMs),
-                           &timed_out);
+      if (!wire::send_frame(fd, wire::kTable, table,
+                            deadline_after_ms(wire::kSendStallTimeoutMs))
+               .ok()) {
+        break;
+      }
     } else if (h.type == wire::kBye) {
-      wire::send_frame(fd, wire::kByeAck, {}, deadline, &timed_out);
+      wire::send_frame(fd, wire::kByeAck, {}, deadline);
       break;
     } else {
       stats_.rejected_requests++;
@@ -265,10 +293,7 @@ bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
   const CacheTable::Pin source = table_.pin_remote_by_serial(serial);
   if (!source) {
     // The client planned from a copy of our table that names an unregistered cache.
-    bool timed_out = false;
-    return wire::send_frame(fd, wire::kStale, {}, deadline_after_ms(wire::kFrameTimeoutMs),
-                            &timed_out)
-        .empty();
+    return wire::send_frame(fd, wire::kStale, {}, deadline_after_ms(wire::kFrameTimeoutMs)).ok();
   }
   for (uint32_t i = 0; i < n; ++i) {
     uint64_t addr = 0, len = 0;
@@ -293,13 +318,13 @@ bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
   std::memcpy(header + 6, &type, 2);
   std::memcpy(header + 8, &total, 8);
   iov[0] = {header, sizeof(header)};
-  bool timed_out = false;
   // The reply fails only when the reader makes no progress for the stall timeout (a slow
   // reader of a huge reply is fine) or holds it past kReadReplyLimitMs (a trickle is not).
-  std::string e = wire::sendv_all_with_stall(fd, iov.data(), iov.size(),
-                                             wire::kSendStallTimeoutMs,
-                                             deadline_after_ms(kReadReplyLimitMs), &timed_out);
-  if (!e.empty()) return false;
+  if (!wire::sendv_all_with_stall(fd, iov.data(), iov.size(), wire::kSendStallTimeoutMs,
+                                  deadline_after_ms(kReadReplyLimitMs))
+           .ok()) {
+    return false;
+  }
   stats_.served_requests++;
   stats_.served_bytes += static_cast<int64_t>(total);
   return true;

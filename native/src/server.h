@@ -45,6 +45,8 @@ class Server {
   void accept_loop();
   void reap_finished_locked();
   void serve(Connection* conn);
+  // The handshake and then the requests; *authenticated tells which pool the slot is in.
+  void serve_connection(int fd, bool* authenticated);
   // Moves a connection that just proved the token to the authenticated count; false when
   // that count is at its limit.
   bool admit_authenticated();
@@ -59,7 +61,8 @@ class Server {
   EngineStats& stats_;
   MemoryMeter& meter_;
   UniqueFd listen_fd_;
-  UniqueFd wake_fd_;  // eventfd that ends the accept loop
+  UniqueFd wake_fd_;      // eventfd that ends the accept loop
+  UniqueFd finished_fd_;  // eventfd a connection thread signals as it ends: reap it now
   int port_ = -1;
   std::thread accept_thread_;
   std::mutex mu_;

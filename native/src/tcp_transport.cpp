@@ -146,18 +146,17 @@ class TcpTransport final : public Transport {
       enc.u64(ops[i].len);
       expected += ops[i].len;
     }
-    bool timed_out = false;
-    std::string e = wire::send_frame(fd, wire::kRead, enc.bytes(), deadline, &timed_out);
-    if (!e.empty()) return failure(e, timed_out);
+    wire::IoResult io = wire::send_frame(fd, wire::kRead, enc.bytes(), deadline);
+    if (!io.ok()) return failure(io.reason, io.timed_out());
     wire::Header h;
-    e = wire::recv_header(fd, &h, deadline, &timed_out);
-    if (!e.empty()) return failure(e, timed_out);
+    io = wire::recv_header(fd, &h, deadline);
+    if (!io.ok()) return failure(io.reason, io.timed_out());
     if (h.type == wire::kError) {
       std::vector<uint8_t> payload;
       if (h.length > wire::kMaxControlPayload) return failure("oversized error frame", false);
       payload.resize(h.length);
-      e = wire::recv_all(fd, payload.data(), payload.size(), deadline, &timed_out);
-      if (!e.empty()) return failure(e, timed_out);
+      io = wire::recv_all(fd, payload.data(), payload.size(), deadline);
+      if (!io.ok()) return failure(io.reason, io.timed_out());
       *in_sync = true;
       return wire::decode_error(payload, "peer refused the read");
     }
@@ -172,8 +171,8 @@ class TcpTransport final : public Transport {
     for (size_t i = 0; i < count; ++i) {
       iov[i] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
     }
-    e = wire::recvv_bulk(fd, iov.data(), count, kLowWaterBytes, deadline, &timed_out);
-    if (!e.empty()) return failure(e, timed_out);
+    io = wire::recvv_bulk(fd, iov.data(), count, kLowWaterBytes, deadline);
+    if (!io.ok()) return failure(io.reason, io.timed_out());
     *in_sync = true;
     return Status::Ok();
   }

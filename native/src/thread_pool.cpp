@@ -4,11 +4,25 @@
 #include <atomic>
 #include <exception>
 #include <memory>
+#include <string>
+#include <system_error>
 
 namespace hixl {
 
 ThreadPool::ThreadPool(int threads) {
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  workers_.reserve(static_cast<size_t>(std::max(0, threads)));
+  try {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  } catch (const std::system_error& e) {
+    // A destructor does not run for a half-built object: the started workers would be
+    // joinable std::threads destroyed unjoined, which terminates the process.
+    const size_t started = workers_.size();
+    shutdown();
+    throw std::system_error(e.code(), "cannot start transfer thread " +
+                                          std::to_string(started + 1) + " of " +
+                                          std::to_string(threads) + " (the " +
+                                          std::to_string(started) + " started were stopped)");
+  }
 }
 
 ThreadPool::~ThreadPool() { shutdown(); }

@@ -16,6 +16,8 @@ namespace hixl {
 
 class ThreadPool {
  public:
+  // Throws std::system_error when a thread cannot be started; the workers already started
+  // are stopped and joined first.
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 
 namespace hixl {
 
@@ -69,19 +70,20 @@ bool Decoder::str(std::string* s) {
 
 namespace {
 
-// Waits until fd is ready for `events`; "" when ready.
-std::string wait_ready(int fd, short events, Deadline deadline, bool* timed_out) {
+IoResult system_failure(const char* call) {
+  return IoResult::Fail(IoError::kSocket, std::string(call) + ": " + std::strerror(errno));
+}
+
+// Waits until fd is ready for `events`.
+IoResult wait_ready(int fd, short events, Deadline deadline) {
   for (;;) {
     pollfd p{fd, events, 0};
     int ms = remaining_ms(deadline);
-    if (ms == 0) {
-      *timed_out = true;
-      return "timed out";
-    }
+    if (ms == 0) return IoResult::Fail(IoError::kTimedOut, "timed out");
     int r = ::poll(&p, 1, ms);
-    if (r > 0) return "";
+    if (r > 0) return IoResult::Ok();
     if (r == 0) continue;  // re-check the deadline
-    if (errno != EINTR) return std::string("poll: ") + std::strerror(errno);
+    if (errno != EINTR) return system_failure("poll");
   }
 }
 
@@ -108,8 +110,7 @@ size_t advance_iov(iovec* iov, size_t count, size_t first, size_t n) {
 namespace {
 
 // Sends every byte; stall_ms < 0 means no stall bound (only `deadline`).
-std::string sendv(int fd, iovec* iov, size_t count, int stall_ms, Deadline deadline,
-                  bool* timed_out) {
+IoResult sendv(int fd, iovec* iov, size_t count, int stall_ms, Deadline deadline) {
   size_t first = advance_iov(iov, count, 0, 0);
   Deadline stall = stall_ms < 0 ? deadline : std::min(deadline, deadline_after_ms(stall_ms));
   while (first < count) {
@@ -124,40 +125,39 @@ std::string sendv(int fd, iovec* iov, size_t count, int stall_ms, Deadline deadl
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      std::string e = wait_ready(fd, POLLOUT, stall, timed_out);
-      if (!e.empty()) {
-        if (*timed_out && stall < deadline) {
-          return "no progress for " + std::to_string(stall_ms) + " ms";
-        }
-        return e;
+      IoResult ready = wait_ready(fd, POLLOUT, stall);
+      if (ready.timed_out() && stall < deadline) {
+        return IoResult::Fail(IoError::kTimedOut,
+                              "no progress for " + std::to_string(stall_ms) + " ms");
       }
+      if (!ready.ok()) return ready;
       continue;
     }
-    return std::string("send: ") + (n < 0 ? std::strerror(errno) : "connection closed");
+    if (n < 0) return system_failure("send");
+    return IoResult::Fail(IoError::kPeerClosed, "send: connection closed");
   }
-  return "";
+  return IoResult::Ok();
 }
 
 }  // namespace
 
-std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
-  return sendv(fd, iov, count, -1, deadline, timed_out);
+IoResult sendv_all(int fd, iovec* iov, size_t count, Deadline deadline) {
+  return sendv(fd, iov, count, -1, deadline);
 }
 
-std::string sendv_all_with_stall(int fd, iovec* iov, size_t count, int stall_ms,
-                                 Deadline deadline, bool* timed_out) {
-  return sendv(fd, iov, count, std::max(0, stall_ms), deadline, timed_out);
+IoResult sendv_all_with_stall(int fd, iovec* iov, size_t count, int stall_ms,
+                              Deadline deadline) {
+  return sendv(fd, iov, count, std::max(0, stall_ms), deadline);
 }
 
 namespace {
 
-std::string recvv(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline,
-                  bool* timed_out) {
+IoResult recvv(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline) {
   size_t first = advance_iov(iov, count, 0, 0);
   uint64_t left = 0;
   for (size_t i = first; i < count; ++i) left += iov[i].iov_len;
   int low_water = 1;
-  std::string e;
+  IoResult result;
   while (first < count) {
     ssize_t n = ::readv(fd, iov + first, static_cast<int>(std::min(count - first, kIovBatch)));
     if (n > 0) {
@@ -166,12 +166,12 @@ std::string recvv(int fd, iovec* iov, size_t count, int low_water_bytes, Deadlin
       continue;
     }
     if (n == 0) {
-      e = "connection closed by peer";
+      result = IoResult::Fail(IoError::kPeerClosed, "connection closed by peer");
       break;
     }
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      e = std::string("recv: ") + std::strerror(errno);
+      result = system_failure("recv");
       break;
     }
     // Batch wake-ups while much is still expected; near the end (and never above what is
@@ -182,36 +182,35 @@ std::string recvv(int fd, iovec* iov, size_t count, int low_water_bytes, Deadlin
       set_receive_low_water(fd, want);
       low_water = want;
     }
-    e = wait_ready(fd, POLLIN, deadline, timed_out);
-    if (!e.empty()) break;
+    result = wait_ready(fd, POLLIN, deadline);
+    if (!result.ok()) break;
   }
   if (low_water != 1) set_receive_low_water(fd, 1);
-  return e;
+  return result;
 }
 
 }  // namespace
 
-std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out) {
-  return recvv(fd, iov, count, 1, deadline, timed_out);
+IoResult recvv_all(int fd, iovec* iov, size_t count, Deadline deadline) {
+  return recvv(fd, iov, count, 1, deadline);
 }
 
-std::string recvv_bulk(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline,
-                       bool* timed_out) {
-  return recvv(fd, iov, count, std::max(1, low_water_bytes), deadline, timed_out);
+IoResult recvv_bulk(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline) {
+  return recvv(fd, iov, count, std::max(1, low_water_bytes), deadline);
 }
 
-std::string send_all(int fd, const void* data, size_t len, Deadline deadline, bool* timed_out) {
+IoResult send_all(int fd, const void* data, size_t len, Deadline deadline) {
   iovec iov{const_cast<void*>(data), len};
-  return sendv_all(fd, &iov, 1, deadline, timed_out);
+  return sendv_all(fd, &iov, 1, deadline);
 }
 
-std::string recv_all(int fd, void* data, size_t len, Deadline deadline, bool* timed_out) {
+IoResult recv_all(int fd, void* data, size_t len, Deadline deadline) {
   iovec iov{data, len};
-  return recvv_all(fd, &iov, 1, deadline, timed_out);
+  return recvv_all(fd, &iov, 1, deadline);
 }
 
-std::string send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
-                       Deadline deadline, bool* timed_out) {
+IoResult send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
+                    Deadline deadline) {
   uint8_t header[kHeaderBytes];
   uint32_t magic = kMagic;
   uint16_t version = kVersion;
@@ -222,34 +221,38 @@ std::string send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payloa
   std::memcpy(header + 8, &length, 8);
   iovec iov[2] = {{header, kHeaderBytes},
                   {const_cast<uint8_t*>(payload.data()), payload.size()}};
-  return sendv_all(fd, iov, payload.empty() ? 1 : 2, deadline, timed_out);
+  return sendv_all(fd, iov, payload.empty() ? 1 : 2, deadline);
 }
 
-std::string recv_header(int fd, Header* header, Deadline deadline, bool* timed_out) {
+IoResult recv_header(int fd, Header* header, Deadline deadline) {
   uint8_t raw[kHeaderBytes];
-  std::string e = recv_all(fd, raw, kHeaderBytes, deadline, timed_out);
-  if (!e.empty()) return e;
+  IoResult r = recv_all(fd, raw, kHeaderBytes, deadline);
+  if (!r.ok()) return r;
   uint32_t magic = 0;
   uint16_t version = 0;
   std::memcpy(&magic, raw, 4);
   std::memcpy(&version, raw + 4, 2);
   std::memcpy(&header->type, raw + 6, 2);
   std::memcpy(&header->length, raw + 8, 8);
-  if (magic != kMagic) return "bad frame magic";
-  if (version != kVersion) return "unsupported protocol version " + std::to_string(version);
-  return "";
+  if (magic != kMagic) return IoResult::Fail(IoError::kBadHeader, "bad frame magic");
+  if (version != kVersion) {
+    return IoResult::Fail(IoError::kBadHeader,
+                          "unsupported protocol version " + std::to_string(version));
+  }
+  return IoResult::Ok();
 }
 
-std::string recv_frame(int fd, Header* header, std::vector<uint8_t>* payload,
-                       uint64_t max_payload, Deadline deadline, bool* timed_out) {
-  std::string e = recv_header(fd, header, deadline, timed_out);
-  if (!e.empty()) return e;
+IoResult recv_frame(int fd, Header* header, std::vector<uint8_t>* payload,
+                    uint64_t max_payload, Deadline deadline) {
+  IoResult r = recv_header(fd, header, deadline);
+  if (!r.ok()) return r;
   if (header->length > max_payload) {
-    return "frame of " + std::to_string(header->length) + " bytes exceeds limit " +
-           std::to_string(max_payload);
+    return IoResult::Fail(IoError::kTooLarge, "frame of " + std::to_string(header->length) +
+                                                  " bytes exceeds limit " +
+                                                  std::to_string(max_payload));
   }
   payload->resize(header->length);
-  return recv_all(fd, payload->data(), payload->size(), deadline, timed_out);
+  return recv_all(fd, payload->data(), payload->size(), deadline);
 }
 
 std::vector<uint8_t> error_payload(int64_t code, const std::string& message) {
@@ -298,7 +301,8 @@ void fill_random(void* out, size_t n) {
     ssize_t r = ::getrandom(p, n, 0);
     if (r < 0) {
       if (errno == EINTR) continue;
-      break;
+      // A nonce or probe left partly zero would be guessable: never hand one out.
+      throw std::system_error(errno, std::generic_category(), "getrandom");
     }
     p += r;
     n -= static_cast<size_t>(r);
@@ -323,10 +327,9 @@ UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::s
     set_nonblocking(fd.get());
     int r = ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
     if (r != 0 && errno == EINPROGRESS) {
-      bool timed_out = false;
-      std::string e = wait_ready(fd.get(), POLLOUT, deadline, &timed_out);
-      if (!e.empty()) {
-        last = "connect " + e;
+      IoResult ready = wait_ready(fd.get(), POLLOUT, deadline);
+      if (!ready.ok()) {
+        last = "connect " + ready.reason;
         continue;
       }
       int err = 0;

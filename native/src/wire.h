@@ -76,6 +76,27 @@ enum FrameType : uint16_t {
 
 enum Channel : uint8_t { kControlChannel = 0, kDataChannel = 1 };
 
+// Why a socket operation or a frame failed. Callers branch on this, never on the reason text.
+enum class IoError : uint8_t {
+  kNone = 0,
+  kTimedOut,    // the deadline, or a send's stall bound, passed
+  kPeerClosed,  // the peer closed the connection (end of stream)
+  kSocket,      // a system call failed (reset, broken pipe, ...)
+  kBadHeader,   // wrong magic or protocol version
+  kTooLarge,    // the payload exceeds the limit the caller set
+};
+
+// Outcome of a wire operation: ok, or the error and a reason fit for messages.
+struct IoResult {
+  IoError error = IoError::kNone;
+  std::string reason;
+
+  bool ok() const { return error == IoError::kNone; }
+  bool timed_out() const { return error == IoError::kTimedOut; }
+  static IoResult Ok() { return {}; }
+  static IoResult Fail(IoError e, std::string why) { return {e, std::move(why)}; }
+};
+
 struct Header {
   uint16_t type = 0;
   uint64_t length = 0;
@@ -113,28 +134,27 @@ class Decoder {
   size_t pos_ = 0;
 };
 
-// Deadline-bounded I/O on a non-blocking socket. Return "" on success, else a reason;
-// *timed_out is set when the deadline passed.
-std::string send_all(int fd, const void* data, size_t len, Deadline deadline, bool* timed_out);
-std::string sendv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
+// Deadline-bounded I/O on a non-blocking socket.
+IoResult send_all(int fd, const void* data, size_t len, Deadline deadline);
+IoResult sendv_all(int fd, iovec* iov, size_t count, Deadline deadline);
 // sendv_all for long replies to a reader of unknown speed: fails when no byte could be sent for
 // stall_ms (every byte sent restarts that clock) or when `deadline` passes, whichever is first.
-std::string sendv_all_with_stall(int fd, iovec* iov, size_t count, int stall_ms,
-                                 Deadline deadline, bool* timed_out);
-std::string recv_all(int fd, void* data, size_t len, Deadline deadline, bool* timed_out);
-std::string recvv_all(int fd, iovec* iov, size_t count, Deadline deadline, bool* timed_out);
+IoResult sendv_all_with_stall(int fd, iovec* iov, size_t count, int stall_ms,
+                              Deadline deadline);
+IoResult recv_all(int fd, void* data, size_t len, Deadline deadline);
+IoResult recvv_all(int fd, iovec* iov, size_t count, Deadline deadline);
 // recvv_all for bulk data: while more than 4 x low_water_bytes are still expected, the socket
 // reports readable only once low_water_bytes are queued (SO_RCVLOWAT), which saves a wake-up
 // and a readv per loopback segment; the mark is back at 1 byte on return.
-std::string recvv_bulk(int fd, iovec* iov, size_t count, int low_water_bytes, Deadline deadline,
-                       bool* timed_out);
+IoResult recvv_bulk(int fd, iovec* iov, size_t count, int low_water_bytes,
+                    Deadline deadline);
 
-std::string send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
-                       Deadline deadline, bool* timed_out);
-std::string recv_header(int fd, Header* header, Deadline deadline, bool* timed_out);
+IoResult send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
+                    Deadline deadline);
+IoResult recv_header(int fd, Header* header, Deadline deadline);
 // Reads a whole frame whose payload must not exceed max_payload.
-std::string recv_frame(int fd, Header* header, std::vector<uint8_t>* payload,
-                       uint64_t max_payload, Deadline deadline, bool* timed_out);
+IoResult recv_frame(int fd, Header* header, std::vector<uint8_t>* payload,
+                    uint64_t max_payload, Deadline deadline);
 std::vector<uint8_t> error_payload(int64_t code, const std::string& message);
 Status decode_error(const std::vector<uint8_t>& payload, const std::string& context);
 
@@ -147,6 +167,7 @@ void set_nodelay(int fd);
 void set_keepalive(int fd);
 // Bytes that must be queued before a poll for input reports the socket readable (1 = any).
 void set_receive_low_water(int fd, int bytes);
+// Fills with kernel randomness; throws std::system_error when getrandom fails.
 void fill_random(void* out, size_t n);
 
 }  // namespace wire

@@ -66,3 +66,54 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
                 if target is not None and target not in allowed:
                     breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
     assert breaches == []
+
+
+BENCH_MODULE = "hixl_connector._native_bench"
+# Copies between arbitrary addresses, reads of other processes, self-tests and primitives for
+# tests: they live in the bench module, never in the engine module the connector loads.
+BENCH_ONLY = (
+    "scatter_copy",
+    "scatter_read_process",
+    "thread_pool_selftest",
+    "time_plan",
+    "plan_runs",
+    "hmac_sha256",
+    "sha256",
+)
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module or module attribute a file imports, as absolute dotted names
+    (``from a import b`` gives ``a`` and ``a.b``; relative imports are resolved)."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_engine_module_exports_no_bench_or_test_helper() -> None:
+    from hixl_connector import _native, _native_bench
+
+    assert [name for name in BENCH_ONLY if hasattr(_native, name)] == []
+    assert [name for name in BENCH_ONLY if not hasattr(_native_bench, name)] == []
+
+
+def test_the_connector_and_datadist_never_import_the_bench_module() -> None:
+    breaches = []
+    for layer in ("connector", "datadist"):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            for name in imported_names(path):
+                if name == BENCH_MODULE or name.startswith(BENCH_MODULE + "."):
+                    breaches.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert breaches == []
+    # The engine the datadist back-end loads does not pull it in either.
+    modules = loaded_after("from hixl_connector.datadist.native import load_native; load_native()")
+    assert "hixl_connector._native" in modules
+    assert BENCH_MODULE not in modules

@@ -119,24 +119,4 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
-// Pure helpers exposed for tests and benchmarks.
-struct BlockRun {
-  uint64_t src_start;
-  uint64_t dst_start;
-  uint64_t length;
-};
-std::vector<BlockRun> plan_runs(const int64_t* src, const int64_t* dst, size_t count);
-double time_plan(const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
-                 int num_tensors, int iterations);
-double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
-                    const std::vector<uint64_t>& lengths, int threads);
-// Exercises ThreadPool and run_shares with throwing tasks and shares on real threads;
-// returns what happened (see tests/engine/test_native_transfer.py).
-std::map<std::string, int64_t> thread_pool_selftest();
-// The same schedule reading `src` of process `pid` with bare process_vm_readv calls (1024
-// iovec pairs each): the kernel's ceiling for the cma transport. -1 on a failed read.
-double scatter_read_process(int pid, const std::vector<uint64_t>& dst,
-                            const std::vector<uint64_t>& src,
-                            const std::vector<uint64_t>& lengths, int threads);
-
 }  // namespace hixl

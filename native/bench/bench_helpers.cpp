@@ -1,5 +1,7 @@
-// Pure helpers for tests and benchmarks: planner timing, an in-process copy reference and
-// a bare process_vm_readv reference.
+// Planner timing, an in-process copy reference, a bare process_vm_readv reference and the
+// thread pool's self-test.
+#include "bench_helpers.h"
+
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -74,7 +76,6 @@ double timed_schedule(const std::vector<uint64_t>& dst, const std::vector<uint64
 
 }  // namespace
 
-// The cma transport's schedule with memcpy in place of process_vm_readv.
 double scatter_copy(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
                     const std::vector<uint64_t>& lengths, int threads) {
   return timed_schedule(dst, src, lengths, threads,
