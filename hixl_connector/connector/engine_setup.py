@@ -20,20 +20,28 @@ from hixl_connector.connector.blocks import chunk_pairs
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.kv_layout import KVLayout
 from hixl_connector.connector.rank_addresses import RankAddress
-from hixl_connector.datadist import Backend, BlocksPull, load_backend
+from hixl_connector.datadist import (
+    Backend,
+    BlocksPull,
+    PullHandle,
+    ThreadPullHandle,
+    load_backend,
+)
 
 # Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
 # follow as BLOCKS_MODEL_ID + 1, + 2, ...
 BLOCKS_MODEL_ID = 0
 # The same memory registered again in slices (block_slices), for peers of another block size.
 SLICES_MODEL_ID = 1024
-# P's lease words (lease_words), and the words D reads them into: one row per transfer
-# thread, of MAX_LEASE_READERS words read before the blocks and as many after.
+# P's lease words (lease_words), and the words D reads them into: one row per read in
+# flight (IN_FLIGHT_READS), of MAX_LEASE_READERS words read before the blocks and as many after.
 LEASE_WORDS_MODEL_ID = 2048
 SCRATCH_WORDS_MODEL_ID = 2049
 WORD_BYTES = 8
 # Most prefill ranks one decode rank reads from (prefill TP / decode TP).
 MAX_LEASE_READERS = 64
+# Most reads a decode rank has in flight at once; more wait for one to end.
+IN_FLIGHT_READS = 64
 ONE_TENSOR = {"tensor_num_per_layer": 1}
 
 
@@ -114,9 +122,15 @@ class Engine:
                 blocks += [BlocksPull(key, part.cache, list(s), list(d), kwargs) for s, d in chunks]
         return GuardedPull(before + blocks + after, len(words), first)
 
+    def submit(self, pulls: Sequence[BlocksPull]) -> PullHandle | ThreadPullHandle:
+        """The pulls in order, as one job of the engine's: the handle's ``poll``/``wait`` raise
+        the first failure (LLMException), and its ``finished_at`` is when the last byte landed.
+        Bad arguments raise here."""
+        return self.api.pull_blocks_batch_async(self.datadist.cache_manager, pulls)
+
     def run(self, pulls: Sequence[BlocksPull]) -> None:
-        """The pulls in order, in one engine call; raises the first failure (LLMException)."""
-        self.api.pull_blocks_batch(self.datadist.cache_manager, pulls)
+        """``submit``, waited for."""
+        self.submit(pulls).wait()
 
     def words_read(self, pull: GuardedPull) -> tuple[list[int], list[int]]:
         """The lease words as ``pull`` read them before and after the blocks."""
@@ -233,7 +247,7 @@ def open_engine(
     datadist = api.LLMDataDist(role, cluster_id)
     datadist.init(llm_config.generate_options())
     host = api.Placement.HOST
-    scratch_count = config.transfer_threads * 2 * MAX_LEASE_READERS
+    scratch_count = IN_FLIGHT_READS * 2 * MAX_LEASE_READERS
     scratch_words = (ctypes.c_uint64 * scratch_count)() if consumer else None
     try:
         caches = tuple(_register(api, datadist, cluster_id, group, placement) for group in groups)

@@ -1,11 +1,13 @@
-"""D side: one job per RecvSpec on the worker's transfer pool, so vLLM's forward pass never
-waits on a transfer.
+"""D side: reads the KV of each RecvSpec without holding up vLLM's forward pass, and without
+needing this process's Python while the bytes move.
 
-A job handshakes and links on first use of each P rank it reads, then reads, in one engine
-call, P's lease word for the request, the blocks, and the lease word again (`lease_words`):
-the read is good only if the word vouched for exactly these blocks before and after, so no
-round trip to P's Python, nor back into this process's Python, is on the way. "done" then goes
-to P on the notice lanes, off the pull thread.
+`start` (on the step thread) plans the read and hands it to the engine as one batch: P's lease
+word for the request, the blocks, and the lease word again (`lease_words`). A request whose P
+ranks are not linked yet first handshakes and links on a small pool, then does the same.
+`collect` (on the step thread too) ends the batches that finished: the read is good only if
+the word vouched for exactly these blocks before and after, so no round trip to P's Python is
+on the way, and no thread of this process must win the interpreter lock to report the read.
+"done" then goes to P on the notice lanes.
 
 When the TP sizes differ, `tp_mapping` says which P ranks this rank reads and which KV heads
 land where: the KV caches are registered one unit per KV head of a block, so a head
@@ -20,23 +22,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.block_slices import SliceRun, blocks_per_block, slice_ids
+from hixl_connector.connector.block_slices import blocks_per_block, slice_ids
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.engine_setup import Engine, GuardedPull
+from hixl_connector.connector.engine_setup import IN_FLIGHT_READS, Engine, GuardedPull
 from hixl_connector.connector.kv_layout import KVLayout
 from hixl_connector.connector.lease_client import LeaseClient
-from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec, RemoteEndpoint
+from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec
 from hixl_connector.connector.peers import Peer, PeerRegistry
-from hixl_connector.connector.tp_mapping import (
-    HeadRead,
-    RankPlan,
-    TPMismatch,
-    check_shardable,
-    plan_rank,
-    unit_ids,
-)
+from hixl_connector.connector.read_plans import ReadPlans, UnreadableRequest
+from hixl_connector.connector.tp_mapping import HeadRead, TPMismatch, unit_ids
 
 logger = logging.getLogger(__name__)
 
@@ -49,67 +47,22 @@ class LeaseError(RuntimeError):
 
 
 class PullCancelled(RuntimeError):
-    """The request was aborted before its read began."""
+    """The request was aborted before its read ended."""
 
 
-class UnreadableRequest(ValueError):
-    """The request's blocks cannot be read from this peer (block sizes, layout): nothing is
-    read, the link stays good."""
+@dataclass(frozen=True)
+class _InFlight:
+    """A read the engine is doing: what it is for and how to judge it when it ends."""
 
-
-class ReadPlans:
-    """What this rank reads of a P engine, worked out once per P shape: which P ranks and
-    heads (by P's TP size), and where P's slices land (by P's block size)."""
-
-    def __init__(
-        self,
-        compatibility: dict[str, Any],
-        tp: tuple[int, int],
-        probe: Callable[[int], tuple[SliceRun, ...]],
-    ) -> None:
-        self._split = compatibility["kv_split"]
-        self._kv_layout = compatibility["kv_layout"]
-        self._num_kv_heads = compatibility["num_kv_heads"]
-        self._tp_rank, self._tp_size = tp
-        self._probe = probe
-        self._plans: dict[int, RankPlan] = {}  # P's tp_size -> this rank's reads
-        self._runs: dict[int, tuple[SliceRun, ...]] = {}  # P's block size -> slice runs
-
-    def rank_plan(self, p_tp: int) -> RankPlan:
-        """Which P ranks this rank reads (and which heads), for a P engine of TP ``p_tp``;
-        raises TPMismatch when the sizes cannot be mapped."""
-        plan = self._plans.get(p_tp)
-        if plan is None:
-            heads, split = self._num_kv_heads, self._split
-            check_shardable(split, self._kv_layout, heads, p_tp, self._tp_size)
-            if split == "none":  # whole blocks, from the rank of the same index
-                r = self._tp_rank
-                plan = RankPlan((HeadRead(r, 0, 0, 1),), (r,), {r: 1})
-            else:
-                replicated = split == "replicated"
-                plan = plan_rank(heads, p_tp, self._tp_size, self._tp_rank, replicated)
-            self._plans[p_tp] = plan
-        return plan
-
-    def notify_targets(self, remote: RemoteEndpoint) -> dict[int, int]:
-        """P rank -> distinct D ranks it waits for, for every P rank this rank notifies.
-
-        When the TP sizes cannot be mapped, every D rank tells every P rank, so P still frees.
-        """
-        try:
-            return self.rank_plan(remote.tp_size).consumers
-        except TPMismatch:
-            return dict.fromkeys(range(remote.tp_size), self._tp_size)
-
-    def slice_runs(self, p_block_size: int) -> tuple[SliceRun, ...]:
-        runs = self._runs.get(p_block_size)
-        if runs is None:
-            try:
-                runs = self._probe(p_block_size)
-            except ValueError as e:
-                raise UnreadableRequest(str(e)) from None
-            self._runs[p_block_size] = runs
-        return runs
+    spec: RecvSpec
+    peers: dict[int, Peer]
+    readers: list[Peer]
+    pull: GuardedPull
+    handle: Any  # the engine's handle: poll(), wait(timeout), finished_at
+    row: int
+    nbytes: int
+    queued_at: float
+    started: float
 
 
 class Receiver:
@@ -138,39 +91,100 @@ class Receiver:
         self._record = record
         self._record_pull = record_pull
         self._finish = finish
-        # One row of scratch words per transfer thread: where a job reads P's lease words to.
-        self._scratch: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for index in range(config.transfer_threads):
-            self._scratch.put(index)
-        # Requests queued or being read, and those of them aborted since.
+        # Handshakes and links with P ranks not linked yet, off the step thread.
+        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
+        # One row of scratch words per read in flight: where its batch reads P's lease words.
+        self._rows: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for row in range(IN_FLIGHT_READS):
+            self._rows.put(row)
+        self._in_flight: list[_InFlight] = []
+        # Requests not yet collected, and those of them aborted since.
         self._active: dict[str, RecvSpec] = {}
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
 
-    def queued(self, spec: RecvSpec) -> None:
-        """Called as the job is queued, before ``receive`` runs it."""
+    def start(self, spec: RecvSpec, queued_at: float) -> bool:
+        """Begins the read of ``spec`` (on the step thread) where every P rank it reads is
+        linked, else on the pool; True when it went to the pool."""
         with self._lock:
             self._active[spec.request_id] = spec
+        row = self._free_row() if self._ready(spec) else None
+        if row is not None:
+            self._begin(spec, queued_at, row)
+            return False
+        self._pool.submit(self._begin_pooled, spec, queued_at)
+        return True
 
     def cancel(self, request_id: str) -> None:
-        """The request was aborted: P is told now, and a read not yet begun never begins (it
-        is still reported, as failed, so vLLM frees the blocks)."""
+        """The request was aborted: P is told now, a read not yet begun never begins, and one
+        under way is discarded (either way it is reported failed, so vLLM frees the blocks)."""
         with self._lock:
             spec = self._active.get(request_id)
             if spec is None or request_id in self._cancelled:
-                return  # its job already ended (and told P)
+                return  # already collected (and P told)
             self._cancelled.add(request_id)
         if spec.remote.engine_id:
             self._notices.release_later(self._release(spec))
 
-    def _check_cancelled(self, spec: RecvSpec) -> None:
+    def in_flight(self) -> int:
         with self._lock:
-            if spec.request_id in self._cancelled:
-                raise PullCancelled(f"request {spec.request_id} was aborted before its read")
+            return len(self._in_flight)
 
-    def receive(self, spec: RecvSpec, queued_at: float) -> None:
+    def collect(self, wait_s: float = 0.0) -> None:
+        """Ends every read whose batch finished (on the step thread); with ``wait_s``, first
+        waits up to that long for the oldest one."""
+        with self._lock:
+            flights = list(self._in_flight)
+        if wait_s and flights:
+            try:
+                flights[0].handle.wait(wait_s)
+            except Exception:  # its failure is reported below
+                pass
+        for flight in flights:
+            error: Exception | None = None
+            try:
+                if not flight.handle.poll():
+                    continue
+                self._check_cancelled(flight.spec)
+                self._vouch(flight)
+            except Exception as e:
+                error = e
+            with self._lock:
+                self._in_flight.remove(flight)
+            self._rows.put(flight.row)
+            self._end(flight.spec)
+            if error is not None:
+                self._fail(flight.spec, flight.peers, error)
+                continue
+            landed = flight.handle.finished_at
+            self._received(
+                flight.spec, flight.nbytes, landed - flight.started, landed - flight.queued_at
+            )
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _free_row(self) -> int | None:
+        try:
+            return self._rows.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _ready(self, spec: RecvSpec) -> bool:
+        """Whether the read can begin on the step thread: every P rank it reads is linked."""
+        if spec.error:
+            return True
+        try:
+            plan = self._plans.rank_plan(spec.remote.tp_size)
+            return all(self._peers.is_linked(spec.remote.rank(p)) for p in plan.notify)
+        except Exception:  # the pool's attempt reports it
+            return False
+
+    def _begin_pooled(self, spec: RecvSpec, queued_at: float) -> None:
+        self._begin(spec, queued_at, self._rows.get())  # waits while every row is in flight
+
+    def _begin(self, spec: RecvSpec, queued_at: float, row: int) -> None:
         peers: dict[int, Peer] = {}
-        row = self._scratch.get()
         try:
             if spec.error:
                 raise LeaseError(spec.error)
@@ -185,45 +199,57 @@ class Receiver:
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
             pull = self._engine.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
             started = time.monotonic()
-            self._pull(spec, pull)
-            finished = time.monotonic()
-            before, after = self._engine.words_read(pull)
-            # P publishes a word before the blocks leave its engine and clears it before it
-            # reuses them, never publishing it again: found before and after, the blocks were
-            # this request's throughout. Anything else read alongside is discarded.
-            vouched = zip(readers, before, strict=True)
-            refusing = [peer for peer, word in vouched if word != spec.lease_word]
-            if refusing:
-                self._record("refused_pulls")
-                raise LeaseError(
-                    f"prefill engine {refusing[0].engine_id} rank {refusing[0].payload.tp_rank} "
-                    f"does not lease these blocks to request {spec.remote_request_id} under "
-                    f"lease {spec.lease_id}: unknown or ended lease, or blocks outside it"
-                )
-            if any(word != spec.lease_word for word in after):
-                self._record("stale_pulls")
-                raise LeaseError(
-                    f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
-                    "ended during the pull; its blocks may have been reused"
-                )
+            handle = self._submit(spec, pull)
         except Exception as e:
+            self._rows.put(row)
+            self._end(spec)
             self._fail(spec, peers, e)
             return
-        finally:
-            self._scratch.put(row)
-            with self._lock:
-                self._active.pop(spec.request_id, None)
-                self._cancelled.discard(spec.request_id)
         layout = self._layout
         unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
-        moved = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
-        self._received(spec, moved, finished - started, finished - queued_at)
+        nbytes = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
+        flight = _InFlight(spec, peers, readers, pull, handle, row, nbytes, queued_at, started)
+        with self._lock:
+            self._in_flight.append(flight)
 
-    def _pull(self, spec: RecvSpec, pull: GuardedPull) -> None:
-        """Reads the words and blocks in one engine call, unless the request was aborted
-        since it was queued."""
+    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> Any:
+        """Hands the words and blocks to the engine as one batch, unless the request was
+        aborted since it was queued."""
         self._check_cancelled(spec)
-        self._engine.run(pull.pulls)
+        return self._engine.submit(pull.pulls)
+
+    def _vouch(self, flight: _InFlight) -> None:
+        """Raises LeaseError unless P's words vouched for the blocks before and after."""
+        spec = flight.spec
+        before, after = self._engine.words_read(flight.pull)
+        # P publishes a word before the blocks leave its engine and clears it before it
+        # reuses them, never publishing it again: found before and after, the blocks were
+        # this request's throughout. Anything else read alongside is discarded.
+        vouched = zip(flight.readers, before, strict=True)
+        refusing = [peer for peer, word in vouched if word != spec.lease_word]
+        if refusing:
+            self._record("refused_pulls")
+            raise LeaseError(
+                f"prefill engine {refusing[0].engine_id} rank {refusing[0].payload.tp_rank} "
+                f"does not lease these blocks to request {spec.remote_request_id} under "
+                f"lease {spec.lease_id}: unknown or ended lease, or blocks outside it"
+            )
+        if any(word != spec.lease_word for word in after):
+            self._record("stale_pulls")
+            raise LeaseError(
+                f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
+                "ended during the pull; its blocks may have been reused"
+            )
+
+    def _check_cancelled(self, spec: RecvSpec) -> None:
+        with self._lock:
+            if spec.request_id in self._cancelled:
+                raise PullCancelled(f"request {spec.request_id} was aborted before its read")
+
+    def _end(self, spec: RecvSpec) -> None:
+        with self._lock:
+            self._active.pop(spec.request_id, None)
+            self._cancelled.discard(spec.request_id)
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` are in place, vouched for by P: reports them."""

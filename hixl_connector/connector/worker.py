@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,8 @@ from hixl_connector.connector.lease_words import LeaseWords, words_path
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.peers import PeerRegistry
 from hixl_connector.connector.rank_addresses import rank_address
-from hixl_connector.connector.receiver import ReadPlans, Receiver
+from hixl_connector.connector.read_plans import ReadPlans
+from hixl_connector.connector.receiver import Receiver
 from hixl_connector.connector.scheduler import group_block_sizes
 from hixl_connector.connector.side_channel import SideChannelServer
 from hixl_connector.connector.stats import HixlKVConnectorStats
@@ -85,7 +85,6 @@ class HixlWorker:
         self._wake = threading.Event()  # a pull ended or a lease may have finished
         self._idle_step = False
         self._stats = HixlKVConnectorStats()
-        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-pull")
         self._context = zmq.Context()
         self._stats_lock = threading.Lock()  # pool threads record while vLLM collects
         self._engine: Engine | None = None
@@ -215,16 +214,16 @@ class HixlWorker:
         now = time.monotonic()
         if self._leases is not None:
             self._leases.start(metadata.to_send, now)
+        pooled = False
         for recv in metadata.to_recv:
             assert self._receiver is not None, "a pull before register_kv_caches"
-            self._receiver.queued(recv)
-            self._pool.submit(self._receiver.receive, recv, now)
+            pooled |= self._receiver.start(recv, now)
         if self._receiver is not None:
             for request_id in metadata.to_cancel:
                 self._receiver.cancel(request_id)
-        if metadata.to_recv:
-            # Hands the GIL over so the new jobs issue their reads now rather than when this
-            # step next blocks: a job holds it only until the engine call releases it.
+        if pooled:
+            # Hands the GIL over so the pool begins its handshakes now rather than when this
+            # step next blocks.
             time.sleep(0)
         if self._notices is not None:
             for release in metadata.to_release:
@@ -233,7 +232,10 @@ class HixlWorker:
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
-        if self._idle_step and self._outcomes.empty():
+        idle = self._idle_step and self._outcomes.empty()
+        if self._receiver is not None and self._receiver.in_flight():
+            self._receiver.collect(IDLE_STEP_WAIT_S if idle else 0.0)
+        elif idle:
             self._wake.wait(IDLE_STEP_WAIT_S)
         self._wake.clear()
         recving: set[str] = set()
@@ -284,7 +286,8 @@ class HixlWorker:
         )
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._receiver is not None:
+            self._receiver.shutdown()
         if self._notices is not None:
             self._notices.shutdown()
         if self._server is not None:

@@ -5,7 +5,8 @@ CANN's, except project adaptations: ``LLMConfig``, ``LLMDataDist`` and its ``cac
 carry the project's checks where CANN silently accepts a mistake (``ascend_checks.py``;
 ``init`` also drops the native engine's ``hixl.*`` option keys), ``pull_blocks_async`` is
 emulated by running ``pull_blocks`` on a thread (CANN has no asynchronous pull), and
-``pull_blocks_batch`` by calling ``pull_blocks`` for each pull in turn (CANN has no batch).
+``pull_blocks_batch_async`` by calling ``pull_blocks`` for each pull in turn on a thread (CANN
+has no batch).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
 ``hixl_connector.connector.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``,
@@ -139,11 +140,14 @@ def pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> ThreadPu
     return ThreadPullHandle(cache_manager.pull_blocks, *args, **kwargs)
 
 
-def pull_blocks_batch(cache_manager: Any, pulls: Sequence[BlocksPull]) -> None:
-    for pull in pulls:
-        cache_manager.pull_blocks(
-            pull.src_cache_key, pull.dst_cache, pull.src_blocks, pull.dst_blocks, **pull.kwargs
-        )
+def pull_blocks_batch_async(cache_manager: Any, pulls: Sequence[BlocksPull]) -> ThreadPullHandle:
+    def run() -> None:
+        for pull in pulls:
+            cache_manager.pull_blocks(
+                pull.src_cache_key, pull.dst_cache, pull.src_blocks, pull.dst_blocks, **pull.kwargs
+            )
+
+    return ThreadPullHandle(run)
 
 
 def load() -> Backend:
@@ -153,6 +157,6 @@ def load() -> Backend:
         BACKEND_NAME="ascend",
         PROFILE=ASCEND_PROFILE,
         pull_blocks_async=pull_blocks_async,
-        pull_blocks_batch=pull_blocks_batch,
+        pull_blocks_batch_async=pull_blocks_batch_async,
         **{**names, **checked_classes(cann)},
     )

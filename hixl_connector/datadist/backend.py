@@ -6,7 +6,7 @@
   an NPU (``kv_device="npu"``; without a device, importability alone decides), else native.
 
 Each returns a ``Backend`` (profile.py): the same API names plus
-``pull_blocks_async(cache_manager, ...)``, ``pull_blocks_batch(cache_manager, pulls)``,
+``pull_blocks_async(cache_manager, ...)``, ``pull_blocks_batch_async(cache_manager, pulls)``,
 ``BACKEND_NAME`` and ``PROFILE`` (a
 ``BackendProfile``). Loading "native" does not import the engine; ``LLMDataDist.init`` does.
 """
@@ -29,8 +29,8 @@ def _native_pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> 
     return cache_manager.pull_blocks_async(*args, **kwargs)
 
 
-def _native_pull_blocks_batch(cache_manager: Any, pulls: Sequence[BlocksPull]) -> None:
-    cache_manager.pull_blocks_batch(pulls)
+def _native_pull_blocks_batch_async(cache_manager: Any, pulls: Sequence[BlocksPull]) -> Any:
+    return cache_manager.pull_blocks_batch_async(pulls)
 
 
 def _load_native() -> Backend:
@@ -39,7 +39,7 @@ def _load_native() -> Backend:
         BACKEND_NAME="native",
         PROFILE=NATIVE_PROFILE,
         pull_blocks_async=_native_pull_blocks_async,
-        pull_blocks_batch=_native_pull_blocks_batch,
+        pull_blocks_batch_async=_native_pull_blocks_batch_async,
         **{name: getattr(api, name) for name in API_NAMES},
     )
 

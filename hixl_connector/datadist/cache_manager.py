@@ -215,14 +215,26 @@ class CacheManager:
         ``pull_blocks`` raises it. Every pull's arguments are checked before any moves.
 
         What it is for: a guard word, blocks and the guard word again, read back to back."""
+        status, message = self._engine.pull_batch(self._batch_args(pulls))
+        check_status(status, "[pull_blocks_batch]", message)
+
+    def pull_blocks_batch_async(self, pulls: Sequence[BlocksPull]) -> PullHandle:
+        """Project extension: ``pull_blocks_batch`` queued on the engine's transfer pool.
+
+        Arguments are checked (and bad ones raised) before this returns; transfer failures
+        surface from the handle's ``wait``/``poll``, which need no Python thread to finish."""
+        status, handle, message = self._engine.submit_pull_batch(self._batch_args(pulls))
+        check_status(status, "[pull_blocks_batch_async]", message)
+        return PullHandle(self._engine, handle, f"a batch of {len(pulls)} pulls")
+
+    def _batch_args(self, pulls: Sequence[BlocksPull]) -> list[tuple[Any, ...]]:
         args = [
             self._validated_pull(
                 p.src_cache_key, p.dst_cache, p.src_blocks, p.dst_blocks, dict(p.kwargs)
             )
             for p in pulls
         ]
-        status, message = self._engine.pull_batch([a.native_args(self._timeout_ms) for a in args])
-        check_status(status, "[pull_blocks_batch]", message)
+        return [a.native_args(self._timeout_ms) for a in args]
 
     def pull_blocks_async(
         self,

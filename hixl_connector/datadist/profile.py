@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hixl_connector.datadist.llm_types import BlocksPull
+from hixl_connector.datadist.pull_handle import PullHandle, ThreadPullHandle
 
 
 def _no_alignment_rule(addrs: list[int], what: str) -> None:
@@ -51,13 +52,14 @@ class Backend:
     """One implementation of the LLM-DataDist v2 API: its classes and constants under CANN's
     names (None where that implementation lacks one), and what drives it beyond CANN's API:
     ``pull_blocks_async(cache_manager, key, cache, src, dst, **kwargs)`` returning a handle
-    with ``wait()``, ``pull_blocks_batch(cache_manager, pulls)`` running ``BlocksPull``s in
-    order (the first failure raised), the back-end's name and its profile."""
+    with ``wait()``, ``pull_blocks_batch_async(cache_manager, pulls)`` running ``BlocksPull``s
+    in order (the first failure stopping the rest) and returning a handle with ``poll()``,
+    ``wait()`` and ``finished_at``, the back-end's name and its profile."""
 
     BACKEND_NAME: str
     PROFILE: BackendProfile
     pull_blocks_async: Callable[..., Any]
-    pull_blocks_batch: Callable[[Any, Sequence[BlocksPull]], None]
+    pull_blocks_batch_async: Callable[[Any, Sequence[BlocksPull]], PullHandle | ThreadPullHandle]
     LLMDataDist: Any = None
     LLMConfig: Any = None
     LlmConfig: Any = None

@@ -1,9 +1,11 @@
-"""PullHandle: the result of ``CacheManager.pull_blocks_async`` (a project extension).
+"""PullHandle: the result of ``CacheManager.pull_blocks_async`` and ``pull_blocks_batch_async``
+(project extensions).
 
 The native backend wraps an engine handle; the ascend backend, whose CANN API has no async pull,
 runs ``pull_blocks`` on a thread (see ``ThreadPullHandle``). Both behave the same way:
 ``poll()`` and ``wait(timeout)`` return True once the pull has landed, False while it runs, and
-raise the pull's LLMException when it failed (again on every later call).
+raise the pull's LLMException when it failed (again on every later call); ``finished_at`` is
+when it ended, on ``time.monotonic``'s clock.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ _WAIT_SLICE_MS = 1000
 
 
 class _AsyncEngine(Protocol):
-    def wait(self, handle: int, timeout_ms: int) -> tuple[int, str]: ...
-    def poll(self, handle: int) -> tuple[int, str]: ...
+    def wait(self, handle: int, timeout_ms: int, timed: bool) -> tuple[int, str, int]: ...
+    def poll(self, handle: int, timed: bool) -> tuple[int, str, int]: ...
 
 
 class PullHandle:
@@ -33,15 +35,22 @@ class PullHandle:
         self._description = description
         self._error: LLMException | None = None
         self._done = False
+        self._finished_at: float | None = None
         self._lock = threading.Lock()
 
     @property
     def done(self) -> bool:
         return self._done or self._error is not None
 
-    def _settle(self, status: int, message: str) -> bool:
+    @property
+    def finished_at(self) -> float | None:
+        """When the pull ended (``time.monotonic``'s clock); None while it runs."""
+        return self._finished_at
+
+    def _settle(self, status: int, message: str, finished_ns: int) -> bool:
         if status == PENDING:
             return False
+        self._finished_at = finished_ns / 1e9
         if status != 0:
             code = code_to_status(status)
             self._error = LLMException(
@@ -63,7 +72,7 @@ class PullHandle:
             final = self._final()
             if final is not None:
                 return final
-            return self._settle(*self._engine.poll(self._handle))
+            return self._settle(*self._engine.poll(self._handle, timed=True))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block up to ``timeout`` seconds (None: until the pull ends; it is itself bounded by
@@ -77,7 +86,7 @@ class PullHandle:
                 left_ms = _WAIT_SLICE_MS
                 if deadline is not None:
                     left_ms = min(left_ms, max(0, int((deadline - time.monotonic()) * 1000)))
-                if self._settle(*self._engine.wait(self._handle, left_ms)):
+                if self._settle(*self._engine.wait(self._handle, left_ms, timed=True)):
                     return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -89,6 +98,7 @@ class ThreadPullHandle:
     def __init__(self, pull: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         self._finished = threading.Event()
         self._error: BaseException | None = None
+        self._finished_at: float | None = None
         self._thread = threading.Thread(
             target=self._run, args=(pull, args, kwargs), name="pull_blocks_async", daemon=True
         )
@@ -100,11 +110,16 @@ class ThreadPullHandle:
         except BaseException as exc:  # handed to the waiter, who re-raises it
             self._error = exc
         finally:
+            self._finished_at = time.monotonic()
             self._finished.set()
 
     @property
     def done(self) -> bool:
         return self._finished.is_set()
+
+    @property
+    def finished_at(self) -> float | None:
+        return self._finished_at
 
     def poll(self) -> bool:
         return self.wait(0)

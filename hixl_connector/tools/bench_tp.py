@@ -3,7 +3,7 @@
 Llama-8B KV shape (32 layers, K and V tensors = 64 tensors, 8 KV heads, head_dim 128, bf16),
 16-token blocks, every tensor registered one unit per KV head of a block, as the connector
 registers vLLM's CPU KV cache. The unit ids come from ``tp_mapping`` and the calls run as
-one ``pull_blocks_batch``, as the worker runs them (reads from several P ranks one after
+one ``pull_blocks_batch_async``, as the worker runs them (reads from several P ranks one after
 another, each spread over the engine's transfer threads). Fresh random block ids for every
 pull; each case alternates with its reference:
 
@@ -133,7 +133,7 @@ class DRank:
             for read in plan.reads
         ]
         start = time.perf_counter()
-        api.pull_blocks_batch(self.dd.cache_manager, pulls)
+        api.pull_blocks_batch_async(self.dd.cache_manager, pulls).wait()
         elapsed = time.perf_counter() - start
         for read in plan.reads:  # each head slot holds the bytes of the P rank it came from
             unit = dst[0] * self.heads + read.dst_head

@@ -54,11 +54,32 @@ hixl::PullRequest make_request(int64_t remote, int kind, int64_t model_id, int64
       nb::arg("src_tensor_first"), nb::arg("src_tensor_count"), nb::arg("dst_tensor_first"), \
       nb::arg("dst_tensor_count"), nb::arg("timeout_ms")
 
+nb::tuple waited(const hixl::Status& s, int64_t finished_ns, bool timed) {
+  if (timed) return nb::make_tuple(s.code, s.message, finished_ns);
+  return nb::make_tuple(s.code, s.message);
+}
+
+// A batch of pulls from Python: each a tuple of the 15 arguments of `pull`, in order.
+std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
+  std::vector<hixl::PullRequest> requests;
+  requests.reserve(pulls.size());
+  for (const nb::tuple& a : pulls) {
+    if (a.size() != 15) throw nb::value_error("each pull of a batch takes 15 arguments");
+    requests.push_back(make_request(
+        nb::cast<int64_t>(a[0]), nb::cast<int>(a[1]), nb::cast<int64_t>(a[2]),
+        nb::cast<int64_t>(a[3]), nb::cast<int64_t>(a[4]), nb::cast<int64_t>(a[5]),
+        nb::cast<int64_t>(a[6]), nb::cast<int64_t>(a[7]), a[8], a[9], nb::cast<int64_t>(a[10]),
+        nb::cast<int64_t>(a[11]), nb::cast<int64_t>(a[12]), nb::cast<int64_t>(a[13]),
+        nb::cast<int64_t>(a[14])));
+  }
+  return requests;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 1;
+  m.attr("ABI_VERSION") = 2;  // 2: pull_batch, submit_pull_batch, timed wait and poll
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -155,20 +176,20 @@ NB_MODULE(_native, m) {
           PULL_ARGS)
       .def(
           "pull_batch",
-          [](hixl::Engine& e, const std::vector<nb::tuple>& batch) {
-            std::vector<hixl::PullRequest> requests;
-            requests.reserve(batch.size());
-            for (const nb::tuple& a : batch) {
-              if (a.size() != 15) throw nb::value_error("pull_batch: each pull takes 15 arguments");
-              requests.push_back(make_request(
-                  nb::cast<int64_t>(a[0]), nb::cast<int>(a[1]), nb::cast<int64_t>(a[2]),
-                  nb::cast<int64_t>(a[3]), nb::cast<int64_t>(a[4]), nb::cast<int64_t>(a[5]),
-                  nb::cast<int64_t>(a[6]), nb::cast<int64_t>(a[7]), a[8], a[9],
-                  nb::cast<int64_t>(a[10]), nb::cast<int64_t>(a[11]), nb::cast<int64_t>(a[12]),
-                  nb::cast<int64_t>(a[13]), nb::cast<int64_t>(a[14])));
-            }
+          [](hixl::Engine& e, const std::vector<nb::tuple>& pulls) {
+            std::vector<hixl::PullRequest> requests = batch_of(pulls);
             nb::gil_scoped_release release;
             return to_result(e.pull_batch(requests));
+          },
+          nb::arg("pulls"))
+      .def(
+          "submit_pull_batch",
+          [](hixl::Engine& e, const std::vector<nb::tuple>& pulls) {
+            std::vector<hixl::PullRequest> requests = batch_of(pulls);
+            nb::gil_scoped_release release;
+            uint64_t handle = 0;
+            hixl::Status s = e.submit_pull_batch(std::move(requests), &handle);
+            return std::tuple<int64_t, uint64_t, std::string>(s.code, handle, s.message);
           },
           nb::arg("pulls"))
       .def(
@@ -189,18 +210,30 @@ NB_MODULE(_native, m) {
           PULL_ARGS)
       .def(
           "wait",
-          [](hixl::Engine& e, uint64_t handle, int64_t timeout_ms) {
-            nb::gil_scoped_release release;
-            return to_result(e.wait(handle, timeout_ms));
+          [](hixl::Engine& e, uint64_t handle, int64_t timeout_ms, bool timed) {
+            int64_t finished_ns = 0;
+            hixl::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = e.wait(handle, timeout_ms, &finished_ns);
+            }
+            return waited(s, finished_ns, timed);
           },
-          nb::arg("handle"), nb::arg("timeout_ms"))
+          nb::arg("handle"), nb::arg("timeout_ms"), nb::arg("timed") = false,
+          "(status, message), with timed=True also when the last byte landed "
+          "(nanoseconds on time.monotonic_ns's clock)")
       .def(
           "poll",
-          [](hixl::Engine& e, uint64_t handle) {
-            nb::gil_scoped_release release;
-            return to_result(e.poll(handle));
+          [](hixl::Engine& e, uint64_t handle, bool timed) {
+            int64_t finished_ns = 0;
+            hixl::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = e.poll(handle, &finished_ns);
+            }
+            return waited(s, finished_ns, timed);
           },
-          nb::arg("handle"))
+          nb::arg("handle"), nb::arg("timed") = false)
       .def(
           "close",
           [](hixl::Engine& e) {

@@ -2,6 +2,7 @@
 #include "hixl/engine.h"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <set>
 #include <stdexcept>
@@ -30,7 +31,14 @@ struct AsyncPull {
   std::condition_variable cv;
   bool done = false;
   Status result;
+  int64_t finished_ns = 0;  // steady clock (CLOCK_MONOTONIC, as Python's time.monotonic)
 };
+
+int64_t steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 std::string cluster_name(int64_t id) { return "cluster " + std::to_string(id); }
 
@@ -263,7 +271,22 @@ class Engine::Impl {
     return Status::Ok();
   }
 
-  Status submit(PullRequest r, uint64_t* handle) {
+  // The requests in order; the first failure stops the rest, its message naming its place.
+  Status pull_batch(const std::vector<PullRequest>& requests) {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      Status s = pull(requests[i]);
+      if (!s.ok()) {
+        if (requests.size() > 1) {
+          s.message = "pull " + std::to_string(i + 1) + " of " +
+                      std::to_string(requests.size()) + " in the batch: " + s.message;
+        }
+        return s;
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status submit(std::vector<PullRequest> batch, uint64_t* handle) {
     if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
     auto ap = std::make_shared<AsyncPull>();
     {
@@ -278,10 +301,11 @@ class Engine::Impl {
       *handle = next_handle++;
       handles[*handle] = ap;
     }
-    bool posted = pool->post([this, ap, req = std::move(r)] {
-      Status s = pull(req);
+    bool posted = pool->post([this, ap, requests = std::move(batch)] {
+      Status s = pull_batch(requests);
       std::lock_guard<std::mutex> lock(ap->mu);
       ap->result = std::move(s);
+      ap->finished_ns = steady_now_ns();
       ap->done = true;
       ap->cv.notify_all();
     });
@@ -293,7 +317,7 @@ class Engine::Impl {
     return Status::Ok();
   }
 
-  Status wait(uint64_t handle, int64_t timeout_ms) {
+  Status wait(uint64_t handle, int64_t timeout_ms, int64_t* finished_ns) {
     std::shared_ptr<AsyncPull> ap;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -310,6 +334,7 @@ class Engine::Impl {
         return Status::Error(status::kPending, "pull still running");
       }
     }
+    if (finished_ns != nullptr) *finished_ns = ap->finished_ns;
     std::lock_guard<std::mutex> lock(mu);
     handles.erase(handle);
     return ap->result;
@@ -375,21 +400,22 @@ std::string Engine::peer_transport(int64_t remote) const {
 
 Status Engine::pull(const PullRequest& request) { return impl_->pull(request); }
 Status Engine::pull_batch(const std::vector<PullRequest>& requests) {
-  for (size_t i = 0; i < requests.size(); ++i) {
-    Status s = impl_->pull(requests[i]);
-    if (!s.ok()) {
-      s.message = "pull " + std::to_string(i + 1) + " of " + std::to_string(requests.size()) +
-                  " in the batch: " + s.message;
-      return s;
-    }
-  }
-  return Status::Ok();
+  return impl_->pull_batch(requests);
 }
 Status Engine::submit_pull(PullRequest request, uint64_t* handle) {
-  return impl_->submit(std::move(request), handle);
+  std::vector<PullRequest> batch;
+  batch.push_back(std::move(request));
+  return impl_->submit(std::move(batch), handle);
 }
-Status Engine::wait(uint64_t handle, int64_t timeout_ms) { return impl_->wait(handle, timeout_ms); }
-Status Engine::poll(uint64_t handle) { return impl_->wait(handle, 0); }
+Status Engine::submit_pull_batch(std::vector<PullRequest> requests, uint64_t* handle) {
+  return impl_->submit(std::move(requests), handle);
+}
+Status Engine::wait(uint64_t handle, int64_t timeout_ms, int64_t* finished_ns) {
+  return impl_->wait(handle, timeout_ms, finished_ns);
+}
+Status Engine::poll(uint64_t handle, int64_t* finished_ns) {
+  return impl_->wait(handle, 0, finished_ns);
+}
 void Engine::close() { impl_->close(); }
 
 std::map<std::string, int64_t> Engine::stats() const {

@@ -5,6 +5,7 @@ The peer (datadist_peer.py) serves deterministic caches; this process is the dec
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,28 +169,42 @@ def test_async_pull_extension(setup: Setup) -> None:
     setup.expect(pairs, everything, everything)
 
 
-def _batch(setup: Setup, pairs: list[tuple[Any, int]]) -> None:
+def _batch(setup: Setup, pairs: list[tuple[Any, int]], asynchronously: bool = False) -> None:
     setup.reset()
     pulls = [BlocksPull(setup.key, setup.cache, [s], [d]) for s, d in pairs]
-    setup.api.pull_blocks_batch(setup.client.dd.cache_manager, pulls)
+    manager = setup.client.dd.cache_manager
+    if not asynchronously:
+        manager.pull_blocks_batch(pulls)
+        return
+    before = time.monotonic()
+    handle = setup.api.pull_blocks_batch_async(manager, pulls)
+    try:
+        assert handle.wait(10.0) is True
+    finally:
+        assert handle.finished_at is not None and before < handle.finished_at < time.monotonic()
 
 
-def test_batch_extension_pulls_in_order(setup: Setup) -> None:
-    _batch(setup, [(1, 60), (2, 61), (5, 60)])  # the last pull into 60 lands last
+@pytest.mark.parametrize("asynchronously", [False, True])
+def test_batch_extension_pulls_in_order(setup: Setup, asynchronously: bool) -> None:
+    _batch(setup, [(1, 60), (2, 61), (5, 60)], asynchronously)  # the last into 60 lands last
     everything = range(layout.NUM_TENSORS)
     setup.expect([(5, 60), (2, 61)], everything, everything)
 
 
-def test_batch_extension_stops_at_the_first_failure(setup: Setup) -> None:
+@pytest.mark.parametrize("asynchronously", [False, True])
+def test_batch_extension_stops_at_the_first_failure(setup: Setup, asynchronously: bool) -> None:
     with pytest.raises(setup.api.LLMException) as info:
-        _batch(setup, [(1, 60), (NB, 61), (3, 62)])  # the second reads beyond P's cache
+        _batch(setup, [(1, 60), (NB, 61), (3, 62)], asynchronously)  # the 2nd reads beyond P's
     assert info.value.status_code == setup.api.LLMStatusCode.LLM_PARAM_INVALID
     everything = range(layout.NUM_TENSORS)
     setup.expect([(1, 60)], everything, everything)  # the third never ran
 
 
-def test_batch_extension_checks_every_pull_before_any_moves(setup: Setup) -> None:
+@pytest.mark.parametrize("asynchronously", [False, True])
+def test_batch_extension_checks_every_pull_before_any_moves(
+    setup: Setup, asynchronously: bool
+) -> None:
     with pytest.raises(TypeError):
-        _batch(setup, [(1, 60), ("x", 61)])
+        _batch(setup, [(1, 60), ("x", 61)], asynchronously)
     everything = range(layout.NUM_TENSORS)
     setup.expect([], everything, everything)

@@ -6,9 +6,9 @@ HixlConnector validates the rest:
 
 - ``test_corrupt_received_kv``: D overwrites what it received with noise before vLLM uses
   it: the corrupted-KV control, which must change the output;
-- ``test_pull_delay_s``: D waits this long between its first read of P's lease words and its
-  read of the blocks (the one engine call of a pull made two), so a fault (an expired lease, a
-  stopped P, a cut link) lands mid-pull.
+- ``test_pull_delay_s``: D waits this long (on its pool, never on the step thread) between its
+  first read of P's lease words and its read of the blocks (the one batch of a read made two),
+  so a fault (an expired lease, a stopped P, a cut link) lands mid-pull.
 """
 
 from __future__ import annotations
@@ -39,14 +39,18 @@ class ControlledReceiver(Receiver):
     corrupt = False
     delay_s = 0.0
 
-    def _pull(self, spec: RecvSpec, pull: GuardedPull) -> None:
+    def _ready(self, spec: RecvSpec) -> bool:
+        # A delayed read waits on the pool, never on the step thread.
+        return not self.delay_s and super()._ready(spec)
+
+    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> Any:
         if not self.delay_s:
-            return super()._pull(spec, pull)
-        # The one engine call split where the delay goes: what lands is the same, in the same
+            return super()._submit(spec, pull)
+        # The one batch split where the delay goes: what lands is the same, in the same
         # order, with time for a fault in between.
         self._engine.run(pull.pulls[: pull.words])
         time.sleep(self.delay_s)
-        super()._pull(spec, dataclasses.replace(pull, pulls=pull.pulls[pull.words :]))
+        return super()._submit(spec, dataclasses.replace(pull, pulls=pull.pulls[pull.words :]))
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         if self.corrupt:

@@ -106,9 +106,12 @@ class Engine {
   // its message naming its place. Lets a caller read a guard word, blocks and the guard word
   // again without returning to Python (and its lock) in between.
   Status pull_batch(const std::vector<PullRequest>& requests);
+  // Asynchronous pull / pull_batch on the transfer pool; wait or poll for the result, which
+  // also gives when the last byte landed (steady clock, nanoseconds).
   Status submit_pull(PullRequest request, uint64_t* handle);
-  Status wait(uint64_t handle, int64_t timeout_ms);
-  Status poll(uint64_t handle);
+  Status submit_pull_batch(std::vector<PullRequest> requests, uint64_t* handle);
+  Status wait(uint64_t handle, int64_t timeout_ms, int64_t* finished_ns = nullptr);
+  Status poll(uint64_t handle, int64_t* finished_ns = nullptr);
 
   void close();
   std::map<std::string, int64_t> stats() const;
