@@ -20,7 +20,7 @@ from hixl_connector.connector.blocks import chunk_pairs
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.kv_layout import KVLayout
 from hixl_connector.connector.rank_addresses import RankAddress
-from hixl_connector.datadist import Backend, BlocksPull, load_backend
+from hixl_connector.datadist import Backend, BlocksPull, DataDist, load_backend
 
 # Model id of the first (for MHA/GQA the only) registered blocks cache; MLA's other parts
 # follow as BLOCKS_MODEL_ID + 1, + 2, ...
@@ -58,7 +58,7 @@ class RegisteredCache:
 @dataclass(frozen=True)
 class Engine:
     api: Backend  # LLMDataDist, BlocksCacheKey, LLMStatusCode, PROFILE, ...
-    datadist: Any
+    datadist: DataDist
     caches: tuple[RegisteredCache, ...]  # destinations of D's pulls, one per model_id
     listen_port: int  # where peers link to; the configured port when not listening
     max_pairs_per_pull: int | None  # chunk size of long block lists; None: no limit
@@ -278,7 +278,7 @@ def open_engine(
 
 
 def _register(
-    api: Backend, datadist: Any, cluster_id: int, group: CacheGroup, placement: Any
+    api: Backend, datadist: DataDist, cluster_id: int, group: CacheGroup, placement: Any
 ) -> RegisteredCache:
     desc = api.CacheDesc(
         len(group.addrs),
