@@ -23,6 +23,7 @@ from hixl_connector.connector.rank_addresses import RankAddress
 from hixl_connector.datadist import (
     Backend,
     BlocksPull,
+    DataDist,
     PullHandle,
     ThreadPullHandle,
     load_backend,
@@ -66,7 +67,7 @@ class RegisteredCache:
 @dataclass(frozen=True)
 class Engine:
     api: Backend  # LLMDataDist, BlocksCacheKey, LLMStatusCode, PROFILE, ...
-    datadist: Any
+    datadist: DataDist
     caches: tuple[RegisteredCache, ...]  # destinations of D's pulls, one per model_id
     listen_port: int  # where peers link to; the configured port when not listening
     max_pairs_per_pull: int | None  # chunk size of long block lists; None: no limit
@@ -292,7 +293,7 @@ def open_engine(
 
 
 def _register(
-    api: Backend, datadist: Any, cluster_id: int, group: CacheGroup, placement: Any
+    api: Backend, datadist: DataDist, cluster_id: int, group: CacheGroup, placement: Any
 ) -> RegisteredCache:
     desc = api.CacheDesc(
         len(group.addrs),

@@ -24,7 +24,7 @@ from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload,
 from hixl_connector.connector.metadata import PeerRank
 from hixl_connector.connector.side_channel import SideChannelClient
 from hixl_connector.connector.tp_mapping import heads_per_rank
-from hixl_connector.datadist import Backend
+from hixl_connector.datadist import Backend, DataDist
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class PeerRegistry:
     def __init__(
         self,
         api: Backend,
-        datadist: Any,
+        datadist: DataDist,
         context: zmq.Context,
         local: HandshakePayload,
         config: HixlConfig,

@@ -7,8 +7,9 @@ The connector's one seam to transfer engines. What lives here:
   (``LLMConfig``, ``LLMClusterInfo``, ``LLMRole``), ``llm_types`` (descriptors and cache
   keys), ``status`` (codes and ``LLMException``), ``pull_handle`` (async pulls);
 - CANN's argument rules: ``checks`` (types and C ranges), ``validation`` (``pull_blocks``);
-- the back-ends: ``backend`` (``load_backend``), ``profile`` (the typed ``Backend`` and what
-  each back-end needs), ``ascend`` (CANN ``llm_datadist`` with torch_npu).
+- the back-ends: ``backend`` (``load_backend``), ``profile`` (the typed ``Backend``, the
+  ``DataDist`` and ``BlocksCacheManager`` protocols the connector calls, and what each
+  back-end needs), ``ascend`` (CANN ``llm_datadist`` with torch_npu).
 
 ``from hixl_connector.datadist import LLMDataDist, LLMConfig, ...`` gives the native-engine
 implementation; ``load_backend("native" | "ascend" | "auto")`` chooses one explicitly. Importing
@@ -36,6 +37,7 @@ from hixl_connector.datadist.llm_types import (
     RegisterMemStatus,
 )
 from hixl_connector.datadist.native import LLMDataDist
+from hixl_connector.datadist.profile import BlocksCacheManager, DataDist
 from hixl_connector.datadist.pull_handle import PullHandle, ThreadPullHandle
 from hixl_connector.datadist.status import LLMException, LLMStatusCode, Status
 
@@ -44,12 +46,14 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "BlocksCacheKey",
+    "BlocksCacheManager",
     "BlocksPull",
     "Cache",
     "CacheDesc",
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "CacheManager",
+    "DataDist",
     "DataType",
     "LLMClusterInfo",
     "LLMConfig",

@@ -19,10 +19,30 @@ from typing import Any
 
 from hixl_connector.datadist import ascend
 from hixl_connector.datadist.ascend import API_NAMES, BackendUnavailableError
+from hixl_connector.datadist.ascend_checks import CheckedCacheManager
+from hixl_connector.datadist.cache_manager import CacheManager
 from hixl_connector.datadist.llm_types import BlocksPull
-from hixl_connector.datadist.profile import NATIVE_PROFILE, Backend
+from hixl_connector.datadist.native import LLMDataDist
+from hixl_connector.datadist.profile import NATIVE_PROFILE, Backend, BlocksCacheManager, DataDist
 
 BACKENDS = ("native", "ascend", "auto")
+
+
+# Never called: mypy rejects these returns when a class stops satisfying the protocol the
+# connector types it by (a renamed method, a changed parameter), which nothing else would
+# notice until a test or a run called it. CANN's own classes are untyped; what can be checked
+# of the ascend backend is the project's wrapper of its cache manager (whose __getattr__
+# hides a missing method from mypy, but not a changed signature).
+def _native_conforms(datadist: LLMDataDist) -> DataDist:
+    return datadist
+
+
+def _native_cache_manager_conforms(manager: CacheManager) -> BlocksCacheManager:
+    return manager
+
+
+def _ascend_cache_manager_conforms(manager: CheckedCacheManager) -> BlocksCacheManager:
+    return manager
 
 
 def _native_pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,6 @@
 """``Backend``, the typed seam between the connector and an implementation of the
-LLM-DataDist v2 API, and ``BackendProfile``, what a backend needs from the code that opens it.
+LLM-DataDist v2 API, ``DataDist`` and ``BlocksCacheManager``, the part of that API the
+connector calls, and ``BackendProfile``, what a backend needs from the code that opens it.
 
 The connector's worker uses nothing but the LLM-DataDist API, through a ``Backend``
 (``load_backend``). The few facts in which the backends differ (which memory they move,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hixl_connector.datadist.llm_types import BlocksPull
 from hixl_connector.datadist.pull_handle import PullHandle, ThreadPullHandle
@@ -23,6 +24,58 @@ def _no_alignment_rule(addrs: list[int], what: str) -> None:
 
 def _device_zero(tensor: Any) -> int:
     return 0
+
+
+# Where a method below has "/" and "*", the connector passes what precedes "/" by position
+# and what follows "*" by name, and mypy compares the latter's names with an implementation's
+# (it ignores the names of parameters that may be passed either way).
+
+
+class BlocksCacheManager(Protocol):
+    """What the connector calls on ``DataDist.cache_manager``, under CANN's names and
+    parameters. Descriptors, keys and caches are each back-end's own classes, hence ``Any``.
+    Batched and asynchronous pulls are not part of it: CANN's cache manager has neither, so
+    the connector reaches them through ``Backend.pull_blocks_batch`` and
+    ``Backend.pull_blocks_async``."""
+
+    def register_blocks_cache(
+        self,
+        cache_desc: Any,
+        addrs: list[int],
+        blocks_cache_key: Any = None,
+        /,
+        *,
+        remote_accessible: bool | None = None,
+    ) -> Any: ...
+
+    def pull_blocks(
+        self,
+        src_cache_key: Any,
+        dst_cache: Any,
+        src_blocks: list[int] | tuple[int, ...] | None = (),
+        dst_blocks: list[int] | tuple[int, ...] = (),
+        **kwargs: Any,
+    ) -> None: ...
+
+
+class DataDist(Protocol):
+    """What the connector calls on an ``LLMDataDist``. Cluster infos and status codes are
+    each back-end's own classes, hence ``Any``."""
+
+    def init(self, options: dict[str, str], /) -> None: ...
+
+    @property
+    def cache_manager(self) -> BlocksCacheManager: ...
+
+    def link_clusters(
+        self, clusters: list[Any], timeout: int = 3000, /
+    ) -> tuple[Any, list[Any]]: ...
+
+    def unlink_clusters(
+        self, clusters: list[Any], timeout: int = 3000, /, *, force: bool = False
+    ) -> tuple[Any, list[Any]]: ...
+
+    def finalize(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +113,8 @@ class Backend:
     PROFILE: BackendProfile
     pull_blocks_async: Callable[..., Any]
     pull_blocks_batch_async: Callable[[Any, Sequence[BlocksPull]], PullHandle | ThreadPullHandle]
-    LLMDataDist: Any = None
+    # LLMDataDist(role, cluster_id), the role being the back-end's LLMRole.
+    LLMDataDist: Callable[[Any, int], DataDist]
     LLMConfig: Any = None
     LlmConfig: Any = None
     LLMRole: Any = None

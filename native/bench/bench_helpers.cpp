@@ -29,7 +29,7 @@ double time_plan(const std::vector<int64_t>& src, const std::vector<int64_t>& ds
   cache.num_blocks = static_cast<uint64_t>(max_id) + 1;
   cache.tensor_bytes = cache.num_blocks * stride;
   for (int t = 0; t < num_tensors; ++t) {
-    cache.addrs.push_back((uint64_t(t) + 1) << 40);  // never dereferenced
+    cache.tensor_addrs.push_back((uint64_t(t) + 1) << 40);  // never dereferenced
   }
   PullRequest req;
   req.src_blocks = src;

@@ -23,11 +23,14 @@ namespace {
 
 Result to_result(const hixl::Status& s) { return {s.code, s.message}; }
 
-hixl::PullRequest make_request(int64_t remote, int kind, int64_t model_id, int64_t cache_id,
-                               int64_t req_id, int64_t prefix_id, int64_t batch_index,
-                               int64_t dst_cache_id, nb::handle src, nb::handle dst,
-                               int64_t src_first, int64_t src_count, int64_t dst_first,
-                               int64_t dst_count, int64_t timeout_ms) {
+// One pull's arguments as Python passes them, in PULL_ARGS order: the parameter list of the
+// pull bindings and the element type of pull_batch.
+using PullArgs = std::tuple<int64_t, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            nb::handle, nb::handle, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+hixl::PullRequest make_request(const PullArgs& args) {
+  const auto& [remote, kind, model_id, cache_id, req_id, prefix_id, batch_index, dst_cache_id,
+               src, dst, src_first, src_count, dst_first, dst_count, timeout_ms] = args;
   hixl::PullRequest r;
   r.remote_cluster_id = remote;
   r.remote_kind = kind;
@@ -45,6 +48,23 @@ hixl::PullRequest make_request(int64_t remote, int kind, int64_t model_id, int64
   r.dst_tensor_count = dst_count;
   r.timeout_ms = timeout_ms;
   return r;
+}
+
+// A binding taking PULL_ARGS: builds the request with the GIL held (the block lists are
+// Python objects), then hands it to `issue` with the GIL released. The parameter list is
+// spelled out from PullArgs because nanobind reads a binding's signature off its lambda.
+template <typename Issue, typename... Args>
+auto pull_binding(Issue issue, std::tuple<Args...>* /*signature*/) {
+  return [issue](hixl::Engine& e, Args... args) {
+    hixl::PullRequest r = make_request(PullArgs{args...});
+    nb::gil_scoped_release release;
+    return issue(e, std::move(r));
+  };
+}
+
+template <typename Issue>
+auto pull_binding(Issue issue) {
+  return pull_binding(issue, static_cast<PullArgs*>(nullptr));
 }
 
 #define PULL_ARGS                                                                        \
@@ -65,12 +85,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
   requests.reserve(pulls.size());
   for (const nb::tuple& a : pulls) {
     if (a.size() != 15) throw nb::value_error("each pull of a batch takes 15 arguments");
-    requests.push_back(make_request(
-        nb::cast<int64_t>(a[0]), nb::cast<int>(a[1]), nb::cast<int64_t>(a[2]),
-        nb::cast<int64_t>(a[3]), nb::cast<int64_t>(a[4]), nb::cast<int64_t>(a[5]),
-        nb::cast<int64_t>(a[6]), nb::cast<int64_t>(a[7]), a[8], a[9], nb::cast<int64_t>(a[10]),
-        nb::cast<int64_t>(a[11]), nb::cast<int64_t>(a[12]), nb::cast<int64_t>(a[13]),
-        nb::cast<int64_t>(a[14])));
+    requests.push_back(make_request(nb::cast<PullArgs>(a)));
   }
   return requests;
 }
@@ -160,20 +175,9 @@ NB_MODULE(_native, m) {
           },
           nb::arg("remote_cluster_id"), nb::arg("timeout_ms"), nb::arg("force"))
       .def("peer_transport", &hixl::Engine::peer_transport, nb::arg("remote_cluster_id"))
-      .def(
-          "pull",
-          [](hixl::Engine& e, int64_t remote, int kind, int64_t model_id, int64_t cache_id,
-             int64_t req_id, int64_t prefix_id, int64_t batch_index, int64_t dst_cache_id,
-             nb::handle src, nb::handle dst, int64_t src_first, int64_t src_count,
-             int64_t dst_first, int64_t dst_count, int64_t timeout_ms) {
-            hixl::PullRequest r =
-                make_request(remote, kind, model_id, cache_id, req_id, prefix_id, batch_index,
-                             dst_cache_id, src, dst, src_first, src_count, dst_first, dst_count,
-                             timeout_ms);
-            nb::gil_scoped_release release;
-            return to_result(e.pull(r));
-          },
-          PULL_ARGS)
+      .def("pull",
+           pull_binding([](hixl::Engine& e, hixl::PullRequest r) { return to_result(e.pull(r)); }),
+           PULL_ARGS)
       .def(
           "pull_batch",
           [](hixl::Engine& e, const std::vector<nb::tuple>& pulls) {
@@ -192,22 +196,13 @@ NB_MODULE(_native, m) {
             return std::tuple<int64_t, uint64_t, std::string>(s.code, handle, s.message);
           },
           nb::arg("pulls"))
-      .def(
-          "submit_pull",
-          [](hixl::Engine& e, int64_t remote, int kind, int64_t model_id, int64_t cache_id,
-             int64_t req_id, int64_t prefix_id, int64_t batch_index, int64_t dst_cache_id,
-             nb::handle src, nb::handle dst, int64_t src_first, int64_t src_count,
-             int64_t dst_first, int64_t dst_count, int64_t timeout_ms) {
-            hixl::PullRequest r =
-                make_request(remote, kind, model_id, cache_id, req_id, prefix_id, batch_index,
-                             dst_cache_id, src, dst, src_first, src_count, dst_first, dst_count,
-                             timeout_ms);
-            nb::gil_scoped_release release;
-            uint64_t handle = 0;
-            hixl::Status s = e.submit_pull(std::move(r), &handle);
-            return std::tuple<int64_t, uint64_t, std::string>(s.code, handle, s.message);
-          },
-          PULL_ARGS)
+      .def("submit_pull",
+           pull_binding([](hixl::Engine& e, hixl::PullRequest r) {
+             uint64_t handle = 0;
+             hixl::Status s = e.submit_pull(std::move(r), &handle);
+             return std::tuple<int64_t, uint64_t, std::string>(s.code, handle, s.message);
+           }),
+           PULL_ARGS)
       .def(
           "wait",
           [](hixl::Engine& e, uint64_t handle, int64_t timeout_ms, bool timed) {

@@ -69,20 +69,12 @@ Status CacheTable::add(const CacheRegistration& reg) {
     return Status::Error(status::kParamInvalid, cache_name(reg.cache_id) + ": too many keys");
   }
   auto entry = std::make_shared<Entry>();
-  CacheInfo& info = entry->info;
-  info.id = reg.cache_id;
-  info.addrs = reg.tensor_addrs;
-  info.tensor_bytes = reg.tensor_bytes;
-  info.num_blocks = reg.num_blocks;
-  info.is_blocks = reg.is_blocks;
-  info.remote_accessible = reg.remote_accessible;
-  info.blocks_model_id = reg.blocks_model_id;
-  info.keys = reg.cache_keys;
+  entry->info = CacheInfo{reg};  // the serial is given under the lock, below
   entry->sorted_addrs = reg.tensor_addrs;
   std::sort(entry->sorted_addrs.begin(), entry->sorted_addrs.end());
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& e : entries_) {
-    if (e->info.id == reg.cache_id) {
+    if (e->info.cache_id == reg.cache_id) {
       return Status::Error(status::kParamInvalid,
                            cache_name(reg.cache_id) + " is already registered");
     }
@@ -90,7 +82,7 @@ Status CacheTable::add(const CacheRegistration& reg) {
   if (entries_.size() >= kMaxCaches) {
     return Status::Error(status::kParamInvalid, "too many registered caches");
   }
-  info.serial = next_serial_++;
+  entry->info.serial = next_serial_++;
   entries_.push_back(std::move(entry));
   return Status::Ok();
 }
@@ -98,7 +90,7 @@ Status CacheTable::add(const CacheRegistration& reg) {
 Status CacheTable::remove(int64_t id) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = std::find_if(entries_.begin(), entries_.end(),
-                         [id](const std::shared_ptr<Entry>& e) { return e->info.id == id; });
+                         [id](const std::shared_ptr<Entry>& e) { return e->info.cache_id == id; });
   if (it == entries_.end()) {
     return Status::Error(status::kKvCacheNotExist, cache_name(id) + " is not registered");
   }
@@ -115,7 +107,7 @@ Status CacheTable::remove(int64_t id) {
 CacheTable::Pin CacheTable::pin_by_id(int64_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& e : entries_) {
-    if (e->info.id == id) {
+    if (e->info.cache_id == id) {
       ++e->pins;
       return Pin(this, e);
     }
@@ -149,20 +141,20 @@ std::vector<uint8_t> CacheTable::encode_remote_visible() const {
   for (const auto& e : entries_) {
     const CacheInfo& c = e->info;
     if (!c.remote_accessible) continue;
-    enc.i64(c.id);
+    enc.i64(c.cache_id);
     enc.u64(c.serial);
     enc.u8(c.is_blocks ? 1 : 0);
     enc.u64(c.tensor_bytes);
     enc.u64(c.num_blocks);
     enc.i64(c.blocks_model_id);
-    enc.u32(static_cast<uint32_t>(c.keys.size()));
-    for (const auto& k : c.keys) {
+    enc.u32(static_cast<uint32_t>(c.cache_keys.size()));
+    for (const auto& k : c.cache_keys) {
       enc.i64(k.req_id);
       enc.i64(k.prefix_id);
       enc.i64(k.model_id);
     }
-    enc.u32(static_cast<uint32_t>(c.addrs.size()));
-    for (uint64_t a : c.addrs) enc.u64(a);
+    enc.u32(static_cast<uint32_t>(c.tensor_addrs.size()));
+    for (uint64_t a : c.tensor_addrs) enc.u64(a);
   }
   return std::move(enc.bytes());
 }
@@ -181,7 +173,7 @@ bool RemoteTable::decode(const uint8_t* data, size_t len, RemoteTable* out, std:
     CacheInfo c;
     uint8_t is_blocks = 0;
     uint32_t nkeys = 0, ntensors = 0;
-    if (!dec.i64(&c.id) || !dec.u64(&c.serial) || !dec.u8(&is_blocks) ||
+    if (!dec.i64(&c.cache_id) || !dec.u64(&c.serial) || !dec.u8(&is_blocks) ||
         !dec.u64(&c.tensor_bytes) || !dec.u64(&c.num_blocks) ||
         !dec.i64(&c.blocks_model_id) || !dec.u32(&nkeys) ||
         nkeys > kMaxKeysPerCache) {
@@ -189,15 +181,15 @@ bool RemoteTable::decode(const uint8_t* data, size_t len, RemoteTable* out, std:
     }
     if (c.num_blocks == 0 || c.tensor_bytes % c.num_blocks != 0) return fail("cache geometry");
     c.is_blocks = is_blocks != 0;
-    c.keys.resize(nkeys);
-    for (auto& k : c.keys) {
+    c.cache_keys.resize(nkeys);
+    for (auto& k : c.cache_keys) {
       if (!dec.i64(&k.req_id) || !dec.i64(&k.prefix_id) || !dec.i64(&k.model_id)) {
         return fail("cache key");
       }
     }
     if (!dec.u32(&ntensors) || ntensors > kMaxTensorsPerCache) return fail("tensor count");
-    c.addrs.resize(ntensors);
-    for (auto& a : c.addrs) {
+    c.tensor_addrs.resize(ntensors);
+    for (auto& a : c.tensor_addrs) {
       if (!dec.u64(&a) || a + c.tensor_bytes < a) return fail("tensor address");
     }
     out->caches_.push_back(std::move(c));
@@ -224,7 +216,7 @@ RemoteTable RemoteTable::without_unregistered(const RemoteTable& current) const 
 
 const CacheInfo* RemoteTable::by_id(int64_t id) const {
   for (const auto& c : caches_) {
-    if (c.id == id) return &c;
+    if (c.cache_id == id) return &c;
   }
   return nullptr;
 }
@@ -239,7 +231,7 @@ const CacheInfo* RemoteTable::by_blocks_model(int64_t model_id) const {
 
 const CacheInfo* RemoteTable::by_key(int64_t req_id, int64_t prefix_id, int64_t model_id) const {
   for (auto it = caches_.rbegin(); it != caches_.rend(); ++it) {
-    for (const auto& k : it->keys) {
+    for (const auto& k : it->cache_keys) {
       if (k.req_id == req_id && k.prefix_id == prefix_id && k.model_id == model_id) return &*it;
     }
   }

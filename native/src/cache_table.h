@@ -19,16 +19,10 @@
 
 namespace hixl {
 
-struct CacheInfo {
-  int64_t id = 0;
+// A registration as the table (and a peer's copy of it) holds it: what the caller registered
+// plus the serial the table gave it.
+struct CacheInfo : CacheRegistration {
   uint64_t serial = 0;
-  std::vector<uint64_t> addrs;
-  uint64_t tensor_bytes = 0;
-  uint64_t num_blocks = 0;  // batch size for contiguous caches
-  bool is_blocks = true;
-  bool remote_accessible = true;
-  int64_t blocks_model_id = -1;
-  std::vector<CacheKey> keys;
 
   uint64_t stride() const { return num_blocks == 0 ? 0 : tensor_bytes / num_blocks; }
 };

@@ -15,7 +15,7 @@ std::string list_entry(const char* name, size_t i, int64_t v) {
 // The batch row a contiguous source is read from. A CacheKey selects its own row: a cache
 // registered under keys k0, k1, ... holds key i in batch row i (LLM-DataDist semantics).
 Status source_row(const PullRequest& req, const CacheInfo& src, uint64_t* row) {
-  const std::string sname = "remote cache " + std::to_string(src.id);
+  const std::string sname = "remote cache " + std::to_string(src.cache_id);
   const std::string batch = " with batch size " + std::to_string(src.num_blocks);
   if (req.remote_kind == kCacheById) {
     if (req.batch_index < 0 || static_cast<uint64_t>(req.batch_index) >= src.num_blocks) {
@@ -32,8 +32,8 @@ Status source_row(const PullRequest& req, const CacheInfo& src, uint64_t* row) {
   const std::string key = "key (req_id=" + std::to_string(req.req_id) + ", prefix_id=" +
                           std::to_string(req.prefix_id) + ", model_id=" +
                           std::to_string(req.model_id) + ")";
-  for (size_t i = 0; i < src.keys.size(); ++i) {
-    const CacheKey& k = src.keys[i];
+  for (size_t i = 0; i < src.cache_keys.size(); ++i) {
+    const CacheKey& k = src.cache_keys[i];
     if (k.req_id != req.req_id || k.prefix_id != req.prefix_id || k.model_id != req.model_id) {
       continue;
     }
@@ -66,7 +66,7 @@ std::vector<BlockRun> plan_runs(const int64_t* src, const int64_t* dst, size_t c
 }
 
 Status check_local(const PullRequest& req, const CacheInfo& dst, ResolvedRange* dst_range) {
-  const std::string dname = "dst cache " + std::to_string(dst.id);
+  const std::string dname = "dst cache " + std::to_string(dst.cache_id);
   if (!dst.is_blocks) return invalid(dname + " is not a blocks cache");
   if (req.dst_blocks.empty()) return invalid("dst_blocks is empty");
   if (req.remote_kind == kBlocksByModel) {
@@ -88,7 +88,7 @@ Status check_local(const PullRequest& req, const CacheInfo& dst, ResolvedRange* 
                      std::to_string(dst.num_blocks) + " blocks");
     }
   }
-  const uint64_t n = dst.addrs.size();
+  const uint64_t n = dst.tensor_addrs.size();
   if (req.dst_tensor_first < 0 || static_cast<uint64_t>(req.dst_tensor_first) >= n) {
     return invalid("dst tensor first " + std::to_string(req.dst_tensor_first) + " outside " +
                    dname + " with " + std::to_string(n) + " tensors");
@@ -116,8 +116,8 @@ Status check_local(const PullRequest& req, const CacheInfo& dst, ResolvedRange* 
 
 Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRange& dst_range,
                  const CacheInfo& src, std::vector<Op>* ops, uint64_t* run_count) {
-  const std::string sname = "remote cache " + std::to_string(src.id);
-  const uint64_t ns = src.addrs.size();
+  const std::string sname = "remote cache " + std::to_string(src.cache_id);
+  const uint64_t ns = src.tensor_addrs.size();
   const uint64_t src_first = static_cast<uint64_t>(req.src_tensor_first);
   uint64_t src_count = req.src_tensor_count == -1 ? (src_first < ns ? ns - src_first : 0)
                                                   : static_cast<uint64_t>(req.src_tensor_count);
@@ -179,8 +179,8 @@ Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRan
   ops->clear();
   ops->reserve(runs.size() * dst_range.count);
   for (uint64_t t = 0; t < dst_range.count; ++t) {
-    uint64_t local_base = dst.addrs[dst_range.first + t];
-    uint64_t remote_base = src.addrs[src_first + t];
+    uint64_t local_base = dst.tensor_addrs[dst_range.first + t];
+    uint64_t remote_base = src.tensor_addrs[src_first + t];
     for (const auto& r : runs) {
       ops->push_back({local_base + r.dst_start * dst_stride,
                       remote_base + src_base + r.src_start * src_unit, r.length * dst_stride});

@@ -303,7 +303,7 @@ bool Server::handle_read(int fd, const std::vector<uint8_t>& payload) {
       stats_.rejected_requests++;
       send_error(fd, status::kParamInvalid,
                  "range [" + std::to_string(addr) + ", +" + std::to_string(len) +
-                     ") is outside the tensors of cache " + std::to_string(source.info().id) +
+                     ") is outside the tensors of cache " + std::to_string(source.info().cache_id) +
                      " of cluster " + std::to_string(identity_.cluster_id));
       return true;  // the stream is still in sync: keep serving
     }
