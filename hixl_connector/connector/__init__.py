@@ -6,8 +6,9 @@
   ``config``, ``rank_addresses`` (each rank's ports and cluster id), ``limits``, ``blocks``,
   ``block_slices``, ``lease_words``.
 - Worker half (every worker): ``worker`` (registration, per-step hooks),
-  ``receiver`` (D's reads), ``peers`` (handshake and link per P rank), ``handshake`` (the
-  payload and the compatibility check), ``engine_setup`` (the only module that configures
+  ``receiver`` (D's reads), ``read_plans`` (what it reads of each P shape), ``peers``
+  (handshake and link per P rank), ``handshake`` (the payload and the compatibility
+  check), ``engine_setup`` (the only module that configures
   the datadist back-end), ``kv_layout`` / ``kv_probe`` / ``tp_mapping`` (what bytes go
   where), the lease protocol (``lease_server`` on P, ``lease_client`` on D,
   ``lease_messages`` between them, over ``side_channel``), ``stats``.

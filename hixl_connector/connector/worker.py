@@ -1,8 +1,8 @@
 """The worker half: registers the KV caches, pulls on D, leases on P.
 
-D: every RecvSpec becomes one job on a small transfer pool (`receiver.Receiver`), so vLLM's
-forward pass never waits on a transfer. Results are reported through `get_transfer_results`
-by every rank.
+D: every RecvSpec becomes one batch on the engine's transfer threads (`receiver.Receiver`),
+so vLLM's forward pass never waits on a transfer; `get_transfer_results` collects the finished
+ones on the step thread. Every rank reports its results there.
 P: a side-channel server answers handshakes, and `lease_server.LeaseServer` turns D's
 "done"/"release" notices and lease expiry into `finished_sending`, so vLLM frees the blocks
 exactly once.
