@@ -98,7 +98,9 @@ def _register(dd: Any, layout: Layout, tensors: list[np.ndarray], key: Any) -> A
     )
 
 
-def _options(transport: str | None, threads: int, listen: str | None) -> dict[str, str]:
+def _options(
+    transport: str | None, threads: int, listen: str | None, connections: int | None = None
+) -> dict[str, str]:
     config = _api().LLMConfig()
     config.device_id = 0
     config.enable_cache_manager = True
@@ -110,6 +112,8 @@ def _options(transport: str | None, threads: int, listen: str | None) -> dict[st
         config.listen_ip_info = listen
     if transport:
         config.hixl_transport = transport
+    if connections is not None:  # else one per transfer thread, the engine's default
+        config.hixl_tcp_connections = connections
     return config.generate_options()
 
 
@@ -259,10 +263,11 @@ def measure_transport(
     iters: int,
     lat_iters: int,
     threads: int,
+    connections: int | None = None,
 ) -> dict[str, Any]:
     api = _api()
     dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
-    dd.init(_options(transport, threads, None))
+    dd.init(_options(transport, threads, None, connections))
     try:
         m = Measurement(refs, dd, layout, threads, server)
         info = api.LLMClusterInfo()
@@ -341,6 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pool_bytes=pool_bytes,
             request_tokens=tokens,
             threads=args.threads,
+            tcp_connections=args.tcp_connections or args.threads,
             iterations=iters,
             latency_iterations=lat_iters,
             quick=args.quick,
@@ -357,7 +363,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for transport in args.transports:
                 report["transports"][transport][name] = measure_transport(
-                    refs, transport, layout, server, tokens, iters, lat_iters, args.threads
+                    refs,
+                    transport,
+                    layout,
+                    server,
+                    tokens,
+                    iters,
+                    lat_iters,
+                    args.threads,
+                    args.tcp_connections,
                 )
         finally:
             server_stats = server.stop()
@@ -380,6 +394,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart")
     parser.add_argument("--transports", type=lambda s: s.split(","), default=["cma", "tcp"])
     parser.add_argument("--threads", type=int, default=2, help="transfer and memcpy threads")
+    parser.add_argument(
+        "--tcp-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tcp connections per link (default: one per transfer thread)",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--block-tokens", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--pool-bytes", type=int, default=1 << 30, help=argparse.SUPPRESS)
