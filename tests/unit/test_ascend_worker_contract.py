@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loopback import has_ipv6_loopback
 
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
 from harness import (  # noqa: E402
     free_port,
-    has_ipv6_loopback,
     launch,
     ready,
     standin_on_path,

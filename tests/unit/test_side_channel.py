@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from loopback import has_ipv6_loopback
 
 from hixl_connector.connector.side_channel import (
     SideChannelClient,
@@ -241,21 +242,12 @@ def test_a_reply_not_signed_for_this_request_is_refused(context: zmq.Context) ->
         fake.close(linger=0)
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as sock:
-            sock.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize(
     "host",
     [
         pytest.param(
             "::1",
-            marks=pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here"),
+            marks=pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here"),
         ),
         "localhost",
     ],
