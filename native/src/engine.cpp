@@ -1,13 +1,12 @@
-// The facade: owns the cache table, links, server, transfer pool and async handles.
+// The facade: owns the cache table, links, server, transfer pool and async pull handles.
 #include "hixl/engine.h"
 
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <set>
 #include <stdexcept>
 #include <system_error>
 
+#include "async_pulls.h"
 #include "auth.h"
 #include "cache_table.h"
 #include "handshake.h"
@@ -20,25 +19,10 @@
 namespace hixl {
 namespace {
 
-constexpr size_t kMaxOutstandingPulls = 4096;
 // A link takes one control and tcp_connections data connections of the peer's 64.
 constexpr int kMaxTcpConnections = 16;
 static_assert(1 + kMaxTcpConnections <= Server::kMaxConnections, "one link must fit a peer");
 constexpr int kMaxTransferThreads = 64;
-
-struct AsyncPull {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  Status result;
-  int64_t finished_ns = 0;  // steady clock (CLOCK_MONOTONIC, as Python's time.monotonic)
-};
-
-int64_t steady_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 std::string cluster_name(int64_t id) { return "cluster " + std::to_string(id); }
 
@@ -288,56 +272,8 @@ class Engine::Impl {
 
   Status submit(std::vector<PullRequest> batch, uint64_t* handle) {
     if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
-    auto ap = std::make_shared<AsyncPull>();
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      // Every handle holds its request until waited for: a caller that never waits must run
-      // into a clear error, not grow the queue and the handle map without bound.
-      if (handles.size() >= kMaxOutstandingPulls) {
-        return Status::Error(status::kFailed,
-                             std::to_string(kMaxOutstandingPulls) +
-                                 " pulls are already submitted and not yet waited for");
-      }
-      *handle = next_handle++;
-      handles[*handle] = ap;
-    }
-    bool posted = pool->post([this, ap, requests = std::move(batch)] {
-      Status s = pull_batch(requests);
-      std::lock_guard<std::mutex> lock(ap->mu);
-      ap->result = std::move(s);
-      ap->finished_ns = steady_now_ns();
-      ap->done = true;
-      ap->cv.notify_all();
-    });
-    if (!posted) {
-      std::lock_guard<std::mutex> lock(mu);
-      handles.erase(*handle);
-      return Status::Error(status::kEngineFinalized, "engine is closed");
-    }
-    return Status::Ok();
-  }
-
-  Status wait(uint64_t handle, int64_t timeout_ms, int64_t* finished_ns) {
-    std::shared_ptr<AsyncPull> ap;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = handles.find(handle);
-      if (it == handles.end()) return Status::Error(status::kParamInvalid, "unknown handle");
-      ap = it->second;
-    }
-    {
-      std::unique_lock<std::mutex> lock(ap->mu);
-      auto done = [&] { return ap->done; };
-      if (timeout_ms < 0) {
-        ap->cv.wait(lock, done);
-      } else if (!ap->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), done)) {
-        return Status::Error(status::kPending, "pull still running");
-      }
-    }
-    if (finished_ns != nullptr) *finished_ns = ap->finished_ns;
-    std::lock_guard<std::mutex> lock(mu);
-    handles.erase(handle);
-    return ap->result;
+    return async.submit(
+        *pool, [this, requests = std::move(batch)] { return pull_batch(requests); }, handle);
   }
 
   void close() {
@@ -365,8 +301,7 @@ class Engine::Impl {
   mutable std::mutex mu;
   std::map<int64_t, std::shared_ptr<Link>> links;
   std::set<int64_t> linking;
-  std::map<uint64_t, std::shared_ptr<AsyncPull>> handles;
-  uint64_t next_handle = 1;
+  AsyncPulls async;
 };
 
 Engine::Engine(const EngineOptions& options) : impl_(std::make_unique<Impl>(options)) {}
@@ -411,10 +346,10 @@ Status Engine::submit_pull_batch(std::vector<PullRequest> requests, uint64_t* ha
   return impl_->submit(std::move(requests), handle);
 }
 Status Engine::wait(uint64_t handle, int64_t timeout_ms, int64_t* finished_ns) {
-  return impl_->wait(handle, timeout_ms, finished_ns);
+  return impl_->async.wait(handle, timeout_ms, finished_ns);
 }
 Status Engine::poll(uint64_t handle, int64_t* finished_ns) {
-  return impl_->wait(handle, 0, finished_ns);
+  return impl_->async.wait(handle, 0, finished_ns);
 }
 void Engine::close() { impl_->close(); }
 
