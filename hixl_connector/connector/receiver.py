@@ -198,8 +198,7 @@ class Receiver:
             reads = [self._heads(peers[read.p_rank], read, spec) for read in plan.reads]
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
             pull = self._engine.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
-            started = time.monotonic()
-            handle = self._submit(spec, pull)
+            handle, started = self._submit(spec, pull)
         except Exception as e:
             self._rows.put(row)
             self._end(spec)
@@ -212,11 +211,12 @@ class Receiver:
         with self._lock:
             self._in_flight.append(flight)
 
-    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> Any:
+    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> tuple[Any, float]:
         """Hands the words and blocks to the engine as one batch, unless the request was
-        aborted since it was queued."""
+        aborted since it was queued; returns the handle and when the batch was handed over."""
         self._check_cancelled(spec)
-        return self._engine.submit(pull.pulls)
+        started = time.monotonic()
+        return self._engine.submit(pull.pulls), started
 
     def _vouch(self, flight: _InFlight) -> None:
         """Raises LeaseError unless P's words vouched for the blocks before and after."""

@@ -43,7 +43,7 @@ class ControlledReceiver(Receiver):
         # A delayed read waits on the pool, never on the step thread.
         return not self.delay_s and super()._ready(spec)
 
-    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> Any:
+    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> tuple[Any, float]:
         if not self.delay_s:
             return super()._submit(spec, pull)
         # The one batch split where the delay goes: what lands is the same, in the same
