@@ -2,7 +2,7 @@
 
 The only place that knows how a back-end wants to be configured: it reads the back-end's
 ``BackendProfile`` (placement, LLMConfig fields, device id, alignment, request-size limit).
-The worker afterwards uses nothing but the datadist API, through ``Engine.run``.
+The worker afterwards uses nothing but the datadist API, through ``Engine.submit``.
 
 Rules of LLM-DataDist this module keeps (reference section 8): one LLMDataDist per process
 (one Engine per worker process); every cache registered before the first link (all of them
@@ -96,7 +96,7 @@ class Engine:
             raise ValueError(
                 f"{len(words)} prefill ranks per decode rank: at most {MAX_LEASE_READERS}"
             )
-        first = row * 2 * MAX_LEASE_READERS
+        first = first_word(row)
         scratch = self.scratch
         guards = []
         for i, (remote_cluster_id, slot) in enumerate(words):
@@ -121,17 +121,13 @@ class Engine:
                 key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
                 kwargs = {"tensor_num_per_layer": part.tensors_per_layer}
                 blocks += [BlocksPull(key, part.cache, list(s), list(d), kwargs) for s, d in chunks]
-        return GuardedPull(before + blocks + after, len(words), first)
+        return GuardedPull(before + blocks + after, len(words), row)
 
     def submit(self, pulls: Sequence[BlocksPull]) -> PullHandle | ThreadPullHandle:
         """The pulls in order, as one job of the engine's: the handle's ``poll``/``wait`` raise
         the first failure (LLMException), and its ``finished_at`` is when the last byte landed.
         Bad arguments raise here."""
         return self.api.pull_blocks_batch_async(self.datadist.cache_manager, pulls)
-
-    def run(self, pulls: Sequence[BlocksPull]) -> None:
-        """``submit``, waited for."""
-        self.submit(pulls).wait()
 
     def words_read(self, pull: GuardedPull) -> tuple[list[int], list[int]]:
         """The lease words as ``pull`` read them before and after the blocks."""
@@ -145,12 +141,21 @@ class Engine:
 @dataclass(frozen=True)
 class GuardedPull:
     """``words`` lease-word pulls, the block pulls, and the ``words`` pulls again; the words
-    land in scratch words ``first_word`` on (before) and ``first_word + MAX_LEASE_READERS`` on
-    (after)."""
+    land in scratch row ``row``: from ``first_word`` on (before) and ``first_word +
+    MAX_LEASE_READERS`` on (after)."""
 
     pulls: list[BlocksPull]
     words: int
-    first_word: int
+    row: int
+
+    @property
+    def first_word(self) -> int:
+        return first_word(self.row)
+
+
+def first_word(row: int) -> int:
+    """The first scratch word of row ``row``: words before the blocks, then those after."""
+    return row * 2 * MAX_LEASE_READERS
 
 
 def cache_groups(layout: KVLayout) -> list[CacheGroup]:

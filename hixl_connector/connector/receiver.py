@@ -59,7 +59,6 @@ class _InFlight:
     readers: list[Peer]
     pull: GuardedPull
     handle: Any  # the engine's handle: poll(), wait(timeout), finished_at
-    row: int
     nbytes: int
     queued_at: float
     started: float
@@ -151,7 +150,7 @@ class Receiver:
                 error = e
             with self._lock:
                 self._in_flight.remove(flight)
-            self._rows.put(flight.row)
+            self._rows.put(flight.pull.row)
             self._end(flight.spec)
             if error is not None:
                 self._fail(flight.spec, flight.peers, error)
@@ -207,7 +206,7 @@ class Receiver:
         layout = self._layout
         unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
         nbytes = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
-        flight = _InFlight(spec, peers, readers, pull, handle, row, nbytes, queued_at, started)
+        flight = _InFlight(spec, peers, readers, pull, handle, nbytes, queued_at, started)
         with self._lock:
             self._in_flight.append(flight)
 

@@ -225,7 +225,9 @@ class CacheManager:
         surface from the handle's ``wait``/``poll``, which need no Python thread to finish."""
         status, handle, message = self._engine.submit_pull_batch(self._batch_args(pulls))
         check_status(status, "[pull_blocks_batch_async]", message)
-        return PullHandle(self._engine, handle, f"a batch of {len(pulls)} pulls")
+        return PullHandle(
+            self._engine, handle, "pull_blocks_batch_async", f"a batch of {len(pulls)} pulls"
+        )
 
     def _batch_args(self, pulls: Sequence[BlocksPull]) -> list[tuple[Any, ...]]:
         args = [
@@ -251,7 +253,9 @@ class CacheManager:
         args = self._validated_pull(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
         status, handle, message = self._engine.submit_pull(*args.native_args(self._timeout_ms))
         check_status(status, "[pull_blocks_async]", f"src_cache_key = {src_cache_key}: {message}")
-        return PullHandle(self._engine, handle, f"src_cache_key = {src_cache_key}")
+        return PullHandle(
+            self._engine, handle, "pull_blocks_async", f"src_cache_key = {src_cache_key}"
+        )
 
     def pull_cache(
         self,

@@ -29,9 +29,10 @@ class _AsyncEngine(Protocol):
 class PullHandle:
     """An in-flight pull on the native engine."""
 
-    def __init__(self, engine: _AsyncEngine, handle: int, description: str) -> None:
+    def __init__(self, engine: _AsyncEngine, handle: int, call: str, description: str) -> None:
         self._engine = engine
         self._handle = handle
+        self._call = call  # the API call that made the handle, as its errors name it
         self._description = description
         self._error: LLMException | None = None
         self._done = False
@@ -54,8 +55,7 @@ class PullHandle:
         if status != 0:
             code = code_to_status(status)
             self._error = LLMException(
-                f"[pull_blocks_async] failed, error code is {code}, "
-                f"{self._description}: {message}.",
+                f"[{self._call}] failed, error code is {code}, {self._description}: {message}.",
                 status_code=code,
             )
             raise self._error

@@ -48,7 +48,7 @@ class ControlledReceiver(Receiver):
             return super()._submit(spec, pull)
         # The one batch split where the delay goes: what lands is the same, in the same
         # order, with time for a fault in between.
-        self._engine.run(pull.pulls[: pull.words])
+        self._engine.submit(pull.pulls[: pull.words]).wait()
         time.sleep(self.delay_s)
         return super()._submit(spec, dataclasses.replace(pull, pulls=pull.pulls[pull.words :]))
 
