@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import select
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,12 +30,6 @@ def standin_on_path() -> Iterator[Any]:
         sys.path.remove(str(HERE))
         for name in [m for m in sys.modules if m.split(".")[0] == "llm_datadist"]:
             del sys.modules[name]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def start(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], Any]:

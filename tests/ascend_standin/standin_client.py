@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import free_port, start, stop
+from harness import start, stop
 from standin_peer import BLOCK_BYTES, NUM_BLOCKS, NUM_TENSORS
+
+from hixl_connector.tools.demo.processes import free_port
 
 
 def init_client(api: Any, cluster_id: int, listen: str = "127.0.0.1:0") -> Any:

@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 from loopback import has_ipv6_loopback
 
+from hixl_connector.tools.demo.processes import free_port
+
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
 from harness import (  # noqa: E402
-    free_port,
     launch,
     ready,
     standin_on_path,

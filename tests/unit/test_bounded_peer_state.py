@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from hixl_connector.tools.demo.processes import free_port
+
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
-from harness import free_port  # noqa: E402
 from worker_harness import kv_caches, tp_group, vllm_config  # noqa: E402
 
 sys.path.remove(str(STANDIN_DIR))

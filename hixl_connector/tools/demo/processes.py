@@ -7,6 +7,7 @@ stops whatever it spawned (vLLM's EngineCore, workers), and nothing outlives a t
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,9 +23,30 @@ class ProcessFailed(RuntimeError):
     """A managed process exited or did not become ready in time."""
 
 
+# Where ports are picked: below the kernel's ephemeral range, from which the OS draws every
+# port-0 bind and the source port of every outgoing connection (health polls, side-channel
+# clients). A port picked inside it can be taken by such a connection before its server binds
+# it; below it, only another explicit pick can race for it.
+PICK_FLOOR = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; a small race remains)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on ``host`` (IPv4 or IPv6) that was free a moment ago."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = PICK_FLOOR
+    for _ in range(100 if ephemeral_low - PICK_FLOOR >= 1000 else 0):
+        port = random.randrange(PICK_FLOOR, ephemeral_low)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as sock:  # no room below: the OS picks
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
