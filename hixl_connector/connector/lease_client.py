@@ -3,25 +3,31 @@ all off the pull threads (P's side: lease_server; the messages: lease_messages).
 
 Best effort: P's lease expiry frees the blocks anyway; only promptness is lost. They run on
 their own threads, never queued behind pulls, so a stalled pull cannot let the leases of
-other waiting requests expire. Each linked P rank has a lane (a thread) of its own while it
-has notices pending, so one stalled P cannot delay another's heartbeats; addresses no
-handshake vouched for (named by clients in kv_transfer_params, maybe dead) share one lane,
-so they cannot hold up linked peers nor grow the number of threads.
+other waiting requests expire. Each linked P rank has a lane (a thread) of its own, so one
+stalled P cannot delay another's notices; addresses no handshake vouched for (named by
+clients in kv_transfer_params, maybe dead) share one lane, so they cannot hold up linked
+peers nor grow the number of threads. A lane stays for `LANE_IDLE_S` after its last notice,
+so a busy peer's notices never wait for a thread to start, and sends the notices of one kind
+queued for one peer as one message: under load a "done" per request costs P one message per
+batch, not one per request.
 
-Heartbeats: one message per peer carries every lease D still waits on there, at most every
-`heartbeat_s`, and never while the previous one to that peer is in flight: an unreachable P
-must not pile up work for the others. Peers are named by kv_transfer_params, i.e. by clients,
-so a peer is tracked only while a waiting request names it or its heartbeat is in flight;
-nothing is kept from history, and the state never outgrows the requests D is waiting on.
+Heartbeats renew the leases D still waits on: one message per peer carries every such lease
+there, once one of them has gone `heartbeat_s` without a word from D (counted from when D
+first saw it), and never while the previous one to that peer is in flight. A request whose
+KV arrives within `heartbeat_s`, the usual case, costs no heartbeat at all. Peers are named
+by kv_transfer_params, i.e. by clients, so a lease is tracked only while a waiting request
+names it and a peer only while it has one or its heartbeat is in flight: nothing is kept
+from history, and the state never outgrows the requests D is waiting on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hixl_connector.connector.lease_messages import (
@@ -33,6 +39,11 @@ from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpo
 from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError
 
 logger = logging.getLogger(__name__)
+
+# How long a lane's thread waits for the next notice before it ends.
+LANE_IDLE_S = 10.0
+# The lane shared by addresses no handshake vouched for.
+UNLINKED_LANE = ("", "", -1)
 
 
 class LeaseClient:
@@ -49,6 +60,7 @@ class LeaseClient:
         heartbeat_s: float,
         rank: int,
         record: Callable[[str], None],
+        lane_idle_s: float = LANE_IDLE_S,
     ) -> None:
         self._client_for = client_for
         self._is_linked = is_linked
@@ -56,49 +68,18 @@ class LeaseClient:
         self._rank = rank
         self._record = record  # counts "failed_notifications"
         self._heartbeats = HeartbeatSchedule(heartbeat_s)
-        self._linked = PeerLanes()
-        self._unlinked = ThreadPoolExecutor(1, thread_name_prefix="hixl-notices-new")
+        self._lanes = PeerLanes(self._send, lane_idle_s)
 
     def release_later(self, spec: ReleaseSpec, kind: str = "release") -> None:
         """Queues a notice to every P rank this D rank answers for: "done" after a good read,
         "release" when nothing was or will be read (nothing to pull, aborted first, failed).
         P frees on either."""
         for target, consumers in self._ranks(spec.remote):
-            self._submit(
-                target,
-                self._release_rank,
-                target,
-                spec.remote_request_id,
-                spec.lease_id,
-                consumers,
-                kind,
-            )
-
-    def _release_rank(
-        self,
-        target: PeerRank,
-        remote_request_id: str,
-        lease_id: int,
-        consumers: int,
-        kind: str,
-    ) -> None:
-        notice = LeaseNotice(remote_request_id, lease_id, consumers, rank=self._rank)
-        try:
-            client, owned = self._client_for(target)
-        except (ValueError, RuntimeError) as e:
-            logger.warning("hixl: %s for %s not sent: %s", kind, remote_request_id, e)
-            return
-        try:
-            client.request(Notification(kind, (notice,)).to_dict())
-        except SideChannelError as e:
-            self._record("failed_notifications")
-            logger.warning("hixl: %s for %s not delivered: %s", kind, remote_request_id, e)
-        finally:
-            if owned:
-                client.close()
+            notice = LeaseNotice(spec.remote_request_id, spec.lease_id, consumers, self._rank)
+            self._post(Outgoing(target, kind, (notice,)))
 
     def heartbeats(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> None:
-        """Schedules this step's heartbeats for the leases D still waits on, to every P rank
+        """This step's waiting leases: schedules the heartbeats that are due, to every P rank
         that holds one of them for this D rank."""
         per_rank = [
             (target, remote_request_id, lease_id)
@@ -106,14 +87,17 @@ class LeaseClient:
             for target, _ in self._ranks(remote)
         ]
         for due in self._heartbeats.due(per_rank, now):
-            self._submit(due.target, self._heartbeat, due)
+            finished = functools.partial(self._heartbeats.finished, due.key)
+            self._post(Outgoing(due.target, "heartbeat", due.items, finished))
 
     def tracked_peers(self) -> int:
         return self._heartbeats.tracked_peers()
 
+    def lanes(self) -> int:
+        return len(self._lanes)
+
     def shutdown(self) -> None:
-        self._linked.shutdown()
-        self._unlinked.shutdown(wait=True, cancel_futures=True)
+        self._lanes.shutdown()
 
     def _ranks(self, remote: RemoteEndpoint) -> list[tuple[PeerRank, int]]:
         try:
@@ -122,73 +106,134 @@ class LeaseClient:
             logger.warning("hixl: no lease notice to %s: %s", remote.engine_id, e)
             return []
 
-    def _submit(self, target: PeerRank, task: Callable[..., None], *args: Any) -> None:
-        if self._is_linked(target):
-            self._linked.submit(target.key, task, *args)
-        else:
-            self._unlinked.submit(task, *args)
+    def _post(self, outgoing: Outgoing) -> None:
+        target = outgoing.target
+        self._lanes.post(target.key if self._is_linked(target) else UNLINKED_LANE, outgoing)
 
-    def _heartbeat(self, due: DueHeartbeat) -> None:
+    def _send(self, target: PeerRank, kind: str, items: tuple[LeaseNotice, ...]) -> None:
+        """One message (or one per MAX_NOTIFICATION_ITEMS) of ``items`` to ``target``."""
+        what = f"{kind} of {len(items)} lease(s)"
         try:
-            client, owned = self._client_for(due.target)
-            try:
-                for first in range(0, len(due.items), MAX_NOTIFICATION_ITEMS):
-                    batch = due.items[first : first + MAX_NOTIFICATION_ITEMS]
-                    client.request(Notification("heartbeat", batch).to_dict())
-            finally:
-                if owned:
-                    client.close()
-        except Exception as e:  # a lost heartbeat costs a lease, never the worker
+            client, owned = self._client_for(target)
+        except (ValueError, RuntimeError) as e:
+            logger.warning("hixl: %s to %s not sent: %s", what, target.remote.engine_id, e)
+            return
+        try:
+            for first in range(0, len(items), MAX_NOTIFICATION_ITEMS):
+                batch = items[first : first + MAX_NOTIFICATION_ITEMS]
+                client.request(Notification(kind, batch).to_dict())
+        except SideChannelError as e:  # a lost notice costs promptness, never the worker
             self._record("failed_notifications")
-            logger.warning("hixl: heartbeat to %s failed: %s", due.target.remote.engine_id, e)
+            logger.warning("hixl: %s to %s not delivered: %s", what, target.remote.engine_id, e)
         finally:
-            self._heartbeats.finished(due.key)
+            if owned:
+                client.close()
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """Notices of one kind for one P rank; ``sent`` runs once they were sent (or failed)."""
+
+    target: PeerRank
+    kind: str
+    items: tuple[LeaseNotice, ...]
+    sent: Callable[[], None] | None = None
+
+
+@dataclass
+class _Lane:
+    wake: threading.Condition
+    queue: deque[Outgoing] = field(default_factory=deque)
+    thread: threading.Thread | None = None
 
 
 class PeerLanes:
-    """A single-thread lane per key, alive while it has tasks pending: tasks for one peer run
-    in order, and a peer that stalls holds up only its own."""
+    """One thread per key, alive while it has notices and ``idle_s`` after: a key's notices
+    go in order, and a key that stalls holds up only its own. Consecutive notices of one
+    kind for one P rank go out as one ``send``."""
 
-    def __init__(self) -> None:
-        self._lanes: dict[Any, tuple[ThreadPoolExecutor, int]] = {}
+    def __init__(
+        self,
+        send: Callable[[PeerRank, str, tuple[LeaseNotice, ...]], None],
+        idle_s: float = LANE_IDLE_S,
+    ) -> None:
+        self._send = send
+        self._idle_s = idle_s
+        self._lanes: dict[Any, _Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, key: Any, task: Callable[..., None], *args: Any) -> None:
+    def post(self, key: Any, outgoing: Outgoing) -> None:
         with self._lock:
             if self._closed:
                 return
-            lane, pending = self._lanes.get(key) or (
-                ThreadPoolExecutor(1, thread_name_prefix="hixl-notices"),
-                0,
-            )
-            self._lanes[key] = (lane, pending + 1)
-            future = lane.submit(task, *args)
-        future.add_done_callback(lambda _: self._finished(key))
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane(threading.Condition(self._lock))
+                lane.thread = threading.Thread(
+                    target=self._serve, args=(key, lane), name="hixl-notices", daemon=True
+                )
+                lane.thread.start()  # it takes the lock only once this post released it
+            lane.queue.append(outgoing)
+            lane.wake.notify()
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._lanes)
 
     def shutdown(self) -> None:
-        """Drops what is still queued and waits for what runs (each task is bounded)."""
+        """Drops what is still queued and waits for what is being sent (each is bounded)."""
         with self._lock:
             self._closed = True
-            lanes = [lane for lane, _ in self._lanes.values()]
+            lanes = list(self._lanes.values())
+            for lane in lanes:
+                lane.queue.clear()
+                lane.wake.notify()
         for lane in lanes:
-            lane.shutdown(wait=True, cancel_futures=True)
+            if lane.thread is not threading.current_thread():
+                assert lane.thread is not None
+                lane.thread.join()
 
-    def _finished(self, key: Any) -> None:
-        with self._lock:
-            lane, pending = self._lanes[key]
-            if pending > 1:
-                self._lanes[key] = (lane, pending - 1)
-                return
-            del self._lanes[key]
-        lane.shutdown(wait=False)  # its thread ends after this task
+    def _serve(self, key: Any, lane: _Lane) -> None:
+        while True:
+            with self._lock:
+                if not lane.queue and not self._closed:
+                    lane.wake.wait(self._idle_s)
+                if not lane.queue:  # idle that long, or shut down: the lane ends
+                    if self._lanes.get(key) is lane:
+                        del self._lanes[key]
+                    return
+                batch = _take_batch(lane.queue)
+            head = batch[0]
+            try:
+                items = tuple(item for outgoing in batch for item in outgoing.items)
+                self._send(head.target, head.kind, items)
+            except Exception:  # a bug must not end the lane with notices queued behind it
+                logger.exception("hixl: %s notice to %s", head.kind, head.target.remote.engine_id)
+            finally:
+                for outgoing in batch:
+                    if outgoing.sent is not None:
+                        outgoing.sent()
+
+
+def _take_batch(queue: deque[Outgoing]) -> list[Outgoing]:
+    """The head of ``queue`` and the notices right behind it of its kind and P rank."""
+    batch = [queue.popleft()]
+    head = batch[0]
+    count = len(head.items)
+    while queue:
+        nxt = queue[0]
+        if nxt.kind != head.kind or nxt.target.key != head.target.key:
+            break
+        if count + len(nxt.items) > MAX_NOTIFICATION_ITEMS:
+            break
+        batch.append(queue.popleft())
+        count += len(nxt.items)
+    return batch
 
 
 PeerKey = tuple[str, str, int]  # (engine_id, side-channel host, port of the rank)
+LeaseKey = tuple[PeerKey, str, int]  # (peer, P's request id, lease id)
 
 
 @dataclass(frozen=True)
@@ -201,9 +246,10 @@ class DueHeartbeat:
 class HeartbeatSchedule:
     def __init__(self, interval_s: float) -> None:
         self._interval_s = interval_s
-        self._last_sent: dict[PeerKey, float] = {}
+        # Every waiting lease: when D first saw it, or last renewed it.
+        self._renewed: dict[LeaseKey, float] = {}
         self._in_flight: set[PeerKey] = set()
-        self._lock = threading.Lock()  # the step thread schedules, the control thread finishes
+        self._lock = threading.Lock()  # the step thread schedules, the lanes finish
 
     def due(self, beats: list[tuple[PeerRank, str, int]], now: float) -> list[DueHeartbeat]:
         """The heartbeats to send now for this step's waiting leases (marked in flight)."""
@@ -215,22 +261,25 @@ class HeartbeatSchedule:
             targets[key] = target
         due = []
         with self._lock:
-            # A peer no waiting request names any more is forgotten: its next heartbeat, if it
-            # ever gets one, merely goes out a little early.
-            self._last_sent = {
-                key: sent_at
-                for key, sent_at in self._last_sent.items()
-                if key in waiting or key in self._in_flight
+            # A lease no waiting request names any more is forgotten.
+            renewed = {
+                (key, n.remote_request_id, n.lease_id): self._renewed.get(
+                    (key, n.remote_request_id, n.lease_id), now
+                )
+                for key, notices in waiting.items()
+                for n in notices
             }
             for key, items in waiting.items():
                 if key in self._in_flight:
                     continue
-                sent_at = self._last_sent.get(key)
-                if sent_at is not None and now - sent_at < self._interval_s:
+                leases = [(key, n.remote_request_id, n.lease_id) for n in items]
+                if all(now - renewed[lease] < self._interval_s for lease in leases):
                     continue
-                self._last_sent[key] = now
+                for lease in leases:
+                    renewed[lease] = now
                 self._in_flight.add(key)
                 due.append(DueHeartbeat(key, targets[key], tuple(items)))
+            self._renewed = renewed
         return due
 
     def finished(self, key: PeerKey) -> None:
@@ -240,4 +289,4 @@ class HeartbeatSchedule:
 
     def tracked_peers(self) -> int:
         with self._lock:
-            return len(self._last_sent.keys() | self._in_flight)
+            return len({key for key, _, _ in self._renewed} | self._in_flight)

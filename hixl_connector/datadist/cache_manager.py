@@ -219,7 +219,8 @@ class CacheManager:
         check_status(status, "[pull_blocks_batch]", message)
 
     def pull_blocks_batch_async(self, pulls: Sequence[BlocksPull]) -> PullHandle:
-        """Project extension: ``pull_blocks_batch`` queued on the engine's transfer pool.
+        """Project extension: ``pull_blocks_batch`` queued on the engine's transfer pool; a
+        same-host batch under 1 MiB is copied on this thread instead, before this returns.
 
         Arguments are checked (and bad ones raised) before this returns; transfer failures
         surface from the handle's ``wait``/``poll``, which need no Python thread to finish."""
@@ -246,7 +247,8 @@ class CacheManager:
         dst_blocks: list[int] | tuple[int, ...] = (),
         **kwargs: Any,
     ) -> PullHandle:
-        """Project extension: ``pull_blocks`` queued on the engine's transfer pool.
+        """Project extension: ``pull_blocks`` queued on the engine's transfer pool (copied on
+        this thread instead when it reads a same-host peer and lands under 1 MiB).
 
         Arguments are checked (and bad ones raised) before this returns; transfer failures
         surface from the handle's ``wait``/``poll``."""

@@ -14,31 +14,45 @@ int64_t steady_now_ns() {
 
 }  // namespace
 
+void AsyncPulls::Entry::settle(Status s) {
+  std::lock_guard<std::mutex> lock(mu);
+  result = std::move(s);
+  finished_ns = steady_now_ns();
+  done = true;
+  cv.notify_all();
+}
+
+Status AsyncPulls::add(std::shared_ptr<Entry> entry, uint64_t* handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (handles_.size() >= kMaxOutstanding) {
+    return Status::Error(status::kFailed, std::to_string(kMaxOutstanding) +
+                                              " pulls are already submitted and not yet "
+                                              "waited for");
+  }
+  *handle = next_handle_++;
+  handles_[*handle] = std::move(entry);
+  return Status::Ok();
+}
+
 Status AsyncPulls::submit(ThreadPool& pool, std::function<Status()> work, uint64_t* handle) {
   auto entry = std::make_shared<Entry>();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (handles_.size() >= kMaxOutstanding) {
-      return Status::Error(status::kFailed, std::to_string(kMaxOutstanding) +
-                                                " pulls are already submitted and not yet "
-                                                "waited for");
-    }
-    *handle = next_handle_++;
-    handles_[*handle] = entry;
-  }
-  bool posted = pool.post([entry, work = std::move(work)] {
-    Status s = work();  // the engine's pull turns every exception into a status
-    std::lock_guard<std::mutex> lock(entry->mu);
-    entry->result = std::move(s);
-    entry->finished_ns = steady_now_ns();
-    entry->done = true;
-    entry->cv.notify_all();
-  });
+  Status added = add(entry, handle);
+  if (!added.ok()) return added;
+  // The engine's pull turns every exception into a status.
+  bool posted = pool.post([entry, work = std::move(work)] { entry->settle(work()); });
   if (!posted) {
     std::lock_guard<std::mutex> lock(mu_);
     handles_.erase(*handle);
     return Status::Error(status::kEngineFinalized, "engine is closed");
   }
+  return Status::Ok();
+}
+
+Status AsyncPulls::run_here(const std::function<Status()>& work, uint64_t* handle) {
+  auto entry = std::make_shared<Entry>();
+  Status added = add(entry, handle);
+  if (!added.ok()) return added;
+  entry->settle(work());
   return Status::Ok();
 }
 

@@ -22,6 +22,8 @@ class AsyncPulls {
 
   // Posts `work` to `pool` under a new handle. kEngineFinalized once the pool stopped.
   Status submit(ThreadPool& pool, std::function<Status()> work, uint64_t* handle);
+  // Runs `work` on the calling thread under a new handle, which has ended when this returns.
+  Status run_here(const std::function<Status()>& work, uint64_t* handle);
   // The work's result once it ended (kPending after timeout_ms; < 0 waits without bound),
   // with when it ended on the steady clock (CLOCK_MONOTONIC: Python's time.monotonic_ns).
   // A handle answers once: afterwards it is unknown (kParamInvalid).
@@ -34,7 +36,12 @@ class AsyncPulls {
     bool done = false;
     Status result;
     int64_t finished_ns = 0;
+
+    void settle(Status s);
   };
+
+  // A new handle for `entry`, unless kMaxOutstanding are already waiting to be waited for.
+  Status add(std::shared_ptr<Entry> entry, uint64_t* handle);
 
   std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Entry>> handles_;

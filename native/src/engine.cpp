@@ -23,6 +23,9 @@ namespace {
 constexpr int kMaxTcpConnections = 16;
 static_assert(1 + kMaxTcpConnections <= Server::kMaxConnections, "one link must fit a peer");
 constexpr int kMaxTransferThreads = 64;
+// A same-host batch under this many bytes is copied on the caller's thread (copies_here):
+// under ~100 us at a host's memory bandwidth.
+constexpr uint64_t kCopyHereBytes = 1u << 20;
 
 std::string cluster_name(int64_t id) { return "cluster " + std::to_string(id); }
 
@@ -194,7 +197,7 @@ class Engine::Impl {
                          cluster_name(r.remote_cluster_id) + " has " + what);
   }
 
-  std::shared_ptr<Link> find_link(int64_t cluster) {
+  std::shared_ptr<Link> find_link(int64_t cluster) const {
     std::lock_guard<std::mutex> lock(mu);
     auto it = links.find(cluster);
     return it == links.end() ? nullptr : it->second;
@@ -272,8 +275,38 @@ class Engine::Impl {
 
   Status submit(std::vector<PullRequest> batch, uint64_t* handle) {
     if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+    if (copies_here(batch)) {
+      stats.caller_batches++;
+      return async.run_here([this, &batch] { return pull_batch(batch); }, handle);
+    }
     return async.submit(
         *pool, [this, requests = std::move(batch)] { return pull_batch(requests); }, handle);
+  }
+
+  // Whether a submitted batch is copied on the caller's thread: when every pull is a
+  // same-host read and all of them together land under kCopyHereBytes. Handing such a batch
+  // to a pool thread costs more than the copy: the thread must wake and get a core, which
+  // beside a busy step thread (a vLLM engine pinned to one core) takes up to milliseconds for
+  // tens of microseconds of copying. A tcp pull waits on the peer's serving thread, so it
+  // always goes to the pool; so does anything this cannot size (the pull reports it).
+  bool copies_here(const std::vector<PullRequest>& batch) const {
+    uint64_t bytes = 0;
+    for (const PullRequest& r : batch) {
+      std::shared_ptr<Link> link = find_link(r.remote_cluster_id);
+      if (!link || std::string(link->transport_name()) != "cma") return false;
+      const CacheTable::Pin dst = table.pin_by_id(r.dst_cache_id);
+      if (!dst) return false;
+      const CacheInfo& info = dst.info();
+      const auto tensors = static_cast<int64_t>(info.tensor_addrs.size());
+      const int64_t count = r.dst_tensor_count < 0 ? tensors - r.dst_tensor_first
+                                                   : r.dst_tensor_count;
+      if (count < 0 || count > tensors) return false;
+      const uint64_t per_tensor =
+          info.is_blocks ? info.stride() * r.dst_blocks.size() : info.tensor_bytes;
+      bytes += per_tensor * static_cast<uint64_t>(count);
+      if (bytes >= kCopyHereBytes) return false;
+    }
+    return true;
   }
 
   void close() {
@@ -365,6 +398,7 @@ std::map<std::string, int64_t> Engine::stats() const {
           {"served_bytes", s.served_bytes},
           {"served_requests", s.served_requests},
           {"rejected_requests", s.rejected_requests},
+          {"caller_batches", s.caller_batches},
           {"peak_internal_bytes", impl_->meter.peak()}};
 }
 

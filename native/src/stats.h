@@ -9,6 +9,7 @@ namespace hixl {
 struct EngineStats {
   std::atomic<int64_t> pulls{0}, failures{0}, bytes{0}, ops{0}, runs{0}, timeouts{0};
   std::atomic<int64_t> links{0}, served_bytes{0}, served_requests{0}, rejected_requests{0};
+  std::atomic<int64_t> caller_batches{0};  // submitted batches copied on the caller's thread
 };
 
 class MemoryMeter {

@@ -249,6 +249,39 @@ def test_async_submit_wait_poll(puller: Puller) -> None:
     check_blocks(puller, src, dst)
 
 
+def test_small_same_host_batches_are_copied_on_the_callers_thread(puller: Puller) -> None:
+    """A cma batch under 1 MiB has landed when submit returns (a pool thread would first have
+    to wake and get a core); a larger one, and any tcp batch, goes to the pool."""
+    transport = puller.engine.peer_transport(PEER_CLUSTER)
+
+    def submitted(src: list[int], dst: list[int]) -> tuple[int, int]:
+        """(batches copied on the caller's thread, and the handle)."""
+        before = puller.engine.stats()["caller_batches"]
+        status, handle, message = puller.pull_blocks(src, dst, submit=True)
+        assert status == _native.SUCCESS, message
+        return puller.engine.stats()["caller_batches"] - before, handle
+
+    puller.reset()
+    here, handle = submitted([1, 2, 30], [7, 8, 9])  # 3 blocks x 4 tensors: 48 KiB
+    if transport == "cma":
+        assert here == 1
+        assert puller.engine.poll(handle) == (0, "")  # landed before submit returned
+    else:
+        assert here == 0
+        assert puller.engine.wait(handle, TIMEOUT_MS) == (0, "")
+    check_blocks(puller, [1, 2, 30], [7, 8, 9])
+    puller.reset()
+    every = list(range(BLOCKS))
+    here, handle = submitted(every, every[::-1])  # 64 blocks x 4 tensors: 1 MiB
+    assert here == 0
+    assert puller.engine.wait(handle, TIMEOUT_MS) == (0, "")
+    check_blocks(puller, every, every[::-1])
+    here, handle = submitted([1], [999])  # a bad block fails from the handle either way
+    assert here == (1 if transport == "cma" else 0)
+    result = puller.engine.wait(handle, TIMEOUT_MS)
+    assert result[0] == _native.PARAM_INVALID and "999" in result[1]
+
+
 def test_outstanding_async_pulls_are_capped(puller: Puller) -> None:
     """Handles hold their requests until waited for: a caller that never waits is refused."""
     handles = []

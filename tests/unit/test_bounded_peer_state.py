@@ -27,6 +27,7 @@ sys.path.remove(str(STANDIN_DIR))
 ADDRESSES_PER_ROUND = 24
 ROUNDS = 2
 TRANSFER_THREADS = 2
+HEARTBEAT_S = 0.01
 RESULT_TIMEOUT_S = 60.0
 
 
@@ -51,7 +52,7 @@ def worker(tiny_model_dir: Path) -> Iterator[Any]:
         "backend": "native",
         "handshake_timeout_s": 0.05,
         "transfer_threads": TRANSFER_THREADS,
-        "heartbeat_s": 0.01,
+        "heartbeat_s": HEARTBEAT_S,
         "lease_s": 1.0,
     }
     config = vllm_config(tiny_model_dir, "kv_consumer", "d-bounds", extra)
@@ -92,6 +93,9 @@ def test_many_fake_addresses_leave_no_per_address_state(worker: Any) -> None:
     for round_ in range(ROUNDS):
         recvs, beats = _specs(round_, closed_ports(ADDRESSES_PER_ROUND))
         worker.start_load_kv(HixlConnectorMetadata(to_recv=recvs, heartbeats=beats))
+        assert per_peer_state_sizes(worker)[2] == ADDRESSES_PER_ROUND  # leases tracked
+        time.sleep(HEARTBEAT_S)  # the leases waited that long: their heartbeats are due
+        worker.start_load_kv(HixlConnectorMetadata(heartbeats=beats))
         assert per_peer_state_sizes(worker)[2] == ADDRESSES_PER_ROUND  # heartbeats in flight
         pending = {spec.request_id for spec in recvs}
         deadline = time.monotonic() + RESULT_TIMEOUT_S

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import zmq
 
-from hixl_connector.connector.lease_client import LeaseClient, PeerLanes
+from hixl_connector.connector.lease_client import LeaseClient, Outgoing, PeerLanes
+from hixl_connector.connector.lease_messages import LeaseNotice
 from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint
 from hixl_connector.connector.side_channel import SideChannelClient, SideChannelServer
 
@@ -63,7 +64,9 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
         for i, remote in enumerate(dead):  # queued first, each stalls DEAD_TIMEOUT_S
             notifier.release_later(ReleaseSpec(f"r{i}", f"remote-r{i}", i, remote))
         beats = [(remote, f"remote-w{i}", 100 + i) for i, remote in enumerate(dead)]
-        notifier.heartbeats([*beats, (live, "remote-live", 7)], start)
+        waiting = [*beats, (live, "remote-live", 7)]
+        notifier.heartbeats(waiting, start)  # first seen: nothing due yet
+        notifier.heartbeats(waiting, start + 0.02)  # waited past heartbeat_s: due
         notifier.release_later(ReleaseSpec("done", "remote-done", 8, live))
         assert arrived.wait(DEAD_TIMEOUT_S * (2 * DEAD_ADDRESSES + 1))
         # Both reached the live peer while the dead addresses still held their own thread.
@@ -106,6 +109,7 @@ def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.C
         for i in range(3):  # each waits out DEAD_TIMEOUT_S on the stalled peer's lane
             notifier.release_later(ReleaseSpec(f"r{i}", f"remote-r{i}", i, stuck))
         notifier.heartbeats([(live, "remote-live", 7)], start)
+        notifier.heartbeats([(live, "remote-live", 7)], start + 0.02)
         assert beat.wait(DEAD_TIMEOUT_S), "the live peer's heartbeat waited behind the stalled"
         assert time.monotonic() - start < DEAD_TIMEOUT_S / 2
     finally:
@@ -114,21 +118,74 @@ def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.C
         stalled.close()
 
 
-def test_peer_lanes_end_when_idle() -> None:
-    lanes = PeerLanes()
-    done = threading.Event()
+def _outgoing(port: int, kind: str, *request_ids: str) -> Outgoing:
+    items = tuple(LeaseNotice(r, 1) for r in request_ids)
+    return Outgoing(endpoint("p", port).rank(0), kind, items)
+
+
+def test_peer_lanes_stay_while_busy_and_end_when_idle() -> None:
+    sent: list[tuple[int, str, tuple[str, ...]]] = []
     release = threading.Event()
-    lanes.submit("a", release.wait, 5)
-    lanes.submit("b", done.set)
+    done = threading.Event()
+
+    def send(target: Any, kind: str, items: tuple[LeaseNotice, ...]) -> None:
+        if target.port == 1:
+            release.wait(5)
+        sent.append((target.port, kind, tuple(n.remote_request_id for n in items)))
+        if target.port == 2:
+            done.set()
+
+    lanes = PeerLanes(send, idle_s=0.2)
+    lanes.post("a", _outgoing(1, "done", "a0"))
+    lanes.post("b", _outgoing(2, "done", "b0"))
     assert done.wait(5)
+    assert len(lanes) == 2  # "b" waits idle_s for more before its thread ends
     until = time.monotonic() + 5
     while len(lanes) > 1 and time.monotonic() < until:
         time.sleep(0.01)
-    assert len(lanes) == 1  # "b" is gone, "a" still runs
+    assert len(lanes) == 1  # "b" is gone, "a" still sends
     release.set()
     while len(lanes) and time.monotonic() < until:
         time.sleep(0.01)
     assert len(lanes) == 0
     lanes.shutdown()
-    lanes.submit("c", done.set)  # after shutdown: dropped, no thread started
+    lanes.post("c", _outgoing(3, "done", "c0"))  # after shutdown: dropped, no thread started
     assert len(lanes) == 0
+    assert sorted(sent) == [(1, "done", ("a0",)), (2, "done", ("b0",))]
+
+
+def test_peer_lanes_send_queued_notices_of_one_kind_and_peer_as_one_message() -> None:
+    sent: list[tuple[int, str, tuple[str, ...]]] = []
+    first = threading.Event()
+    release = threading.Event()
+
+    def send(target: Any, kind: str, items: tuple[LeaseNotice, ...]) -> None:
+        first.set()
+        release.wait(5)
+        sent.append((target.port, kind, tuple(n.remote_request_id for n in items)))
+
+    lanes = PeerLanes(send, idle_s=5.0)
+    try:
+        lanes.post("lane", _outgoing(1, "done", "r0"))
+        assert first.wait(5)  # r0 is being sent; the rest queue behind it
+        for notice in (
+            _outgoing(1, "done", "r1"),
+            _outgoing(1, "done", "r2", "r3"),
+            _outgoing(1, "release", "r4"),
+            _outgoing(2, "release", "r5"),
+            _outgoing(1, "done", "r6"),
+        ):
+            lanes.post("lane", notice)
+        release.set()
+        until = time.monotonic() + 5
+        while len(sent) < 5 and time.monotonic() < until:
+            time.sleep(0.01)
+    finally:
+        lanes.shutdown()
+    assert sent == [
+        (1, "done", ("r0",)),
+        (1, "done", ("r1", "r2", "r3")),  # merged: same kind, same P rank, back to back
+        (1, "release", ("r4",)),
+        (2, "release", ("r5",)),
+        (1, "done", ("r6",)),  # order kept: nothing jumps the queue
+    ]
