@@ -39,6 +39,11 @@ MAX_TIMEOUT_S = (2**31 - 1) // 1000
 # A DNS host name (RFC 1123): dot-separated labels of letters, digits and inner hyphens.
 HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 MAX_HOST_NAME_CHARS = 253
+# A request whose KV on a decode rank is this small is read in the step that computes its
+# first token (load_in_step_bytes): the native engine copies a same-host read this small on
+# the step thread anyway (native/src/engine.cpp, kCopyHereBytes).
+DEFAULT_LOAD_IN_STEP_BYTES = 1 << 20
+MAX_LOAD_IN_STEP_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class HixlConfig:
     heartbeat_s: float = 5.0
     auth_token: str = ""
     cluster_id_base: int = 0
+    load_in_step_bytes: int = DEFAULT_LOAD_IN_STEP_BYTES
     # Ascend (backend "ascend"): LLMConfig.local_comm_res ("" or '{"version":"1.3"}' for
     # HixlCS), and whether P and D may be linked over HCCS (then KV bases must be 2 MB aligned).
     ascend_local_comm_res: str = ""
@@ -110,6 +116,13 @@ class HixlConfig:
                 derived_cluster_id_base(engine_id),
                 low=0,
                 high=MAX_CLUSTER_ID - CLUSTER_ID_STEP,
+            ),
+            load_in_step_bytes=_int(
+                extra,
+                "load_in_step_bytes",
+                DEFAULT_LOAD_IN_STEP_BYTES,
+                low=0,
+                high=MAX_LOAD_IN_STEP_BYTES,
             ),
             ascend_local_comm_res=_json_object_or_empty(extra, "ascend_local_comm_res"),
             ascend_hccs=_bool(extra, "ascend_hccs", True),

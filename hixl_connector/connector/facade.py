@@ -110,7 +110,7 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Pulls are whole-request and asynchronous: nothing to wait for per layer."""
+        """Reads are whole-request: an in-step one has landed when start_load_kv returns."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -126,6 +126,10 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of in-step reads that failed: vLLM recomputes or fails their requests."""
+        return self._worker.take_load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> HixlKVConnectorStats | None:
         return self._worker.get_stats() if self._worker is not None else None

@@ -94,6 +94,10 @@ class RecvSpec:
     offers fewer blocks than D needs). The worker must then report the request in
     ``failed_recving`` (and ``finished_recving``) with that message, pull nothing, and
     send "release" to P when ``remote.engine_id`` is known.
+
+    ``in_step``: vLLM computes the request's first token in this very step (a synchronous
+    load), so the read must have landed before the forward; a failure is reported as the
+    request's invalid blocks, and nothing in ``finished_recving``.
     """
 
     request_id: str
@@ -109,6 +113,7 @@ class RecvSpec:
     # Where P publishes the lease, and the word D must find there around its read.
     lease_slot: int = 0
     lease_word: int = 0
+    in_step: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ the word vouched for exactly these blocks before and after, so no round trip to 
 on the way, and no thread of this process must win the interpreter lock to report the read.
 "done" then goes to P on the notice lanes.
 
+A read in the step (``RecvSpec.in_step``, see in_step_loads) feeds the forward of this very
+step: `settle_in_step` waits for it before the forward, it never waits for a handshake (one
+whose P rank is not linked fails at once), and a failure is reported as its blocks
+(``invalidate``) rather than as a failed receive.
+
 When the TP sizes differ, `tp_mapping` says which P ranks this rank reads and which KV heads
 land where: the KV caches are registered one unit per KV head of a block, so a head
 slice is read straight into place. When P's blocks are smaller, `block_slices` says which
@@ -50,6 +55,10 @@ class PullCancelled(RuntimeError):
     """The request was aborted before its read ended."""
 
 
+class NotReadableInStep(RuntimeError):
+    """An in-step read cannot begin on the step thread at once."""
+
+
 @dataclass(frozen=True)
 class _InFlight:
     """A read the engine is doing: what it is for and how to judge it when it ends."""
@@ -78,6 +87,7 @@ class Receiver:
         record: Callable[[str], None],
         record_pull: Callable[[float, float, int, int], None],
         finish: Callable[[str, bool], None],
+        invalidate: Callable[[tuple[int, ...]], None],
     ) -> None:
         self._config = config
         self._engine = engine
@@ -89,7 +99,8 @@ class Receiver:
         self._tp_rank = tp_rank
         self._record = record
         self._record_pull = record_pull
-        self._finish = finish
+        self._finish = finish  # an asynchronous read ended (ok or not)
+        self._invalidate = invalidate  # an in-step read failed: its blocks hold no KV
         # Handshakes and links with P ranks not linked yet, off the step thread.
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
         # One row of scratch words per read in flight: where its batch reads P's lease words.
@@ -107,12 +118,31 @@ class Receiver:
         linked, else on the pool; True when it went to the pool."""
         with self._lock:
             self._active[spec.request_id] = spec
-        row = self._free_row() if self._ready(spec) else None
+        ready = self._ready(spec)
+        row = self._free_row() if ready else None
         if row is not None:
             self._begin(spec, queued_at, row)
             return False
+        if spec.in_step:  # the forward cannot wait for a handshake, nor for a free row
+            self._end(spec)
+            why = "a prefill rank it reads is not linked" if not ready else "no free read row"
+            self._fail(spec, {}, NotReadableInStep(f"cannot read in the step: {why}"))
+            return False
         self._pool.submit(self._begin_pooled, spec, queued_at)
         return True
+
+    def settle_in_step(self) -> None:
+        """Waits for this step's in-step reads (the forward needs their KV) and ends them,
+        with any other read that finished meanwhile."""
+        with self._lock:
+            flights = [flight for flight in self._in_flight if flight.spec.in_step]
+        for flight in flights:
+            try:  # each pull is bounded by pull_timeout_s; a batch has several
+                flight.handle.wait(None)
+            except Exception:  # its failure is reported by collect
+                pass
+        if flights:
+            self.collect()
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: P is told now, a read not yet begun never begins, and one
@@ -253,7 +283,10 @@ class Receiver:
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` are in place, vouched for by P: reports them."""
         self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
-        self._finish(spec.request_id, True)
+        if spec.in_step:
+            self._record("in_step_loads")
+        else:
+            self._finish(spec.request_id, True)
         self._notices.release_later(self._release(spec), "done")
 
     def _heads(self, peer: Peer, read: HeadRead, spec: RecvSpec) -> Read:
@@ -305,21 +338,30 @@ class Receiver:
         if isinstance(error, PullCancelled):  # P was told when it was cancelled
             logger.info("hixl: %s", error)
             self._record("cancelled_pulls")
-            self._finish(spec.request_id, False)
+            self._failed(spec)
             return
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
         if spec.error or isinstance(error, (TPMismatch, UnreadableRequest)):
             self._record("invalid_requests")  # refused before anything was read
         else:
-            self._record("failed_pulls" if peers else "failed_handshakes")
+            linking = not peers and not isinstance(error, NotReadableInStep)
+            self._record("failed_handshakes" if linking else "failed_pulls")
         if peers and self._link_suspect(error):
             for peer in peers.values():
                 self._peers.mark_broken(peer)
-        self._finish(spec.request_id, False)
+        self._failed(spec)
         if spec.remote.engine_id:
             # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
             # waiting for the lease to expire.
             self._notices.release_later(self._release(spec))
+
+    def _failed(self, spec: RecvSpec) -> None:
+        """Tells vLLM: a failed receive, or for an in-step read its blocks (vLLM's
+        kv_load_failure_policy decides either way)."""
+        if spec.in_step:
+            self._invalidate(spec.local_block_ids)
+        else:
+            self._finish(spec.request_id, False)
 
     @staticmethod
     def _release(spec: RecvSpec) -> ReleaseSpec:

@@ -1,8 +1,9 @@
 """Scheduler half of the connector: pure request bookkeeping in the EngineCore process.
 
-D side (kv_consumer): asks vLLM for the remote tokens asynchronously, turns each allocation
-into one RecvSpec (or a ReleaseSpec when there is nothing to pull) and lists the remote
-requests that still wait so the worker can renew P's leases.
+D side (kv_consumer): asks vLLM for the remote tokens, asynchronously or, for a small read
+from a linked P, in the step that computes the first token (in_step_loads); turns each
+allocation into one RecvSpec (or a ReleaseSpec when there is nothing to pull) and lists the
+remote requests that still wait so the worker can renew P's leases.
 P side (kv_producer): keeps a finished prefill's blocks (delay-free), leases them under a
 fresh lease id, publishes the lease in a lease word (lease_words) and answers with the
 kv_transfer_params D needs.
@@ -19,6 +20,12 @@ from typing import TYPE_CHECKING, Any
 from hixl_connector.connector.block_slices import blocks_per_block
 from hixl_connector.connector.blocks import NULL_BLOCK_ID, blocks_for_tokens, remote_at_positions
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.in_step_loads import InStepLoads
+from hixl_connector.connector.kv_groups import (
+    blocks_to_fill,
+    group_block_sizes,
+    one_group_block_bytes,
+)
 from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
 from hixl_connector.connector.metadata import (
     UNKNOWN_ENDPOINT,
@@ -97,6 +104,15 @@ class HixlScheduler:
         self._receiving: set[str] = set()
         # D: request_id -> heartbeat entry, from on_new_request until its KV arrived.
         self._waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
+        # D: which reads go in the step that computes the first token, and the requests
+        # get_num_new_matched_tokens chose so, until they are allocated.
+        self._loads = InStepLoads(
+            config.load_in_step_bytes,
+            one_group_block_bytes(kv_cache_config),
+            self._group_block_sizes[0],
+        )
+        # (request id -> tokens of its local prefix-cache hit)
+        self._in_step: dict[str, int] = {}
         # P: request_id -> (lease id, slot), until the worker reports it in finished_sending.
         self._leased: dict[str, tuple[int, int]] = {}
         # P: every TP rank's lease words and their free slots.
@@ -136,7 +152,18 @@ class HixlScheduler:
         if not self._is_consumer or not params or not params.get("do_remote_prefill"):
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        waiting = self._waiting.get(request.request_id)
+        if waiting is not None and self._loads.wanted(
+            waiting[0], num_computed_tokens, request.num_prompt_tokens
+        ):
+            # Read before this step's forward, which computes the last prompt token itself
+            # (for its logits) and so the first output token.
+            self._in_step[request.request_id] = num_computed_tokens
+            return count - 1, False
+        self._in_step.pop(request.request_id, None)
+        return count, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -147,14 +174,16 @@ class HixlScheduler:
         # One transfer per request: a second call (after the load) must not pull again.
         params["do_remote_prefill"] = False
         request_id = request.request_id
-        unfilled = [_unhashed_blocks(group) for group in blocks.blocks]
+        local_hit = self._in_step.pop(request_id, None)
+        in_step = local_hit is not None
+        unfilled = blocks_to_fill(blocks.blocks, local_hit, self._group_block_sizes[0])
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         try:
             prefill = parse_remote_prefill(params)
         except InvalidTransferParams as exc:
             self._stop_heartbeat(request_id)
             if num_external_tokens > 0:
-                self._refuse(request_id, None, local, str(exc))
+                self._refuse(request_id, None, local, str(exc), in_step)
             else:
                 logger.error("request %s: nothing to pull, P not notified: %s", request_id, exc)
             return
@@ -190,9 +219,13 @@ class HixlScheduler:
                 for block in remote_at_positions(offered, positions, ratio)
             )
         except ValueError as exc:
-            self._refuse(request_id, prefill, local, f"request {request_id}: {exc}")
+            self._refuse(request_id, prefill, local, f"request {request_id}: {exc}", in_step)
             return
-        self._receiving.add(request_id)
+        if in_step:  # its KV is there once this step's forward starts: no lease to renew
+            self._stop_heartbeat(request_id)
+        else:
+            self._receiving.add(request_id)
+            self._loads.loading(request_id, prefill.remote)
         self._to_recv.append(
             RecvSpec(
                 request_id=request_id,
@@ -204,10 +237,16 @@ class HixlScheduler:
                 blocks_per_block=ratio,
                 lease_slot=prefill.lease_slot,
                 lease_word=lease_word(prefill.lease_id, prefill.block_ids),
+                in_step=in_step,
             )
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._loads.reported(
+            connector_output.finished_recving or (),
+            connector_output.failed_recving or (),
+            bool(connector_output.invalid_block_ids),
+        )
         for request_id in connector_output.finished_recving or ():
             self._stop_heartbeat(request_id)
             self._receiving.discard(request_id)
@@ -231,6 +270,8 @@ class HixlScheduler:
         params = request.kv_transfer_params
         request_id = request.request_id
         self._stop_heartbeat(request_id)
+        self._in_step.pop(request_id, None)
+        self._loads.forget(request_id)
         if request_id in self._receiving:
             # Aborted while its KV is on the way: the worker skips the read if it has not
             # started and tells P now. vLLM keeps the blocks until the worker reports it.
@@ -352,6 +393,7 @@ class HixlScheduler:
         prefill: RemotePrefill | None,
         local: tuple[int, ...],
         error: str,
+        in_step: bool = False,
     ) -> None:
         """Hands the request to the worker to fail: vLLM applies kv_load_failure_policy."""
         logger.error("refusing the remote prefill of request %s: %s", request_id, error)
@@ -365,25 +407,6 @@ class HixlScheduler:
                 local_block_ids=local,
                 remote_block_ids=(),
                 error=error,
+                in_step=in_step,
             )
         )
-
-
-def group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, ...]:
-    """Tokens per block of each KV-cache group (hybrid models have several groups)."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return tuple(int(group.kv_cache_spec.block_size) for group in groups) or (
-        int(vllm_config.cache_config.block_size),
-    )
-
-
-def _unhashed_blocks(group: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(positions, block ids) of one group's blocks of this request that the local prefix
-    cache did not fill (and that the group holds at all: a sliding window's dropped blocks are
-    null); a position is the block's index within the request."""
-    unfilled = [
-        (position, block.block_id)
-        for position, block in enumerate(group)
-        if block.block_hash is None and not block.is_null
-    ]
-    return tuple(p for p, _ in unfilled), tuple(b for _, b in unfilled)

@@ -29,6 +29,7 @@ _COUNTS = (
     "stale_pulls",  # the lease ended during the read: the data was thrown away
     "invalid_requests",  # kv_transfer_params D cannot pull by (refused before any I/O)
     "cancelled_pulls",  # the request was aborted before its read: nothing was read
+    "in_step_loads",  # reads that landed before the forward of the step that needed them
 )
 
 

@@ -2,7 +2,9 @@
 
 D: every RecvSpec becomes one batch on the engine's transfer threads (`receiver.Receiver`),
 so vLLM's forward pass never waits on a transfer; `get_transfer_results` collects the finished
-ones on the step thread. Every rank reports its results there.
+ones on the step thread. Every rank reports its results there. The exception is a read in the
+step (in_step_loads): small, from a linked P, it lands before the forward that needs it, and a
+failure is reported as its blocks (`take_load_errors`).
 P: a side-channel server answers handshakes, and `lease_server.LeaseServer` turns D's
 "done"/"release" notices and lease expiry into `finished_sending`, so vLLM frees the blocks
 exactly once.
@@ -23,6 +25,7 @@ from hixl_connector.connector.block_slices import SliceRun
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.engine_setup import Engine, open_engine
 from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
+from hixl_connector.connector.kv_groups import group_block_sizes
 from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.lease_client import LeaseClient
 from hixl_connector.connector.lease_server import LeaseServer
@@ -32,7 +35,6 @@ from hixl_connector.connector.peers import PeerRegistry
 from hixl_connector.connector.rank_addresses import rank_address
 from hixl_connector.connector.read_plans import ReadPlans
 from hixl_connector.connector.receiver import Receiver
-from hixl_connector.connector.scheduler import group_block_sizes
 from hixl_connector.connector.side_channel import SideChannelServer
 from hixl_connector.connector.stats import HixlKVConnectorStats
 
@@ -82,6 +84,8 @@ class HixlWorker:
         self._kv_cache_groups = _describe_groups(kv_cache_config)
         self._block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+        self._load_errors: set[int] = set()  # blocks of failed in-step reads, not yet told
+        self._load_errors_lock = threading.Lock()
         self._wake = threading.Event()  # a pull ended or a lease may have finished
         self._idle_step = False
         self._stats = HixlKVConnectorStats()
@@ -152,6 +156,7 @@ class HixlWorker:
             self._record,
             self._record_pull,
             self._finish,
+            self._invalidate,
         )
         if self._words is not None:
             self._leases = LeaseServer(
@@ -219,6 +224,8 @@ class HixlWorker:
             assert self._receiver is not None, "a pull before register_kv_caches"
             pooled |= self._receiver.start(recv, now)
         if self._receiver is not None:
+            if any(recv.in_step for recv in metadata.to_recv):
+                self._receiver.settle_in_step()  # this step's forward reads their KV
             for request_id in metadata.to_cancel:
                 self._receiver.cancel(request_id)
         if pooled:
@@ -251,6 +258,12 @@ class HixlWorker:
         finished = set() if self._leases is None else self._leases.finished(time.monotonic())
         return finished, recving, failed
 
+    def take_load_errors(self) -> set[int]:
+        """Blocks of in-step reads that failed since the last call: they hold no KV."""
+        with self._load_errors_lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
     def get_stats(self) -> HixlKVConnectorStats | None:
         with self._stats_lock:
             if self._stats.is_empty():
@@ -270,6 +283,10 @@ class HixlWorker:
         """A receive ended: reported at the next get_transfer_results, which it wakes."""
         self._outcomes.put(_Outcome(request_id, ok))
         self._wake.set()
+
+    def _invalidate(self, block_ids: tuple[int, ...]) -> None:
+        with self._load_errors_lock:
+            self._load_errors.update(block_ids)
 
     def _probe_slices(self, p_block_size: int) -> tuple[SliceRun, ...]:
         """Where P's blocks land in this rank's larger ones, from the CPU kernels."""

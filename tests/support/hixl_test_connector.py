@@ -8,7 +8,8 @@ HixlConnector validates the rest:
   it: the corrupted-KV control, which must change the output;
 - ``test_pull_delay_s``: D waits this long (on its pool, never on the step thread) between its
   first read of P's lease words and its read of the blocks (the one batch of a read made two),
-  so a fault (an expired lease, a stopped P, a cut link) lands mid-pull.
+  so a fault (an expired lease, a stopped P, a cut link) lands mid-pull. Every read is then
+  asynchronous (``load_in_step_bytes`` 0 unless the config sets it).
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class HixlTestConnector(HixlConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         controls = {key: extra.pop(key) for key in CONTROLS if key in extra}
+        if controls.get("test_pull_delay_s"):
+            # The delay waits on the pool between the words and the blocks, so the read of a
+            # delayed request cannot land before the forward of the step that needs it.
+            extra.setdefault("load_in_step_bytes", 0)
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:

@@ -53,8 +53,9 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
         "transport", "pull_timeout_s", "handshake_timeout_s", "transfer_threads",
         "tcp_connections", "lease_s", "heartbeat_s", "auth_token", "cluster_id_base",
-        "ascend_local_comm_res", "ascend_hccs",
+        "load_in_step_bytes", "ascend_local_comm_res", "ascend_hccs",
     }  # fmt: skip
+    assert config.load_in_step_bytes == 1 << 20
 
 
 def test_explicit_values_and_derived_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,6 +131,9 @@ def test_unknown_key_is_named_with_the_valid_ones() -> None:
         ("heartbeat_s", 0),
         ("auth_token", None),
         ("cluster_id_base", -1),
+        ("load_in_step_bytes", -1),
+        ("load_in_step_bytes", 1.5),
+        ("load_in_step_bytes", 2**31),
         ("ascend_hccs", "yes"),
     ],
 )

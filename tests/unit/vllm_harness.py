@@ -48,6 +48,7 @@ def make_scheduler(
     policy: str = "fail",
     num_blocks: int = 64,
     engine_id: str = "engine-under-test",
+    extra: dict[str, Any] | None = None,
 ) -> Scheduler:
     kv_transfer = KVTransferConfig(
         kv_connector="HixlConnector",
@@ -55,7 +56,7 @@ def make_scheduler(
         kv_role=kv_role,
         engine_id=engine_id,
         kv_load_failure_policy=policy,
-        kv_connector_extra_config=dict(EXTRA_CONFIG),
+        kv_connector_extra_config={**EXTRA_CONFIG, **(extra or {})},
     )
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -166,6 +167,7 @@ def runner_output(
     finished_sending: set[str] | None = None,
     finished_recving: set[str] | None = None,
     failed_recving: set[str] | None = None,
+    invalid_block_ids: set[int] | None = None,
     token_id: int = 5,
 ) -> ModelRunnerOutput:
     """What the worker returns for ``output``: one sampled token per scheduled request."""
@@ -174,6 +176,7 @@ def runner_output(
         finished_sending=finished_sending or set(),
         finished_recving=(finished_recving or set()) | (failed_recving or set()),
         failed_recving=failed_recving or set(),
+        invalid_block_ids=invalid_block_ids or set(),
     )
     return ModelRunnerOutput(
         req_ids=req_ids,

@@ -43,8 +43,10 @@ def transfer_line(delta: TransferDelta, prompt_tokens: int) -> str:
     plural = "" if delta.blocks == 1 else "s"
     failed = f", {delta.failed} FAILED" if delta.failed else ""
     ready = ms(delta.kv_ready_s / delta.pulls)
+    # A read in the step leaves the last prompt token to that step's forward, for its logits.
+    when = "in the step of the first token" if delta.in_step else "asynchronous"
     return (
-        f"transfer: {delta.blocks} block{plural}, {size(delta.bytes)}{pulls}, "
+        f"transfer: {delta.blocks} block{plural}, {size(delta.bytes)}{pulls} ({when}), "
         f"pull {ms(delta.pull_s)} ({delta.gbps:.2f} GB/s), KV ready on D {ready}, "
         f"{delta.external_tokens}/{prompt_tokens} prompt tokens from P{failed}"
     )

@@ -1,0 +1,177 @@
+"""Reads in the step that computes the first token, under faults: real vLLM CPU servers on
+the same-host transport, without the test delay, so that small reads do go in the step.
+
+A failed in-step read is reported to vLLM as the request's invalid blocks: under
+kv_load_failure_policy=recompute D computes the prompt itself, token-identical, and D reads
+asynchronously again until a read succeeds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .deployments import (
+    AUTH_TOKEN,
+    HANDSHAKE_TIMEOUT_S,
+    LEASE_S,
+    PULL_TIMEOUT_S,
+    connector_config,
+)
+from .fault_harness import (
+    FaultReport,
+    Servers,
+    hixl_counter,
+    leftover,
+    plain,
+    prefill_leg,
+    run_decode,
+    token_prompt,
+    wait_for,
+    wait_idle,
+)
+
+IDLE_TIMEOUT_S = LEASE_S + 10.0
+MARGIN_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir: Path, log_dir: Path) -> Iterator[Servers]:
+    common = {
+        "transport": "auto",
+        "lease_s": LEASE_S,
+        "pull_timeout_s": PULL_TIMEOUT_S,
+        "handshake_timeout_s": HANDSHAKE_TIMEOUT_S,
+        "auth_token": AUTH_TOKEN,
+    }
+    configs = {
+        "prefill": connector_config("prefill", **common),
+        "decode": connector_config("decode", "recompute", **common),
+    }
+    servers = Servers(model_dir, log_dir / "in_step", configs)
+    try:
+        servers.start("prefill", "decode")
+        yield servers
+    finally:
+        servers.stop_all()
+
+
+def counters(pd: Servers, *names: str) -> dict[str, float]:
+    return {name: hixl_counter(pd["decode"], name) for name in names}
+
+
+def settled_counters(pd: Servers, expected: dict[str, float]) -> dict[str, float]:
+    """D's counters once they reached ``expected`` (metrics arrive a step after the event),
+    or as they stand after the wait."""
+    try:
+        wait_for(lambda: counters(pd, *expected) == expected, 10.0, f"counters {expected}")
+    except TimeoutError:
+        pass
+    return counters(pd, *expected)
+
+
+def decoded_identical(pd: Servers, seed: int, length: int = 120) -> None:
+    prompt = token_prompt(length, seed)
+    expected = plain(pd["prefill"], prompt)
+    result = run_decode(pd["decode"], prompt, prefill_leg(pd["prefill"], prompt), 60.0)
+    assert result.error is None, result.error
+    assert result.tokens == expected
+
+
+def both_idle(pd: Servers) -> str:
+    wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    return leftover(pd["prefill"], pd["decode"])
+
+
+def linked_and_reading_in_step(pd: Servers, seed: int) -> None:
+    """Reads until one lands in the step (the first from a P engine links it)."""
+    for attempt in range(3):
+        before = counters(pd, "pulls", "in_step_loads")
+        decoded_identical(pd, seed + attempt)
+        now = settled_counters(
+            pd, {"pulls": before["pulls"] + 1, "in_step_loads": before["in_step_loads"] + 1}
+        )
+        if now["in_step_loads"] == before["in_step_loads"] + 1:
+            return
+    raise AssertionError("no read went in the step")
+
+
+def test_the_first_read_links_p_and_the_next_ones_go_in_the_step(pd: Servers) -> None:
+    before = counters(pd, "pulls", "in_step_loads")
+    decoded_identical(pd, seed=21)
+    first = settled_counters(
+        pd, {"pulls": before["pulls"] + 1, "in_step_loads": before["in_step_loads"]}
+    )
+    assert first == {"pulls": before["pulls"] + 1, "in_step_loads": before["in_step_loads"]}
+    for seed in (22, 23):
+        decoded_identical(pd, seed)
+    now = settled_counters(
+        pd, {"pulls": before["pulls"] + 3, "in_step_loads": before["in_step_loads"] + 2}
+    )
+    assert now == {"pulls": before["pulls"] + 3, "in_step_loads": before["in_step_loads"] + 2}
+    both_idle(pd)
+
+
+def test_a_forged_lease_read_in_the_step_is_refused_and_recomputed(
+    pd: Servers, fault_report: FaultReport
+) -> None:
+    linked_and_reading_in_step(pd, seed=30)
+    prompt = token_prompt(140, seed=34)
+    expected = plain(pd["prefill"], prompt)
+    params = prefill_leg(pd["prefill"], prompt)
+    params["remote_lease_id"] = (params["remote_lease_id"] + 7) % 2**64
+    before = counters(pd, "refused_pulls", "in_step_loads")
+    began = time.monotonic()
+    result = run_decode(pd["decode"], prompt, params, 60.0)
+    took = time.monotonic() - began
+    assert result.error is None, result.error
+    assert result.tokens == expected  # D computed the prompt itself
+    now = settled_counters(
+        pd, {"refused_pulls": before["refused_pulls"] + 1, "in_step_loads": before["in_step_loads"]}
+    )
+    assert now["refused_pulls"] == before["refused_pulls"] + 1
+    assert now["in_step_loads"] == before["in_step_loads"]
+    fault_report.record(
+        "forged lease id on a read in the step (recompute policy)",
+        "refused by P's lease word; vLLM recomputes the prompt on D, token-identical",
+        took,
+        both_idle(pd),
+    )
+
+
+def test_prefill_killed_before_a_read_in_the_step_d_recomputes(
+    pd: Servers, fault_report: FaultReport
+) -> None:
+    linked_and_reading_in_step(pd, seed=40)
+    prompt = token_prompt(160, seed=44)
+    expected = plain(pd["prefill"], prompt)
+    params = prefill_leg(pd["prefill"], prompt)
+    before = counters(pd, "failed_pulls", "in_step_loads")
+    pd.kill("prefill")
+    began = time.monotonic()
+    result = run_decode(pd["decode"], prompt, params, 60.0)
+    took = time.monotonic() - began
+    assert result.error is None, result.error
+    assert result.tokens == expected  # read in the step, failed, recomputed on D
+    assert took < PULL_TIMEOUT_S + MARGIN_S
+    now = settled_counters(
+        pd, {"failed_pulls": before["failed_pulls"] + 1, "in_step_loads": before["in_step_loads"]}
+    )
+    assert now["failed_pulls"] == before["failed_pulls"] + 1
+    assert now["in_step_loads"] == before["in_step_loads"]
+    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    gone = leftover(pd["decode"])
+    # A restarted P is linked afresh by an asynchronous read, then reads go in the step again.
+    pd.restart("prefill")
+    linked_and_reading_in_step(pd, seed=50)
+    fault_report.record(
+        "P killed (SIGKILL) after D linked it, before a read in the step (recompute policy)",
+        "the read fails at once; vLLM recomputes the prompt on D, token-identical; "
+        "a restarted P is linked again by the next read",
+        took,
+        gone,
+    )

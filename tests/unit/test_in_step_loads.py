@@ -1,0 +1,204 @@
+"""Reads in the step that computes the first token (vLLM's synchronous load): which requests
+get them, inside vLLM's real Scheduler, and the pure bookkeeping behind the choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+from vllm_harness import (
+    BLOCK_SIZE,
+    block_ids,
+    finished_outputs,
+    hixl,
+    make_request,
+    make_scheduler,
+    metadata,
+    prefill_params,
+    step,
+)
+
+from hixl_connector.connector.in_step_loads import MAX_LINKED_ENGINES, InStepLoads
+from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
+
+PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
+# The harness's blocks: 16 tokens x 2 KV heads x 16 x fp32, K and V, two layers.
+BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
+SMALL_BLOCKS = 3  # load_in_step_bytes below: reads of up to 3 blocks go in the step
+EXTRA = {"load_in_step_bytes": SMALL_BLOCKS * BLOCK_BYTES}
+
+
+def prompt(num_tokens: int, seed: int = 0) -> list[int]:
+    return [(seed * 31 + i * 7) % 300 + 3 for i in range(num_tokens)]
+
+
+def admit(scheduler: Scheduler, request_id: str, num_blocks: int, seed: int) -> RecvSpec:
+    """Adds a remote-prefill request of ``num_blocks`` blocks and schedules a step."""
+    request = make_request(
+        request_id,
+        prompt(num_blocks * BLOCK_SIZE - 4, seed),
+        params=prefill_params(num_blocks, remote_request_id=f"p-{request_id}"),
+    )
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    (spec,) = metadata(output).to_recv
+    scheduler._hixl_last_output = output  # type: ignore[attr-defined]
+    return spec
+
+
+def finish_step(scheduler: Scheduler, **worker: object) -> dict[str, int]:
+    """Feeds back the worker's output for the step ``admit`` scheduled."""
+    from vllm_harness import runner_output
+
+    output = scheduler._hixl_last_output  # type: ignore[attr-defined]
+    scheduler.update_from_output(output, runner_output(output, **worker))
+    return dict(output.num_scheduled_tokens)
+
+
+def warm(scheduler: Scheduler) -> None:
+    """A first, asynchronous read from PREFILL succeeds: PREFILL counts as linked."""
+    spec = admit(scheduler, "first", 2, seed=9)
+    assert not spec.in_step
+    finish_step(scheduler)
+    step(scheduler, finished_recving={"first"})
+    assert hixl(scheduler)._loads.linked_engines() == 1
+
+
+def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the_step(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=EXTRA)
+    first = admit(scheduler, "first", 2, seed=1)
+    assert not first.in_step
+    assert scheduler.requests["first"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert finish_step(scheduler) == {}
+    step(scheduler, finished_recving={"first"})
+
+    spec = admit(scheduler, "small", SMALL_BLOCKS, seed=2)
+    assert spec.in_step
+    assert spec.local_block_ids == tuple(block_ids(scheduler, "small"))
+    assert len(spec.local_block_ids) == SMALL_BLOCKS
+    request = scheduler.requests["small"]
+    assert request.status == RequestStatus.RUNNING
+    meta = scheduler._hixl_last_output.kv_connector_metadata  # type: ignore[attr-defined]
+    assert meta.heartbeats == []  # its KV is in place before this step's forward
+    # Computed in this very step: the last prompt token, for the first output token.
+    assert finish_step(scheduler)["small"] == 1
+    assert request.num_output_tokens == 1
+    assert "small" not in hixl(scheduler)._receiving
+
+    large = admit(scheduler, "large", SMALL_BLOCKS + 1, seed=3)
+    assert not large.in_step
+    assert scheduler.requests["large"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_an_in_step_failure_recomputes_and_turns_every_engine_asynchronous(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute", extra=EXTRA)
+    warm(scheduler)
+    spec = admit(scheduler, "bad", 2, seed=4)
+    assert spec.in_step
+    request = scheduler.requests["bad"]
+    finish_step(scheduler, invalid_block_ids={spec.local_block_ids[0]})
+    # vLLM dropped the token sampled on missing KV and recomputes the prompt itself.
+    assert request.num_output_tokens == 0
+    assert request.num_computed_tokens == 0
+    assert hixl(scheduler)._loads.linked_engines() == 0
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens["bad"] == request.num_prompt_tokens
+    assert not admit(scheduler, "next", 2, seed=5).in_step
+
+
+def test_a_failed_asynchronous_read_unlinks_its_engine(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute", extra=EXTRA)
+    warm(scheduler)
+    assert admit(scheduler, "in-step", 2, seed=6).in_step
+    finish_step(scheduler)
+    large = admit(scheduler, "large", SMALL_BLOCKS + 2, seed=7)
+    assert not large.in_step
+    finish_step(scheduler)
+    step(scheduler, failed_recving={"large"})
+    assert hixl(scheduler)._loads.linked_engines() == 0
+    assert not admit(scheduler, "after", 2, seed=8).in_step
+
+
+def test_off_with_zero_bytes(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra={"load_in_step_bytes": 0})
+    warm(scheduler)
+    spec = admit(scheduler, "small", 1, seed=10)
+    assert not spec.in_step
+    finish_step(scheduler)
+    for _ in range(3):
+        step(scheduler)
+    step(scheduler, finished_recving={"small"})
+    _, outputs = step(scheduler)
+    assert "small" not in finished_outputs(outputs)  # decoding after its async load
+
+
+@given(
+    linked=st.booleans(),
+    num_computed=st.integers(0, 8).map(lambda b: b * 16),
+    extra_tokens=st.integers(0, 200),
+    limit_blocks=st.integers(0, 10),
+)
+def test_wanted_exactly_for_small_reads_from_linked_engines(
+    linked: bool, num_computed: int, extra_tokens: int, limit_blocks: int
+) -> None:
+    loads = InStepLoads(limit_blocks * 100, block_bytes=100, block_size=16)
+    if linked:
+        loads.loading("r", PREFILL)
+        loads.reported(["r"], [], in_step_failed=False)
+    num_tokens = num_computed + extra_tokens
+    blocks = -(-num_tokens // 16) - num_computed // 16
+    expected = linked and extra_tokens >= 2 and blocks <= limit_blocks
+    assert loads.wanted(PREFILL, num_computed, num_tokens) == expected
+
+
+def test_unknown_block_bytes_never_read_in_the_step() -> None:
+    loads = InStepLoads(1 << 20, block_bytes=0, block_size=16)
+    loads.loading("r", PREFILL)
+    loads.reported(["r"], [], in_step_failed=False)
+    assert not loads.wanted(PREFILL, 0, 32)
+
+
+def test_linked_engines_are_bounded_and_requests_forgotten() -> None:
+    loads = InStepLoads(1 << 20, block_bytes=1, block_size=16)
+    for i in range(MAX_LINKED_ENGINES + 10):
+        remote = RemoteEndpoint(f"p{i}", "10.0.0.1", 7000, 1, 0)
+        loads.loading(f"r{i}", remote)
+        loads.reported([f"r{i}"], [], in_step_failed=False)
+    assert loads.linked_engines() == MAX_LINKED_ENGINES
+    assert not loads.wanted(RemoteEndpoint("p0", "10.0.0.1", 7000, 1, 0), 0, 32)  # oldest
+    loads.loading("gone", PREFILL)
+    loads.forget("gone")
+    loads.reported(["gone"], [], in_step_failed=False)  # aborted first: links nothing
+    assert not loads.wanted(PREFILL, 0, 32)
+
+
+def test_an_in_step_read_after_a_prefix_hit_reads_only_the_suffix(tiny_model_dir: Path) -> None:
+    from vllm_harness import runner_output
+
+    scheduler = make_scheduler(
+        tiny_model_dir, "kv_consumer", extra={"load_in_step_bytes": 8 * BLOCK_BYTES}
+    )
+    warm(scheduler)
+    shared = prompt(2 * BLOCK_SIZE, seed=11)
+    scheduler.add_request(make_request("local", shared + prompt(8, seed=12), max_tokens=1))
+    output = scheduler.schedule()
+    local_blocks = block_ids(scheduler, "local")
+    scheduler.update_from_output(output, runner_output(output))
+
+    request = make_request("d", shared + prompt(24, seed=13), params=prefill_params(4))
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    (spec,) = metadata(output).to_recv
+    assert spec.in_step
+    blocks = block_ids(scheduler, "d")
+    assert blocks[:2] == local_blocks[:2]  # the local prefix-cache hit
+    assert spec.local_block_ids == tuple(blocks[2:])
+    assert spec.remote_block_ids == (102, 103)  # the suffix of P's 100..103
+    assert output.num_scheduled_tokens["d"] == 1
