@@ -163,6 +163,22 @@ def run_decode(
     return LegResult(out.token_ids, None, time.monotonic())
 
 
+def two_legs_identical(pd: Servers, seed: int, length: int = 150) -> None:
+    """P's leg, then D's with P's params: D's tokens are the plain run's."""
+    prompt = token_prompt(length, seed)
+    expected = plain(pd["prefill"], prompt)
+    result = run_decode(pd["decode"], prompt, prefill_leg(pd["prefill"], prompt), 60.0)
+    assert result.error is None, result.error
+    assert result.tokens == expected
+
+
+def both_idle(pd: Servers, timeout_s: float) -> str:
+    """Waits until P and D hold no KV block and no request; returns what is left over."""
+    wait_idle(pd["prefill"], timeout_s)
+    wait_idle(pd["decode"], timeout_s)
+    return leftover(pd["prefill"], pd["decode"])
+
+
 class Servers:
     """P and D vLLM servers that a test may kill, freeze and restart on the same ports."""
 
@@ -236,6 +252,27 @@ class Servers:
         pid = self._servers[name].pid
         assert pid is not None
         os.killpg(pid, sig)
+
+    def wait_gone(self, name: str, timeout_s: float = 10.0) -> None:
+        """Until no process of the server's group runs (SIGKILL is delivered asynchronously;
+        a zombie has no memory left to read)."""
+        pgid = self._servers[name].pid
+
+        def running() -> bool:
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    if os.getpgid(int(entry.name)) != pgid:
+                        continue
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                except OSError:  # gone meanwhile
+                    continue
+                if state != "Z":
+                    return True
+            return False
+
+        wait_for(lambda: not running(), timeout_s, f"{name}'s processes gone")
 
     def stop_all(self) -> None:
         for server in self._servers.values():

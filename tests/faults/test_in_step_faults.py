@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,12 +25,14 @@ from .deployments import (
 from .fault_harness import (
     FaultReport,
     Servers,
+    both_idle,
     hixl_counter,
     leftover,
     plain,
     prefill_leg,
     run_decode,
     token_prompt,
+    two_legs_identical,
     wait_for,
     wait_idle,
 )
@@ -73,25 +76,11 @@ def settled_counters(pd: Servers, expected: dict[str, float]) -> dict[str, float
     return counters(pd, *expected)
 
 
-def decoded_identical(pd: Servers, seed: int, length: int = 120) -> None:
-    prompt = token_prompt(length, seed)
-    expected = plain(pd["prefill"], prompt)
-    result = run_decode(pd["decode"], prompt, prefill_leg(pd["prefill"], prompt), 60.0)
-    assert result.error is None, result.error
-    assert result.tokens == expected
-
-
-def both_idle(pd: Servers) -> str:
-    wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
-    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
-    return leftover(pd["prefill"], pd["decode"])
-
-
 def linked_and_reading_in_step(pd: Servers, seed: int) -> None:
     """Reads until one lands in the step (the first from a P engine links it)."""
     for attempt in range(3):
         before = counters(pd, "pulls", "in_step_loads")
-        decoded_identical(pd, seed + attempt)
+        two_legs_identical(pd, seed + attempt)
         now = settled_counters(
             pd, {"pulls": before["pulls"] + 1, "in_step_loads": before["in_step_loads"] + 1}
         )
@@ -100,36 +89,48 @@ def linked_and_reading_in_step(pd: Servers, seed: int) -> None:
     raise AssertionError("no read went in the step")
 
 
+def next_read_in_step(pd: Servers, seed: int) -> tuple[list[int], list[int], dict[str, Any]]:
+    """A prompt, its plain tokens, and P's params for it, once D reads in the step from P."""
+    linked_and_reading_in_step(pd, seed)
+    prompt = token_prompt(150, seed + 4)
+    return prompt, plain(pd["prefill"], prompt), prefill_leg(pd["prefill"], prompt)
+
+
+def recomputed_identical(
+    pd: Servers, prompt: list[int], expected: list[int], params: dict[str, Any]
+) -> float:
+    """D's leg gives the plain tokens (its in-step read failed: D computed the prompt
+    itself); returns how long it took."""
+    began = time.monotonic()
+    result = run_decode(pd["decode"], prompt, params, 60.0)
+    assert result.error is None, result.error
+    assert result.tokens == expected
+    return time.monotonic() - began
+
+
 def test_the_first_read_links_p_and_the_next_ones_go_in_the_step(pd: Servers) -> None:
     before = counters(pd, "pulls", "in_step_loads")
-    decoded_identical(pd, seed=21)
+    two_legs_identical(pd, seed=21)
     first = settled_counters(
         pd, {"pulls": before["pulls"] + 1, "in_step_loads": before["in_step_loads"]}
     )
     assert first == {"pulls": before["pulls"] + 1, "in_step_loads": before["in_step_loads"]}
     for seed in (22, 23):
-        decoded_identical(pd, seed)
+        two_legs_identical(pd, seed)
     now = settled_counters(
         pd, {"pulls": before["pulls"] + 3, "in_step_loads": before["in_step_loads"] + 2}
     )
     assert now == {"pulls": before["pulls"] + 3, "in_step_loads": before["in_step_loads"] + 2}
-    both_idle(pd)
+    both_idle(pd, IDLE_TIMEOUT_S)
 
 
 def test_a_forged_lease_read_in_the_step_is_refused_and_recomputed(
     pd: Servers, fault_report: FaultReport
 ) -> None:
-    linked_and_reading_in_step(pd, seed=30)
-    prompt = token_prompt(140, seed=34)
-    expected = plain(pd["prefill"], prompt)
-    params = prefill_leg(pd["prefill"], prompt)
+    prompt, expected, params = next_read_in_step(pd, seed=30)
     params["remote_lease_id"] = (params["remote_lease_id"] + 7) % 2**64
     before = counters(pd, "refused_pulls", "in_step_loads")
-    began = time.monotonic()
-    result = run_decode(pd["decode"], prompt, params, 60.0)
-    took = time.monotonic() - began
-    assert result.error is None, result.error
-    assert result.tokens == expected  # D computed the prompt itself
+    took = recomputed_identical(pd, prompt, expected, params)
     now = settled_counters(
         pd, {"refused_pulls": before["refused_pulls"] + 1, "in_step_loads": before["in_step_loads"]}
     )
@@ -139,24 +140,18 @@ def test_a_forged_lease_read_in_the_step_is_refused_and_recomputed(
         "forged lease id on a read in the step (recompute policy)",
         "refused by P's lease word; vLLM recomputes the prompt on D, token-identical",
         took,
-        both_idle(pd),
+        both_idle(pd, IDLE_TIMEOUT_S),
     )
 
 
 def test_prefill_killed_before_a_read_in_the_step_d_recomputes(
     pd: Servers, fault_report: FaultReport
 ) -> None:
-    linked_and_reading_in_step(pd, seed=40)
-    prompt = token_prompt(160, seed=44)
-    expected = plain(pd["prefill"], prompt)
-    params = prefill_leg(pd["prefill"], prompt)
+    prompt, expected, params = next_read_in_step(pd, seed=40)
     before = counters(pd, "failed_pulls", "in_step_loads")
     pd.kill("prefill")
-    began = time.monotonic()
-    result = run_decode(pd["decode"], prompt, params, 60.0)
-    took = time.monotonic() - began
-    assert result.error is None, result.error
-    assert result.tokens == expected  # read in the step, failed, recomputed on D
+    pd.wait_gone("prefill")  # so that the read meets a dead P, not one still dying
+    took = recomputed_identical(pd, prompt, expected, params)
     assert took < PULL_TIMEOUT_S + MARGIN_S
     now = settled_counters(
         pd, {"failed_pulls": before["failed_pulls"] + 1, "in_step_loads": before["in_step_loads"]}

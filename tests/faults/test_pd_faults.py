@@ -21,6 +21,7 @@ from .fault_harness import (
     FaultReport,
     LegResult,
     Servers,
+    both_idle,
     hixl_counter,
     kv_usage,
     leftover,
@@ -28,6 +29,7 @@ from .fault_harness import (
     prefill_leg,
     run_decode,
     token_prompt,
+    two_legs_identical,
     wait_idle,
 )
 
@@ -50,20 +52,6 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield executor
 
 
-def two_legs_identical(pd: Servers, seed: int, length: int = 150) -> None:
-    prompt = token_prompt(length, seed)
-    expected = plain(pd["prefill"], prompt)
-    result = run_decode(pd["decode"], prompt, prefill_leg(pd["prefill"], prompt), 60.0)
-    assert result.error is None, result.error
-    assert result.tokens == expected
-
-
-def both_idle(pd: Servers) -> str:
-    wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
-    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
-    return leftover(pd["prefill"], pd["decode"])
-
-
 def decode_in_background(
     pool: ThreadPoolExecutor, pd: Servers, prompt: list[int], params: dict[str, Any]
 ) -> Future[LegResult]:
@@ -75,7 +63,7 @@ def decode_in_background(
 def test_baseline_token_identical_and_idle(pd: Servers) -> None:
     pulls = hixl_counter(pd["decode"], "pulls")
     two_legs_identical(pd, seed=1)
-    both_idle(pd)
+    both_idle(pd, IDLE_TIMEOUT_S)
     assert hixl_counter(pd["decode"], "pulls") == pulls + 1
 
 
@@ -92,7 +80,7 @@ def test_decode_never_pulls_lease_expiry_frees_prefill(
         "D never pulls (only the prefill leg is sent)",
         f"P's lease ({LEASE_S:.0f} s) expires, blocks return to P's free pool",
         detected,
-        both_idle(pd),
+        both_idle(pd, IDLE_TIMEOUT_S),
     )
 
 
@@ -136,7 +124,7 @@ def test_forged_block_ids_are_refused(
             else "nothing is read"
         ),
         detected,
-        both_idle(pd),
+        both_idle(pd, IDLE_TIMEOUT_S),
     )
     two_legs_identical(pd, seed=30)
 
@@ -154,7 +142,7 @@ def test_client_abort_frees_prefill_promptly(pd: Servers, fault_report: FaultRep
             "vLLM aborts the request and its rejection cleanup makes D send 'release': P frees "
             "at once; a read still in flight finds its lease word cleared (stale), nothing decodes",
             detected,
-            both_idle(pd),
+            both_idle(pd, IDLE_TIMEOUT_S),
         )
     two_legs_identical(pd, seed=40)
 
@@ -174,7 +162,7 @@ def test_prefill_frozen_during_pull(
     detected = result.finished_at - stopped_at
     assert result.failed, "a pull from a frozen P must not succeed"
     assert detected < PULL_DELAY_S + PULL_TIMEOUT_S + MARGIN_S
-    left = both_idle(pd)
+    left = both_idle(pd, IDLE_TIMEOUT_S)
     two_legs_identical(pd, seed=60)
     fault_report.record(
         "P frozen (SIGSTOP) during a pull",
@@ -220,7 +208,7 @@ def test_prefill_killed_during_pull_then_restarted(
         "D sees the new engine id, drops the old link, handshakes and links again; "
         f"the first request is token-identical (P restart took {restart_s:.0f} s)",
         result.finished_at - began,
-        both_idle(pd),
+        both_idle(pd, IDLE_TIMEOUT_S),
     )
 
 
