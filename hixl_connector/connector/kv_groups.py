@@ -1,10 +1,15 @@
 """What the scheduler half knows of vLLM's KV-cache groups: their block sizes, the bytes of
-a block, and which of a request's blocks a read must fill. Pure: no torch, no engine."""
+a block, which of a request's blocks a read must fill, and P's blocks that fill them. Pure:
+no torch, no engine."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from hixl_connector.connector.block_slices import blocks_per_block
+from hixl_connector.connector.blocks import blocks_for_tokens, remote_at_positions
+from hixl_connector.connector.metadata import RemotePrefill
 
 # (positions, block ids) of one group's blocks to fill; a position is the block's index
 # within the request.
@@ -40,6 +45,44 @@ def blocks_to_fill(
     (group,) = groups
     positions = tuple(range(local_hit // block_size, len(group)))
     return [(positions, tuple(group[p].block_id for p in positions))]
+
+
+def remote_blocks_to_read(
+    prefill: RemotePrefill,
+    prompt_tokens: int,
+    unfilled: Sequence[Unfilled],
+    block_sizes: tuple[int, ...],
+) -> tuple[tuple[int, ...], int]:
+    """(P's block ids to read, P blocks per local block) for the ``unfilled`` blocks of each
+    group; raises ValueError when P's params cannot fill them."""
+    if prefill.num_tokens is not None and prefill.num_tokens < prompt_tokens:
+        raise ValueError(
+            f"the prefill side computed {prefill.num_tokens} tokens, this prompt has "
+            f"{prompt_tokens}: not the same prompt"
+        )
+    if len(prefill.block_ids) != len(unfilled):
+        raise ValueError(
+            f"the prefill side sent {len(prefill.block_ids)} KV-cache groups, this "
+            f"engine has {len(unfilled)}: run both with the same model and the same "
+            "hybrid KV-cache manager setting"
+        )
+    # P's block size is checked again at the handshake, against what P registered.
+    p_sizes = prefill.block_sizes or block_sizes
+    ratio = blocks_per_block(p_sizes, block_sizes)
+    prompt_blocks = blocks_for_tokens(prompt_tokens, p_sizes[0])
+    if ratio > 1 and len(prefill.block_ids[0]) < prompt_blocks:
+        raise ValueError(
+            f"the prefill side offers {len(prefill.block_ids[0])} blocks of "
+            f"{p_sizes[0]} tokens for a {prompt_tokens}-token prompt"
+        )
+    # Every group is moved with its own block ids; one pull takes them all, since a block
+    # id names the same bytes in every registered tensor.
+    remote = tuple(
+        block
+        for (positions, _), offered in zip(unfilled, prefill.block_ids, strict=True)
+        for block in remote_at_positions(offered, positions, ratio)
+    )
+    return remote, ratio
 
 
 def _uncached(group: Sequence[Any]) -> Unfilled:

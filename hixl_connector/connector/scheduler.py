@@ -17,14 +17,14 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hixl_connector.connector.block_slices import blocks_per_block
-from hixl_connector.connector.blocks import NULL_BLOCK_ID, blocks_for_tokens, remote_at_positions
+from hixl_connector.connector.blocks import NULL_BLOCK_ID, blocks_for_tokens
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.in_step_loads import InStepLoads
 from hixl_connector.connector.kv_groups import (
     blocks_to_fill,
     group_block_sizes,
     one_group_block_bytes,
+    remote_blocks_to_read,
 )
 from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
 from hixl_connector.connector.metadata import (
@@ -191,32 +191,8 @@ class HixlScheduler:
             self._release(request_id, prefill)
             return
         try:
-            if prefill.num_tokens is not None and prefill.num_tokens < request.num_prompt_tokens:
-                raise ValueError(
-                    f"the prefill side computed {prefill.num_tokens} tokens, this prompt has "
-                    f"{request.num_prompt_tokens}: not the same prompt"
-                )
-            if len(prefill.block_ids) != len(unfilled):
-                raise ValueError(
-                    f"the prefill side sent {len(prefill.block_ids)} KV-cache groups, this "
-                    f"engine has {len(unfilled)}: run both with the same model and the same "
-                    "hybrid KV-cache manager setting"
-                )
-            # P's block size is checked again at the handshake, against what P registered.
-            p_sizes = prefill.block_sizes or self._group_block_sizes
-            ratio = blocks_per_block(p_sizes, self._group_block_sizes)
-            prompt_blocks = blocks_for_tokens(request.num_prompt_tokens, p_sizes[0])
-            if ratio > 1 and len(prefill.block_ids[0]) < prompt_blocks:
-                raise ValueError(
-                    f"the prefill side offers {len(prefill.block_ids[0])} blocks of "
-                    f"{p_sizes[0]} tokens for a {request.num_prompt_tokens}-token prompt"
-                )
-            # Every group is moved with its own block ids; one pull takes them all, since a
-            # block id names the same bytes in every registered tensor.
-            remote = tuple(
-                block
-                for (positions, _), offered in zip(unfilled, prefill.block_ids, strict=True)
-                for block in remote_at_positions(offered, positions, ratio)
+            remote, ratio = remote_blocks_to_read(
+                prefill, request.num_prompt_tokens, unfilled, self._group_block_sizes
             )
         except ValueError as exc:
             self._refuse(request_id, prefill, local, f"request {request_id}: {exc}", in_step)
