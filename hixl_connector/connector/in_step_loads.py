@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hixl_connector.connector.blocks import blocks_for_tokens
 from hixl_connector.connector.metadata import RemoteEndpoint
 
 # P engines remembered as linked; beyond this many the least recently confirmed is dropped
@@ -39,6 +40,8 @@ class InStepLoads:
         self._block_size = block_size
         self._linked: dict[RemoteEndpoint, None] = {}  # insertion order: oldest first
         self._loading: dict[str, RemoteEndpoint] = {}  # async reads not reported yet
+        # Requests chosen to read in the step, until allocated: tokens of their local hit.
+        self._chosen: dict[str, int] = {}
 
     def wanted(self, remote: RemoteEndpoint, num_computed: int, num_tokens: int) -> bool:
         """Whether the KV of prompt tokens [num_computed, num_tokens) from ``remote`` is
@@ -46,8 +49,24 @@ class InStepLoads:
         if not self._block_bytes or remote not in self._linked or num_tokens - num_computed < 2:
             return False
         first_block = num_computed // self._block_size
-        blocks = -(-num_tokens // self._block_size) - first_block
+        blocks = blocks_for_tokens(num_tokens, self._block_size) - first_block
         return blocks * self._block_bytes <= self._limit_bytes
+
+    def choose(
+        self, request_id: str, remote: RemoteEndpoint | None, num_computed: int, num_tokens: int
+    ) -> bool:
+        """``wanted`` (never without a ``remote``), remembered for the request's allocation
+        (vLLM may ask again before it allocates: the last answer holds)."""
+        if remote is not None and self.wanted(remote, num_computed, num_tokens):
+            self._chosen[request_id] = num_computed
+            return True
+        self._chosen.pop(request_id, None)
+        return False
+
+    def allocated(self, request_id: str) -> int | None:
+        """The tokens of the local hit of a request chosen to read in the step, now that
+        it is allocated; None for an asynchronous read."""
+        return self._chosen.pop(request_id, None)
 
     def loading(self, request_id: str, remote: RemoteEndpoint) -> None:
         """An asynchronous read of ``request_id`` from ``remote`` was handed to the worker."""
@@ -56,6 +75,7 @@ class InStepLoads:
     def forget(self, request_id: str) -> None:
         """The request ended before its read was reported."""
         self._loading.pop(request_id, None)
+        self._chosen.pop(request_id, None)
 
     def reported(
         self, finished: Iterable[str], failed: Iterable[str], in_step_failed: bool
@@ -67,10 +87,8 @@ class InStepLoads:
             remote = self._loading.pop(request_id, None)
             if remote is None:
                 continue
-            if request_id in failed:
-                self._linked.pop(remote, None)
-            else:
-                self._linked.pop(remote, None)  # re-inserted: the most recently confirmed
+            self._linked.pop(remote, None)
+            if request_id not in failed:  # re-inserted: the most recently confirmed
                 self._linked[remote] = None
                 while len(self._linked) > MAX_LINKED_ENGINES:
                     del self._linked[next(iter(self._linked))]

@@ -104,15 +104,12 @@ class HixlScheduler:
         self._receiving: set[str] = set()
         # D: request_id -> heartbeat entry, from on_new_request until its KV arrived.
         self._waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
-        # D: which reads go in the step that computes the first token, and the requests
-        # get_num_new_matched_tokens chose so, until they are allocated.
+        # D: which reads go in the step that computes the first token.
         self._loads = InStepLoads(
             config.load_in_step_bytes,
             one_group_block_bytes(kv_cache_config),
             self._group_block_sizes[0],
         )
-        # (request id -> tokens of its local prefix-cache hit)
-        self._in_step: dict[str, int] = {}
         # P: request_id -> (lease id, slot), until the worker reports it in finished_sending.
         self._leased: dict[str, tuple[int, int]] = {}
         # P: every TP rank's lease words and their free slots.
@@ -155,14 +152,13 @@ class HixlScheduler:
         if count <= 0:
             return 0, False
         waiting = self._waiting.get(request.request_id)
-        if waiting is not None and self._loads.wanted(
-            waiting[0], num_computed_tokens, request.num_prompt_tokens
+        remote = waiting[0] if waiting is not None else None
+        if self._loads.choose(
+            request.request_id, remote, num_computed_tokens, request.num_prompt_tokens
         ):
             # Read before this step's forward, which computes the last prompt token itself
             # (for its logits) and so the first output token.
-            self._in_step[request.request_id] = num_computed_tokens
             return count - 1, False
-        self._in_step.pop(request.request_id, None)
         return count, True
 
     def update_state_after_alloc(
@@ -174,7 +170,7 @@ class HixlScheduler:
         # One transfer per request: a second call (after the load) must not pull again.
         params["do_remote_prefill"] = False
         request_id = request.request_id
-        local_hit = self._in_step.pop(request_id, None)
+        local_hit = self._loads.allocated(request_id)
         in_step = local_hit is not None
         unfilled = blocks_to_fill(blocks.blocks, local_hit, self._group_block_sizes[0])
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
@@ -246,7 +242,6 @@ class HixlScheduler:
         params = request.kv_transfer_params
         request_id = request.request_id
         self._stop_heartbeat(request_id)
-        self._in_step.pop(request_id, None)
         self._loads.forget(request_id)
         if request_id in self._receiving:
             # Aborted while its KV is on the way: the worker skips the read if it has not
