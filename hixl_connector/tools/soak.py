@@ -15,8 +15,9 @@ varied length a plain vLLM CPU server grew by 352 MiB over 1000 requests after w
 noise large enough to hide a real leak. With the cache off it stayed within 12 MiB, so the
 tolerance can be tight: with the defaults, a leak of 128 KiB per request in P or D fails the
 500-request form.
-It prints a summary (requests, failures, p50/p99 of KV-ready and of pull latency on D from
-D's own histograms) and exits 1 on any mismatch, failure, leak or growth beyond the tolerance.
+It prints a summary (requests, failures, p50/p99 of KV-ready and of pull latency on D over
+the measured requests, from D's own histograms) and exits 1 on any mismatch, failure, leak
+or growth beyond the tolerance.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ IDLE_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
 KV_READY_METRIC = "vllm:hixl_kv_ready_seconds_bucket"
 PULL_METRIC = "vllm:hixl_pull_seconds_bucket"
+QUANTILES = (0.5, 0.99)
 # Same settings for the plain server and for P and D; see the module's docstring.
 SERVER_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 
@@ -126,16 +128,30 @@ def rss_mb(processes: Mapping[str, ManagedProcess]) -> dict[str, float]:
     return sizes
 
 
-def histogram_quantiles(decode_url: str, metric: str, quantiles: Sequence[float]) -> list[float]:
-    """Quantiles (ms) of one of D's latency histograms, interpolated within buckets."""
-    samples = read_metrics(decode_url)
+def histogram_buckets(samples: Mapping[str, float], metric: str) -> dict[float, float]:
+    """Cumulative counts of one of D's latency histograms, by upper bound (s)."""
     buckets: dict[float, float] = {}
     for key, value in samples.items():
         if key.startswith(metric + "{"):
             le = key.split('le="', 1)[1].split('"', 1)[0]
             bound = float("inf") if le == "+Inf" else float(le)
             buckets[bound] = buckets.get(bound, 0.0) + value
-    ordered = sorted(buckets.items())
+    return buckets
+
+
+def histogram_quantiles(
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    metric: str,
+    quantiles: Sequence[float],
+) -> list[float]:
+    """Quantiles (ms) of what one of D's latency histograms gained between two scrapes,
+    interpolated within buckets."""
+    earlier = histogram_buckets(before, metric)
+    ordered = sorted(
+        (bound, count - earlier.get(bound, 0.0))
+        for bound, count in histogram_buckets(after, metric).items()
+    )
     total = ordered[-1][1] if ordered else 0.0
     out = []
     for q in quantiles:
@@ -231,6 +247,8 @@ def soak(args: argparse.Namespace, say: Callable[[str], None]) -> SoakResult:
             if left := wait_idle(url, name, IDLE_TIMEOUT_S):
                 result.leaks.append("after warm-up: " + left)
         before = rss_mb(servers)
+        # The percentiles are of the measured requests: the warm-up's first reads link P.
+        metrics_before = read_metrics(decode_url)
         began = time.monotonic()
         say(f"soak: {len(prompts) - warm} requests at concurrency {args.concurrency}")
         measured = everything[warm:]
@@ -245,9 +263,10 @@ def soak(args: argparse.Namespace, say: Callable[[str], None]) -> SoakResult:
                 result.leaks.append(left)
         after = rss_mb(servers)
         result.growth_mb = {k: after[k] - before[k] for k in before if k in after}
-        p50, p99 = histogram_quantiles(decode_url, KV_READY_METRIC, (0.5, 0.99))
+        metrics_after = read_metrics(decode_url)
+        p50, p99 = histogram_quantiles(metrics_before, metrics_after, KV_READY_METRIC, QUANTILES)
         result.kv_ready_ms = (p50, p99)
-        p50, p99 = histogram_quantiles(decode_url, PULL_METRIC, (0.5, 0.99))
+        p50, p99 = histogram_quantiles(metrics_before, metrics_after, PULL_METRIC, QUANTILES)
         result.pull_ms = (p50, p99)
     finally:
         for process in reversed(list(servers.values())):
