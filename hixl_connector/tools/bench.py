@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
-import select
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -32,13 +29,20 @@ from typing import Any
 
 import numpy as np
 
+from hixl_connector.tools.bench_common import (
+    LAYERS,
+    NUM_TENSORS,
+    Server,
+    alloc_tensors,
+    datadist_api,
+    engine_options,
+    link,
+    median_ratio,
+)
 from hixl_connector.tools.bench_report import format_table, plot
 
-LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 32, 8, 128, 2
-NUM_TENSORS = 2 * LAYERS
+KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2
 SERVER_CLUSTER, CLIENT_CLUSTER = 1, 2
-READY_TIMEOUT_S = 120.0
-HUGE_PAGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -55,38 +59,13 @@ class Layout:
         return self.pool_bytes // (NUM_TENSORS * self.block_bytes)
 
 
-def _api() -> Any:
-    from hixl_connector import datadist
-
-    return datadist
-
-
-def alloc_tensors(nbytes: int, fills: list[int]) -> list[np.ndarray]:
-    """One tensor of ``nbytes`` per fill byte, each starting on a 2 MiB boundary of one
-    anonymous mapping advised MADV_HUGEPAGE, so every pool (server source, client destination
-    and the memcpy reference's source) is the same kind of memory whatever numpy's own policy
-    is."""
-    stride = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    size = len(fills) * stride + HUGE_PAGE
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    whole = np.frombuffer(region, np.uint8)
-    first = -whole.ctypes.data % HUGE_PAGE
-    # Filled pages: an untouched pool would be served from the shared zero page.
-    tensors = [whole[first + t * stride :][:nbytes] for t in range(len(fills))]
-    for tensor, fill in zip(tensors, fills, strict=True):
-        tensor.fill(fill)
-    return tensors
-
-
 def _alloc_pool(layout: Layout, fill: bool) -> list[np.ndarray]:
     fills = [(t + 1) & 0xFF if fill else 0 for t in range(NUM_TENSORS)]
     return alloc_tensors(layout.num_blocks * layout.block_bytes, fills)
 
 
 def _register(dd: Any, layout: Layout, tensors: list[np.ndarray], key: Any) -> Any:
-    api = _api()
+    api = datadist_api()
     desc = api.CacheDesc(
         NUM_TENSORS,
         [layout.num_blocks, layout.block_tokens, KV_HEADS, HEAD_DIM],
@@ -98,30 +77,11 @@ def _register(dd: Any, layout: Layout, tensors: list[np.ndarray], key: Any) -> A
     )
 
 
-def _options(
-    transport: str | None, threads: int, listen: str | None, connections: int | None = None
-) -> dict[str, str]:
-    config = _api().LLMConfig()
-    config.device_id = 0
-    config.enable_cache_manager = True
-    config.enable_remote_cache_accessible = True
-    config.sync_kv_timeout = 60000
-    config.hixl_transfer_threads = threads
-    if listen:
-        config.transfer_backend = "hixl"
-        config.listen_ip_info = listen
-    if transport:
-        config.hixl_transport = transport
-    if connections is not None:  # else one per transfer thread, the engine's default
-        config.hixl_tcp_connections = connections
-    return config.generate_options()
-
-
 def serve(layout: Layout, threads: int) -> None:
     """The prefill side: serve one pool until stdin closes, then print the engine's stats."""
-    api = _api()
+    api = datadist_api()
     dd = api.LLMDataDist(api.LLMRole.PROMPT, SERVER_CLUSTER)
-    dd.init(_options(None, threads, "127.0.0.1:0"))
+    dd.init(engine_options(None, threads, "127.0.0.1:0"))
     tensors = _alloc_pool(layout, fill=True)
     _register(dd, layout, tensors, api.BlocksCacheKey(SERVER_CLUSTER, 0))
     ready = {"port": dd.listen_port, "pid": os.getpid(), "bases": _bases(tensors)}
@@ -135,33 +95,6 @@ def serve_command(layout: Layout, threads: int) -> list[str]:
     cmd = [sys.executable, "-m", "hixl_connector.tools.bench", "--serve"]
     cmd += ["--block-tokens", str(layout.block_tokens), "--pool-bytes", str(layout.pool_bytes)]
     return cmd + ["--threads", str(threads)]
-
-
-class Server:
-    """A serving process started with ``cmd``: it prints one JSON line once ready (port, pid,
-    bases) and its engine's stats when its stdin closes."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            self.proc.wait(10)
-            raise RuntimeError("benchmark server did not start")
-        ready = json.loads(line)
-        self.port, self.pid, self.bases = int(ready["port"]), int(ready["pid"]), ready["bases"]
-
-    def stop(self) -> dict[str, int]:
-        try:
-            out, _ = self.proc.communicate(input="", timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            return {}
-        lines = out.strip().splitlines()
-        return dict(json.loads(lines[-1])) if lines else {}
 
 
 def _random_pairs(
@@ -203,7 +136,7 @@ class Measurement:
     def __init__(self, refs: Any, dd: Any, layout: Layout, threads: int, server: Server) -> None:
         self.refs, self.dd, self.layout, self.threads = refs, dd, layout, threads
         self.server = server
-        self.key = _api().BlocksCacheKey(SERVER_CLUSTER, 0)
+        self.key = datadist_api().BlocksCacheKey(SERVER_CLUSTER, 0)
         self.pool = _alloc_pool(layout, fill=False)
         self.cache = _register(dd, layout, self.pool, None)
         # The same bytes as the server's pool, so a copy from it is the pull's physical limit.
@@ -265,18 +198,12 @@ def measure_transport(
     threads: int,
     connections: int | None = None,
 ) -> dict[str, Any]:
-    api = _api()
+    api = datadist_api()
     dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
-    dd.init(_options(transport, threads, None, connections))
+    dd.init(engine_options(transport, threads, None, connections))
     try:
         m = Measurement(refs, dd, layout, threads, server)
-        info = api.LLMClusterInfo()
-        info.remote_cluster_id = SERVER_CLUSTER
-        info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info("127.0.0.1", server.port)
-        ret, rets = dd.link_clusters([info], 10000)
-        if ret != api.LLMStatusCode.LLM_SUCCESS:
-            raise RuntimeError(f"link over {transport} failed: {ret} {rets}")
+        info = link(dd, SERVER_CLUSTER, server.port)
         count = tokens // layout.block_tokens
         times = m.interleaved(count, iters, raw=transport == "cma")
         pulls, copies = times["pull"], times["copy"]
@@ -290,7 +217,7 @@ def measure_transport(
             "request_ms_p50": statistics.median(pulls) * 1e3,
             "memcpy_gbps": request_bytes / statistics.median(copies) / 1e9,
             # Median of per-pair ratios: robust to load that changes during the run.
-            "ratio_to_memcpy": _median_ratio(copies, pulls),
+            "ratio_to_memcpy": median_ratio(copies, pulls),
             "one_block_us_p50": statistics.median(one) * 1e6,
             "eight_blocks_us_p50": statistics.median(eight) * 1e6,
             "client_peak_internal_bytes": int(stats.get("peak_internal_bytes", 0)),
@@ -298,8 +225,8 @@ def measure_transport(
         if "raw" in times:
             raws = times["raw"]
             result["raw_pvm_gbps"] = request_bytes / statistics.median(raws) / 1e9
-            result["raw_pvm_ratio_to_memcpy"] = _median_ratio(copies, raws)
-            result["ratio_to_raw_pvm"] = _median_ratio(raws, pulls)
+            result["raw_pvm_ratio_to_memcpy"] = median_ratio(copies, raws)
+            result["ratio_to_raw_pvm"] = median_ratio(raws, pulls)
         dd.unlink_clusters([info], 5000)
         return result
     finally:
@@ -318,12 +245,6 @@ def load_references() -> Any:
             "CMake and the OpenSSL headers)"
         ) from exc
     return _native_bench
-
-
-def _median_ratio(reference: list[float], measured: list[float]) -> float:
-    """Median of per-iteration reference/measured time ratios (speed of measured relative to
-    reference): robust to load that changes during the run."""
-    return statistics.median(r / m for r, m in zip(reference, measured, strict=True))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -34,14 +34,15 @@ import numpy as np
 
 from hixl_connector.connector.tp_mapping import plan_rank, unit_ids
 from hixl_connector.datadist import BlocksPull, load_backend
-from hixl_connector.tools.bench import (
+from hixl_connector.tools.bench_common import (
     LAYERS,
     NUM_TENSORS,
     Server,
-    _api,
-    _median_ratio,
-    _options,
     alloc_tensors,
+    datadist_api,
+    engine_options,
+    link,
+    median_ratio,
 )
 
 KV_HEADS, HEAD_DIM, DTYPE_BYTES, BLOCK_TOKENS = 8, 128, 2, 16
@@ -54,7 +55,7 @@ def _pool(num_units: int, fill: int) -> list[np.ndarray]:
 
 
 def _register(dd: Any, tensors: list[np.ndarray], num_units: int, key: Any) -> Any:
-    api = _api()
+    api = datadist_api()
     desc = api.CacheDesc(
         NUM_TENSORS, [num_units, UNIT_BYTES], api.DataType.DT_UINT8, api.Placement.HOST
     )
@@ -65,9 +66,9 @@ def _register(dd: Any, tensors: list[np.ndarray], num_units: int, key: Any) -> A
 
 def serve(heads: int, num_blocks: int, cluster: int, threads: int) -> None:
     """One P rank holding ``heads`` KV heads per block; serves until stdin closes."""
-    api = _api()
+    api = datadist_api()
     dd = api.LLMDataDist(api.LLMRole.PROMPT, cluster)
-    dd.init(_options(None, threads, "127.0.0.1:0"))
+    dd.init(engine_options(None, threads, "127.0.0.1:0"))
     tensors = _pool(num_blocks * heads, cluster & 0xFF)
     _register(dd, tensors, num_blocks * heads, api.BlocksCacheKey(cluster, 0))
     print(json.dumps({"port": dd.listen_port, "pid": 0, "bases": []}), flush=True)
@@ -100,22 +101,15 @@ class DRank:
     """One D rank with its own engine and pool, linked to the P ranks it reads."""
 
     def __init__(self, heads: int, num_blocks: int, transport: str, threads: int) -> None:
-        api = _api()
+        api = datadist_api()
         self.heads = heads
         self.dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER + heads)
-        self.dd.init(_options(transport, threads, None))
+        self.dd.init(engine_options(transport, threads, None))
         self.pool = _pool(num_blocks * heads, 0)
         self.cache = _register(self.dd, self.pool, num_blocks * heads, None)
 
     def link(self, rank: PRank) -> None:
-        api = _api()
-        info = api.LLMClusterInfo()
-        info.remote_cluster_id = rank.cluster
-        info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info("127.0.0.1", rank.server.port)
-        ret, rets = self.dd.link_clusters([info], 10000)
-        if ret != api.LLMStatusCode.LLM_SUCCESS:
-            raise RuntimeError(f"link to P rank {rank.cluster} failed: {ret} {rets}")
+        link(self.dd, rank.cluster, rank.server.port)
 
     def pull(self, ranks: list[PRank], d_tp: int, src: list[int], dst: list[int]) -> float:
         """Every read ``tp_mapping`` plans for rank 0 of a D engine of TP ``d_tp`` reading a
@@ -182,7 +176,7 @@ def measure(
             result[name] = {
                 "gbps": nbytes / statistics.median(times[1]) / 1e9,
                 "reference_gbps": nbytes / statistics.median(times[0]) / 1e9,
-                "ratio": _median_ratio(times[0], times[1]),
+                "ratio": median_ratio(times[0], times[1]),
                 "client_peak_internal_bytes": peak,  # nothing staged: stays at KiB
             }
         return result
