@@ -261,18 +261,13 @@ class HeartbeatSchedule:
             targets[key] = target
         due = []
         with self._lock:
-            # A lease no waiting request names any more is forgotten.
-            renewed = {
-                (key, n.remote_request_id, n.lease_id): self._renewed.get(
-                    (key, n.remote_request_id, n.lease_id), now
-                )
-                for key, notices in waiting.items()
-                for n in notices
-            }
+            renewed: dict[LeaseKey, float] = {}  # a lease no waiting request names is forgotten
             for key, items in waiting.items():
+                leases = [(key, n.remote_request_id, n.lease_id) for n in items]
+                for lease in leases:
+                    renewed[lease] = self._renewed.get(lease, now)
                 if key in self._in_flight:
                     continue
-                leases = [(key, n.remote_request_id, n.lease_id) for n in items]
                 if all(now - renewed[lease] < self._interval_s for lease in leases):
                     continue
                 for lease in leases:
