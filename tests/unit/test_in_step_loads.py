@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
@@ -18,6 +19,8 @@ from vllm_harness import (
     make_scheduler,
     metadata,
     prefill_params,
+    runner_output,
+    served_locally,
     step,
 )
 
@@ -35,8 +38,11 @@ def prompt(num_tokens: int, seed: int = 0) -> list[int]:
     return [(seed * 31 + i * 7) % 300 + 3 for i in range(num_tokens)]
 
 
-def admit(scheduler: Scheduler, request_id: str, num_blocks: int, seed: int) -> RecvSpec:
-    """Adds a remote-prefill request of ``num_blocks`` blocks and schedules a step."""
+def admit(
+    scheduler: Scheduler, request_id: str, num_blocks: int, seed: int
+) -> tuple[RecvSpec, SchedulerOutput]:
+    """Adds a remote-prefill request of ``num_blocks`` blocks and schedules a step: its read,
+    and the step."""
     request = make_request(
         request_id,
         prompt(num_blocks * BLOCK_SIZE - 4, seed),
@@ -45,24 +51,20 @@ def admit(scheduler: Scheduler, request_id: str, num_blocks: int, seed: int) -> 
     scheduler.add_request(request)
     output = scheduler.schedule()
     (spec,) = metadata(output).to_recv
-    scheduler._hixl_last_output = output  # type: ignore[attr-defined]
-    return spec
+    return spec, output
 
 
-def finish_step(scheduler: Scheduler, **worker: object) -> dict[str, int]:
+def finish_step(scheduler: Scheduler, output: SchedulerOutput, **worker: object) -> dict[str, int]:
     """Feeds back the worker's output for the step ``admit`` scheduled."""
-    from vllm_harness import runner_output
-
-    output = scheduler._hixl_last_output  # type: ignore[attr-defined]
     scheduler.update_from_output(output, runner_output(output, **worker))
     return dict(output.num_scheduled_tokens)
 
 
 def warm(scheduler: Scheduler) -> None:
     """A first, asynchronous read from PREFILL succeeds: PREFILL counts as linked."""
-    spec = admit(scheduler, "first", 2, seed=9)
+    spec, output = admit(scheduler, "first", 2, seed=9)
     assert not spec.in_step
-    finish_step(scheduler)
+    finish_step(scheduler, output)
     step(scheduler, finished_recving={"first"})
     assert hixl(scheduler)._loads.linked_engines() == 1
 
@@ -71,26 +73,25 @@ def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the
     tiny_model_dir: Path,
 ) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=EXTRA)
-    first = admit(scheduler, "first", 2, seed=1)
+    first, output = admit(scheduler, "first", 2, seed=1)
     assert not first.in_step
     assert scheduler.requests["first"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert finish_step(scheduler) == {}
+    assert finish_step(scheduler, output) == {}
     step(scheduler, finished_recving={"first"})
 
-    spec = admit(scheduler, "small", SMALL_BLOCKS, seed=2)
+    spec, output = admit(scheduler, "small", SMALL_BLOCKS, seed=2)
     assert spec.in_step
     assert spec.local_block_ids == tuple(block_ids(scheduler, "small"))
     assert len(spec.local_block_ids) == SMALL_BLOCKS
     request = scheduler.requests["small"]
     assert request.status == RequestStatus.RUNNING
-    meta = scheduler._hixl_last_output.kv_connector_metadata  # type: ignore[attr-defined]
-    assert meta.heartbeats == []  # its KV is in place before this step's forward
+    assert metadata(output).heartbeats == []  # its KV is in place before this step's forward
     # Computed in this very step: the last prompt token, for the first output token.
-    assert finish_step(scheduler)["small"] == 1
+    assert finish_step(scheduler, output)["small"] == 1
     assert request.num_output_tokens == 1
     assert "small" not in hixl(scheduler)._receiving
 
-    large = admit(scheduler, "large", SMALL_BLOCKS + 1, seed=3)
+    large, _ = admit(scheduler, "large", SMALL_BLOCKS + 1, seed=3)
     assert not large.in_step
     assert scheduler.requests["large"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
@@ -100,38 +101,39 @@ def test_an_in_step_failure_recomputes_and_turns_every_engine_asynchronous(
 ) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute", extra=EXTRA)
     warm(scheduler)
-    spec = admit(scheduler, "bad", 2, seed=4)
+    spec, output = admit(scheduler, "bad", 2, seed=4)
     assert spec.in_step
     request = scheduler.requests["bad"]
-    finish_step(scheduler, invalid_block_ids={spec.local_block_ids[0]})
+    finish_step(scheduler, output, invalid_block_ids={spec.local_block_ids[0]})
     # vLLM dropped the token sampled on missing KV and recomputes the prompt itself.
     assert request.num_output_tokens == 0
     assert request.num_computed_tokens == 0
     assert hixl(scheduler)._loads.linked_engines() == 0
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens["bad"] == request.num_prompt_tokens
-    assert not admit(scheduler, "next", 2, seed=5).in_step
+    assert not admit(scheduler, "next", 2, seed=5)[0].in_step
 
 
 def test_a_failed_asynchronous_read_unlinks_its_engine(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute", extra=EXTRA)
     warm(scheduler)
-    assert admit(scheduler, "in-step", 2, seed=6).in_step
-    finish_step(scheduler)
-    large = admit(scheduler, "large", SMALL_BLOCKS + 2, seed=7)
+    spec, output = admit(scheduler, "in-step", 2, seed=6)
+    assert spec.in_step
+    finish_step(scheduler, output)
+    large, output = admit(scheduler, "large", SMALL_BLOCKS + 2, seed=7)
     assert not large.in_step
-    finish_step(scheduler)
+    finish_step(scheduler, output)
     step(scheduler, failed_recving={"large"})
     assert hixl(scheduler)._loads.linked_engines() == 0
-    assert not admit(scheduler, "after", 2, seed=8).in_step
+    assert not admit(scheduler, "after", 2, seed=8)[0].in_step
 
 
 def test_off_with_zero_bytes(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra={"load_in_step_bytes": 0})
     warm(scheduler)
-    spec = admit(scheduler, "small", 1, seed=10)
+    spec, output = admit(scheduler, "small", 1, seed=10)
     assert not spec.in_step
-    finish_step(scheduler)
+    finish_step(scheduler, output)
     for _ in range(3):
         step(scheduler)
     step(scheduler, finished_recving={"small"})
@@ -180,17 +182,12 @@ def test_linked_engines_are_bounded_and_requests_forgotten() -> None:
 
 
 def test_an_in_step_read_after_a_prefix_hit_reads_only_the_suffix(tiny_model_dir: Path) -> None:
-    from vllm_harness import runner_output
-
     scheduler = make_scheduler(
         tiny_model_dir, "kv_consumer", extra={"load_in_step_bytes": 8 * BLOCK_BYTES}
     )
     warm(scheduler)
     shared = prompt(2 * BLOCK_SIZE, seed=11)
-    scheduler.add_request(make_request("local", shared + prompt(8, seed=12), max_tokens=1))
-    output = scheduler.schedule()
-    local_blocks = block_ids(scheduler, "local")
-    scheduler.update_from_output(output, runner_output(output))
+    local_blocks = served_locally(scheduler, "local", shared + prompt(8, seed=12))
 
     request = make_request("d", shared + prompt(24, seed=13), params=prefill_params(4))
     scheduler.add_request(request)

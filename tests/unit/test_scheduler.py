@@ -24,6 +24,7 @@ from vllm_harness import (
     metadata,
     prefill_params,
     runner_output,
+    served_locally,
     step,
 )
 
@@ -90,10 +91,7 @@ def test_remote_prefill_lifecycle(tiny_model_dir: Path) -> None:
 def test_prefix_hit_pulls_only_the_suffix(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
     shared = prompt(2 * BLOCK_SIZE)
-    scheduler.add_request(make_request("warm", shared + prompt(8, seed=1), max_tokens=1))
-    output = scheduler.schedule()
-    warm_blocks = block_ids(scheduler, "warm")
-    scheduler.update_from_output(output, runner_output(output))
+    warm_blocks = served_locally(scheduler, "warm", shared + prompt(8, seed=1))
 
     request = make_request("d2", shared + prompt(24, seed=2), params=prefill_params(4))
     scheduler.add_request(request)

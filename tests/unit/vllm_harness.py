@@ -193,6 +193,16 @@ def step(scheduler: Scheduler, **worker: Any) -> tuple[SchedulerOutput, dict[int
     return output, engine_outputs
 
 
+def served_locally(scheduler: Scheduler, request_id: str, prompt_ids: list[int]) -> list[int]:
+    """Serves a one-token request on this engine itself, so its prompt's full blocks enter
+    the local prefix cache; returns the block ids it had."""
+    scheduler.add_request(make_request(request_id, prompt_ids, max_tokens=1))
+    output = scheduler.schedule()
+    blocks = block_ids(scheduler, request_id)
+    scheduler.update_from_output(output, runner_output(output))
+    return blocks
+
+
 def finished_outputs(engine_outputs: dict[int, Any]) -> dict[str, Any]:
     return {
         out.request_id: out
