@@ -43,6 +43,9 @@ WORD_BYTES = 8
 MAX_LEASE_READERS = 64
 # Most reads a decode rank has in flight at once; more wait for one to end.
 IN_FLIGHT_READS = 64
+# Rows of the step thread's in-step reads, after those: such reads never wait for a row an
+# asynchronous read holds (more in one step settle the earlier ones first).
+IN_STEP_ROWS = 8
 ONE_TENSOR = {"tensor_num_per_layer": 1}
 
 
@@ -128,6 +131,11 @@ class Engine:
         the first failure (LLMException), and its ``finished_at`` is when the last byte landed.
         Bad arguments raise here."""
         return self.api.pull_blocks_batch_async(self.datadist.cache_manager, pulls)
+
+    def reads_in_place(self, remote_cluster_id: int) -> bool:
+        """Whether reads from this linked peer are one-sided copies out of this host's
+        memory, which end whatever the peer does (the back-end's profile says)."""
+        return self.api.PROFILE.reads_in_place(self.datadist, remote_cluster_id)
 
     def words_read(self, pull: GuardedPull) -> tuple[list[int], list[int]]:
         """The lease words as ``pull`` read them before and after the blocks."""
@@ -253,7 +261,7 @@ def open_engine(
     datadist = api.LLMDataDist(role, cluster_id)
     datadist.init(llm_config.generate_options())
     host = api.Placement.HOST
-    scratch_count = IN_FLIGHT_READS * 2 * MAX_LEASE_READERS
+    scratch_count = (IN_FLIGHT_READS + IN_STEP_ROWS) * 2 * MAX_LEASE_READERS
     scratch_words = (ctypes.c_uint64 * scratch_count)() if consumer else None
     try:
         caches = tuple(_register(api, datadist, cluster_id, group, placement) for group in groups)

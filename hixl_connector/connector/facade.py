@@ -13,14 +13,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 
 KVConnectorMetadata.register(HixlConnectorMetadata)
+KVConnectorWorkerMetadata.register(LinkReport)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,6 +133,12 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of in-step reads that failed: vLLM recomputes or fails their requests."""
         return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Which P engines this rank now reads in place (link_reports), for the scheduler."""
+        if self._worker is None:
+            return None
+        return cast(KVConnectorWorkerMetadata | None, self._worker.take_link_report())
 
     def get_kv_connector_stats(self) -> HixlKVConnectorStats | None:
         return self._worker.get_stats() if self._worker is not None else None

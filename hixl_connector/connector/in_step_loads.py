@@ -4,49 +4,51 @@ vLLM loads a request's KV either asynchronously (the request waits in WAITING_FO
 while the others decode, and its first token comes in the step after the KV landed) or in
 the step that computes its first token (a synchronous load: the read lands before that
 step's forward, which waits for it). The second saves a whole step of TTFT and costs that
-step the read's time, so it pays for small reads only. A read goes in the step when
+step the read's time, so it pays for small reads only, and only where the step cannot end up
+waiting on a peer. A read goes in the step when
 - its KV on this rank is at most ``load_in_step_bytes`` (a same-host read that small is
   copied on the step thread anyway);
-- a read from the same P engine succeeded and no read failed since: every P rank it reads
-  is then linked, so no handshake holds up the forward (the first request from each P engine
-  loads asynchronously and links it);
+- every D rank reported that it reads every P rank it needs of that engine in place
+  (link_reports): a same-host, one-sided copy that ends whatever P does. A read over the
+  network always loads asynchronously: a synchronous load that did not land has no way back
+  to waiting in vLLM, only to invalid blocks, so a slow peer would stall the step or fail
+  the request. The first request from each P engine therefore loads asynchronously and
+  links it;
 - the model has one KV-cache group: vLLM reports a failed synchronous load as invalid block
   ids, which it cannot map back to requests across several groups.
 A failed in-step read is reported as the request's invalid blocks, so vLLM's
-kv_load_failure_policy applies as to any failed load; then every P engine loads
-asynchronously again until a read from it succeeds.
+kv_load_failure_policy applies as to any failed load.
 
 Pure bookkeeping of the scheduler half: no engine, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from hixl_connector.connector.blocks import blocks_for_tokens
+from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport
 from hixl_connector.connector.metadata import RemoteEndpoint
-
-# P engines remembered as linked; beyond this many the least recently confirmed is dropped
-# (it loads asynchronously once more): engines come and go over a long run.
-MAX_LINKED_ENGINES = 4096
 
 
 class InStepLoads:
-    def __init__(self, limit_bytes: int, block_bytes: int, block_size: int) -> None:
+    def __init__(self, limit_bytes: int, block_bytes: int, block_size: int, ranks: int) -> None:
         """``block_bytes``: the bytes one block holds on this rank, every layer together
-        (0 when they are unknown: nothing is read in the step)."""
+        (0 when they are unknown: nothing is read in the step); ``ranks``: this engine's
+        TP size (every rank must read in place)."""
         self._limit_bytes = limit_bytes
         self._block_bytes = block_bytes
         self._block_size = block_size
-        self._linked: dict[RemoteEndpoint, None] = {}  # insertion order: oldest first
-        self._loading: dict[str, RemoteEndpoint] = {}  # async reads not reported yet
+        self._ranks = ranks
+        # Engine -> the D ranks that read it in place; insertion order: oldest first.
+        self._in_place: dict[RemoteEndpoint, set[int]] = {}
         # Requests chosen to read in the step, until allocated: tokens of their local hit.
         self._chosen: dict[str, int] = {}
 
     def wanted(self, remote: RemoteEndpoint, num_computed: int, num_tokens: int) -> bool:
         """Whether the KV of prompt tokens [num_computed, num_tokens) from ``remote`` is
         read in the step that computes the first token."""
-        if not self._block_bytes or remote not in self._linked or num_tokens - num_computed < 2:
+        if not self._block_bytes or num_tokens - num_computed < 2:
+            return False
+        if len(self._in_place.get(remote, ())) < self._ranks:
             return False
         first_block = num_computed // self._block_size
         blocks = blocks_for_tokens(num_tokens, self._block_size) - first_block
@@ -68,32 +70,24 @@ class InStepLoads:
         it is allocated; None for an asynchronous read."""
         return self._chosen.pop(request_id, None)
 
-    def loading(self, request_id: str, remote: RemoteEndpoint) -> None:
-        """An asynchronous read of ``request_id`` from ``remote`` was handed to the worker."""
-        self._loading[request_id] = remote
-
     def forget(self, request_id: str) -> None:
-        """The request ended before its read was reported."""
-        self._loading.pop(request_id, None)
+        """The request ended before it was allocated."""
         self._chosen.pop(request_id, None)
 
-    def reported(
-        self, finished: Iterable[str], failed: Iterable[str], in_step_failed: bool
-    ) -> None:
-        """What the workers reported for a step: asynchronous reads that ended (those in
-        ``failed`` failed), and whether any in-step read failed."""
-        failed = set(failed)
-        for request_id in finished:
-            remote = self._loading.pop(request_id, None)
-            if remote is None:
-                continue
-            self._linked.pop(remote, None)
-            if request_id not in failed:  # re-inserted: the most recently confirmed
-                self._linked[remote] = None
-                while len(self._linked) > MAX_LINKED_ENGINES:
-                    del self._linked[next(iter(self._linked))]
-        if in_step_failed:
-            self._linked.clear()
+    def report(self, report: LinkReport) -> None:
+        """What the workers learned of their links in a step."""
+        for rank, changes in report.ranks.items():
+            for remote, in_place in changes.items():
+                ranks = self._in_place.pop(remote, set())
+                if in_place:
+                    ranks.add(rank)
+                else:
+                    ranks.discard(rank)
+                if ranks:  # re-inserted: the most recently reported
+                    self._in_place[remote] = ranks
+        while len(self._in_place) > MAX_REPORTED_ENGINES:
+            del self._in_place[next(iter(self._in_place))]
 
-    def linked_engines(self) -> int:
-        return len(self._linked)
+    def in_place_engines(self) -> int:
+        """P engines read in place by every rank."""
+        return sum(len(ranks) >= self._ranks for ranks in self._in_place.values())

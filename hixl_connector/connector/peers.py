@@ -6,6 +6,10 @@ The first request for a peer runs the handshake (schema and compatibility check)
 then `link_clusters`; later requests reuse the link. A pull that timed out or lost its link
 marks the peer broken; the next request unlinks with force and does both steps again, as
 LLM-DataDist requires after LLM_TIMEOUT.
+
+Only `get` handshakes and links, and only the transfer pool calls it; vLLM's step thread looks
+peers up with `linked` and `in_place`, which never wait on a peer or on another thread's
+handshake.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +52,9 @@ class Peer:
     cluster_id: int
     payload: HandshakePayload
     client: SideChannelClient
+    # Reads from it are one-sided copies out of this host's memory (the engine's same-host
+    # transport): they end whatever the peer does, so they may feed the step's forward.
+    in_place: bool = False
     broken: bool = False
 
 
@@ -58,8 +66,10 @@ class PeerRegistry:
         context: zmq.Context,
         local: HandshakePayload,
         config: HixlConfig,
+        reads_in_place: Callable[[int], bool],
     ) -> None:
         self._api = api
+        self._reads_in_place = reads_in_place
         self._datadist = datadist
         self._context = context
         self._local = local
@@ -73,6 +83,8 @@ class PeerRegistry:
         # a request tries again. Client-named, so old entries are dropped on every lookup.
         self._failures: dict[tuple[str, str, int], tuple[float, str]] = {}
         self._guard = threading.Lock()
+        # Set at shutdown: every request of this registry's clients gives up at once.
+        self._stopping = threading.Event()
 
     def get(self, target: PeerRank) -> Peer:
         key = target.key
@@ -117,9 +129,20 @@ class PeerRegistry:
 
     def is_linked(self, target: PeerRank) -> bool:
         """True iff a handshake with this engine rank succeeded and still holds."""
+        return self.linked(target) is not None
+
+    def linked(self, target: PeerRank) -> Peer | None:
+        """The peer if linked and not broken; never connects."""
         with self._guard:
             peer = self._peers.get(target.key)
-        return peer is not None and not peer.broken
+        return peer if peer is not None and not peer.broken else None
+
+    def in_place(self, target: PeerRank) -> Peer | None:
+        """The peer if its link reads in place, broken or not (a broken same-host link
+        either reads or fails at once); never connects."""
+        with self._guard:
+            peer = self._peers.get(target.key)
+        return peer if peer is not None and peer.in_place else None
 
     def mark_broken(self, peer: Peer) -> None:
         peer.broken = True
@@ -142,9 +165,15 @@ class PeerRegistry:
             target.port,
             self._config.handshake_timeout_s,
             self._config.auth_token,
+            self._stopping,
         )
 
+    def stop(self) -> None:
+        """Handshakes and notices under way give up now (the first step of shutdown)."""
+        self._stopping.set()
+
     def close(self) -> None:
+        self.stop()
         with self._guard:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
@@ -189,7 +218,8 @@ class PeerRegistry:
             payload.engine_host,
             payload.engine_port,
         )
-        peer = Peer(payload.engine_id, payload.cluster_id, payload, client)
+        in_place = self._reads_in_place(payload.cluster_id)
+        peer = Peer(payload.engine_id, payload.cluster_id, payload, client, in_place)
         with self._guard:
             self._peers[key] = peer
         return peer

@@ -10,9 +10,14 @@ on the way, and no thread of this process must win the interpreter lock to repor
 "done" then goes to P on the notice lanes.
 
 A read in the step (``RecvSpec.in_step``, see in_step_loads) feeds the forward of this very
-step: `settle_in_step` waits for it before the forward, it never waits for a handshake (one
-whose P rank is not linked fails at once), and a failure is reported as its blocks
-(``invalidate``) rather than as a failed receive.
+step: `settle_in_step` waits for it before the forward. The scheduler asks for one only from
+P ranks every worker reported reading in place (link_reports): a one-sided copy out of this
+host's memory, which ends whatever P does, so the step waits on memory and never on a peer.
+It never waits for a handshake or a free row either (in-step reads have rows of their own),
+and a failure is reported as its blocks (``invalidate``) rather than as a failed receive.
+
+The step thread never handshakes or links: it looks peers up without connecting, and a read
+whose P ranks are not all linked goes to the pool.
 
 When the TP sizes differ, `tp_mapping` says which P ranks this rank reads and which KV heads
 land where: the KV caches are registered one unit per KV head of a block, so a head
@@ -31,32 +36,37 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.block_slices import blocks_per_block, slice_ids
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.engine_setup import IN_FLIGHT_READS, Engine, GuardedPull
+from hixl_connector.connector.engine_setup import (
+    IN_FLIGHT_READS,
+    IN_STEP_ROWS,
+    Engine,
+    GuardedPull,
+)
 from hixl_connector.connector.kv_layout import KVLayout
 from hixl_connector.connector.lease_client import LeaseClient
-from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec
+from hixl_connector.connector.link_reports import LinkReporter
+from hixl_connector.connector.metadata import PeerRank, RecvSpec, ReleaseSpec
 from hixl_connector.connector.peers import Peer, PeerRegistry
 from hixl_connector.connector.read_plans import ReadPlans, UnreadableRequest
-from hixl_connector.connector.tp_mapping import HeadRead, TPMismatch, unit_ids
+from hixl_connector.connector.read_units import (
+    LeaseError,
+    check_block_ids,
+    check_block_sizes,
+    peer_units,
+)
+from hixl_connector.connector.tp_mapping import TPMismatch
 
 logger = logging.getLogger(__name__)
-
-# (peer cluster id, source ids, destination ids): one P rank's share of a request.
-Read = tuple[int, list[int], list[int]]
-
-
-class LeaseError(RuntimeError):
-    """P did not (or could no longer) vouch for the blocks of a pull."""
 
 
 class PullCancelled(RuntimeError):
     """The request was aborted before its read ended."""
 
 
-class NotReadableInStep(RuntimeError):
-    """An in-step read cannot begin on the step thread at once."""
+class PeerGone(RuntimeError):
+    """An in-step read found no same-host link to a P rank it reads: P was replaced or is
+    gone since a worker reported the link (nothing transient is ever read in the step)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,7 @@ class Receiver:
         plans: ReadPlans,
         peers: PeerRegistry,
         notices: LeaseClient,
+        links: LinkReporter,
         tp_rank: int,
         record: Callable[[str], None],
         record_pull: Callable[[float, float, int, int], None],
@@ -96,6 +107,7 @@ class Receiver:
         self._plans = plans
         self._peers = peers
         self._notices = notices
+        self._links = links
         self._tp_rank = tp_rank
         self._record = record
         self._record_pull = record_pull
@@ -104,9 +116,13 @@ class Receiver:
         # Handshakes and links with P ranks not linked yet, off the step thread.
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
         # One row of scratch words per read in flight: where its batch reads P's lease words.
+        # In-step reads have rows of their own (the step thread's alone), so they never
+        # wait for asynchronous ones.
         self._rows: queue.SimpleQueue[int] = queue.SimpleQueue()
         for row in range(IN_FLIGHT_READS):
             self._rows.put(row)
+        self._step_rows = list(range(IN_FLIGHT_READS, IN_FLIGHT_READS + IN_STEP_ROWS))
+        self._closing = threading.Event()
         self._in_flight: list[_InFlight] = []
         # Requests not yet collected, and those of them aborted since.
         self._active: dict[str, RecvSpec] = {}
@@ -118,18 +134,40 @@ class Receiver:
         linked, else on the pool; True when it went to the pool."""
         with self._lock:
             self._active[spec.request_id] = spec
-        ready = self._ready(spec)
-        row = self._free_row() if ready else None
-        if row is not None:
-            self._begin(spec, queued_at, row)
+        if spec.in_step:
+            self._start_in_step(spec, queued_at)
             return False
-        if spec.in_step:  # the forward cannot wait for a handshake, nor for a free row
-            self._end(spec)
-            why = "a prefill rank it reads is not linked" if not ready else "no free read row"
-            self._fail(spec, {}, NotReadableInStep(f"cannot read in the step: {why}"))
+        try:
+            peers = self._peers_now(spec, self._peers.linked)
+        except Exception:  # the pool's attempt reports it
+            peers = None
+        row = self._free_row() if peers is not None else None
+        if row is not None:
+            self._begin(spec, queued_at, row, peers)
             return False
         self._pool.submit(self._begin_pooled, spec, queued_at)
         return True
+
+    def _start_in_step(self, spec: RecvSpec, queued_at: float) -> None:
+        """This step's forward needs the KV: reads it now over same-host links, without
+        waiting for a handshake or for an asynchronous read's row."""
+        try:
+            peers = self._peers_now(spec, self._peers.in_place)
+            if peers is None:
+                self._record("in_step_peer_gone")
+                self._links.lost(spec.remote)
+                raise PeerGone(
+                    f"prefill engine {spec.remote.engine_id} has a rank with no same-host link "
+                    "on this rank (restarted or gone since it was linked)"
+                )
+        except Exception as e:
+            self._end(spec)
+            self._fail(spec, {}, e)
+            return
+        assert peers is not None  # the step thread never connects
+        if not self._step_rows:  # this step's earlier in-step reads give theirs back
+            self.settle_in_step()
+        self._begin(spec, queued_at, self._step_rows.pop(), peers)
 
     def settle_in_step(self) -> None:
         """Waits for this step's in-step reads (the forward needs their KV) and ends them,
@@ -137,7 +175,7 @@ class Receiver:
         with self._lock:
             flights = [flight for flight in self._in_flight if flight.spec.in_step]
         for flight in flights:
-            try:  # each pull is bounded by pull_timeout_s; a batch has several
+            try:  # a same-host copy: it waits on memory, never on P
                 flight.handle.wait(None)
             except Exception:  # its failure is reported by collect
                 pass
@@ -180,18 +218,28 @@ class Receiver:
                 error = e
             with self._lock:
                 self._in_flight.remove(flight)
-            self._rows.put(flight.pull.row)
+            self._return_row(flight.pull.row)
             self._end(flight.spec)
             if error is not None:
                 self._fail(flight.spec, flight.peers, error)
                 continue
+            self._read_through(flight)
             landed = flight.handle.finished_at
             self._received(
                 flight.spec, flight.nbytes, landed - flight.started, landed - flight.queued_at
             )
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait_s: float) -> bool:
+        """Stops the pool: queued reads are dropped, threads waiting for a row give up at
+        once, and a handshake under way is waited for up to ``wait_s``; True when every pool
+        thread ended."""
+        self._closing.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + wait_s
+        threads = list(getattr(self._pool, "_threads", ()))
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
 
     def _free_row(self) -> int | None:
         try:
@@ -199,20 +247,39 @@ class Receiver:
         except queue.Empty:
             return None
 
-    def _ready(self, spec: RecvSpec) -> bool:
-        """Whether the read can begin on the step thread: every P rank it reads is linked."""
+    def _return_row(self, row: int) -> None:
+        if row >= IN_FLIGHT_READS:
+            self._step_rows.append(row)
+        else:
+            self._rows.put(row)
+
+    def _peers_now(
+        self, spec: RecvSpec, lookup: Callable[[PeerRank], Peer | None]
+    ) -> dict[int, Peer] | None:
+        """Every P rank the read needs, by ``lookup`` (which never connects); None when one
+        is missing."""
         if spec.error:
-            return True
-        try:
-            plan = self._plans.rank_plan(spec.remote.tp_size)
-            return all(self._peers.is_linked(spec.remote.rank(p)) for p in plan.notify)
-        except Exception:  # the pool's attempt reports it
-            return False
+            return {}
+        plan = self._plans.rank_plan(spec.remote.tp_size)
+        found = {p_rank: lookup(spec.remote.rank(p_rank)) for p_rank in plan.notify}
+        peers = {p_rank: peer for p_rank, peer in found.items() if peer is not None}
+        return peers if len(peers) == len(found) else None
 
     def _begin_pooled(self, spec: RecvSpec, queued_at: float) -> None:
-        self._begin(spec, queued_at, self._rows.get())  # waits while every row is in flight
+        while not self._closing.is_set():  # waits while every row is in flight
+            try:
+                row = self._rows.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._begin(spec, queued_at, row)
+            return
+        self._end(spec)
 
-    def _begin(self, spec: RecvSpec, queued_at: float, row: int) -> None:
+    def _begin(
+        self, spec: RecvSpec, queued_at: float, row: int, linked: dict[int, Peer] | None = None
+    ) -> None:
+        """Hands the read to the engine: with ``linked`` (the step thread) from those peers,
+        else (the pool) from peers it handshakes and links where needed."""
         peers: dict[int, Peer] = {}
         try:
             if spec.error:
@@ -220,16 +287,24 @@ class Receiver:
             self._check_cancelled(spec)
             plan = self._plans.rank_plan(spec.remote.tp_size)
             for p_rank in plan.notify:
-                peers[p_rank] = self._peers.get(spec.remote.rank(p_rank))
-                self._check_block_sizes(peers[p_rank], spec)
+                target = spec.remote.rank(p_rank)
+                peers[p_rank] = linked[p_rank] if linked is not None else self._peers.get(target)
+                check_block_sizes(peers[p_rank], spec, self._block_sizes)
             readers = [peers[p] for p in plan.notify if plan.reads_from(p)]
-            self._check_block_ids(readers, spec)
-            reads = [self._heads(peers[read.p_rank], read, spec) for read in plan.reads]
+            try:
+                check_block_ids(readers, spec)
+            except LeaseError:
+                self._record("refused_pulls")
+                raise
+            reads = [
+                peer_units(peers[read.p_rank], read, spec, self._layout, self._plans)
+                for read in plan.reads
+            ]
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
             pull = self._engine.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
             handle, started = self._submit(spec, pull)
         except Exception as e:
-            self._rows.put(row)
+            self._return_row(row)
             self._end(spec)
             self._fail(spec, peers, e)
             return
@@ -246,6 +321,15 @@ class Receiver:
         self._check_cancelled(spec)
         started = time.monotonic()
         return self._engine.submit(pull.pulls), started
+
+    def _read_through(self, flight: _InFlight) -> None:
+        """Tells the scheduler whether reads from this P engine are in place (link_reports);
+        counts the small ones that load asynchronously because they cross the network."""
+        in_place = all(peer.in_place for peer in flight.peers.values())
+        self._links.read(flight.spec.remote, in_place)
+        small = flight.nbytes <= self._config.load_in_step_bytes
+        if not in_place and not flight.spec.in_step and small:
+            self._record("network_reads_async")
 
     def _vouch(self, flight: _InFlight) -> None:
         """Raises LeaseError unless P's words vouched for the blocks before and after."""
@@ -289,51 +373,6 @@ class Receiver:
             self._finish(spec.request_id, True)
         self._notices.release_later(self._release(spec), "done")
 
-    def _heads(self, peer: Peer, read: HeadRead, spec: RecvSpec) -> Read:
-        """One P rank's heads of the request's blocks, to land straight in their slots here:
-        ids of units, or of slices where P's blocks are smaller."""
-        layout = self._layout
-        ratio = spec.blocks_per_block
-        if ratio == 1:
-            src = unit_ids(
-                spec.remote_block_ids, peer.payload.units_per_block, read.src_head, read.count
-            )
-            dst = unit_ids(spec.local_block_ids, layout.units_per_block, read.dst_head, read.count)
-            return peer.cluster_id, src, dst
-        src, dst = slice_ids(
-            spec.remote_block_ids,
-            spec.local_block_ids,
-            self._plans.slice_runs(peer.payload.block_sizes[0]),
-            ratio,
-            (peer.payload.units_per_block, read.src_head, layout.slices_per_unit // ratio),
-            (layout.units_per_block, read.dst_head, layout.slices_per_unit),
-            read.count,
-        )
-        return peer.cluster_id, src, dst
-
-    def _check_block_ids(self, readers: list[Peer], spec: RecvSpec) -> None:
-        """Block ids beyond a P rank's cache are refused before anything is read (the words
-        would refuse them too, but only after the read failed on them)."""
-        highest = max(spec.remote_block_ids, default=-1)
-        for peer in readers:
-            if highest >= peer.payload.num_blocks:
-                self._record("refused_pulls")
-                raise LeaseError(
-                    f"block id {highest} is beyond the {peer.payload.num_blocks} blocks of "
-                    f"prefill engine {peer.engine_id} rank {peer.payload.tp_rank}"
-                )
-
-    def _check_block_sizes(self, peer: Peer, spec: RecvSpec) -> None:
-        """The block ids of the request were mapped for the block size P registered."""
-        ratio = blocks_per_block(peer.payload.block_sizes, self._block_sizes)
-        if ratio != spec.blocks_per_block:
-            raise UnreadableRequest(
-                f"kv_transfer_params of request {spec.remote_request_id} map "
-                f"{spec.blocks_per_block} prefill blocks to a decode block, but prefill engine "
-                f"{peer.engine_id} has block_size {peer.payload.block_sizes} and this engine "
-                f"{list(self._block_sizes)}"
-            )
-
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
         if isinstance(error, PullCancelled):  # P was told when it was cancelled
             logger.info("hixl: %s", error)
@@ -344,11 +383,12 @@ class Receiver:
         if spec.error or isinstance(error, (TPMismatch, UnreadableRequest)):
             self._record("invalid_requests")  # refused before anything was read
         else:
-            linking = not peers and not isinstance(error, NotReadableInStep)
+            linking = not peers and not isinstance(error, PeerGone)
             self._record("failed_handshakes" if linking else "failed_pulls")
         if peers and self._link_suspect(error):
             for peer in peers.values():
                 self._peers.mark_broken(peer)
+            self._links.lost(spec.remote)
         self._failed(spec)
         if spec.remote.engine_id:
             # Tell P now (on the notice lanes, not this pull thread) so it frees instead of

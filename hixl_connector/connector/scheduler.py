@@ -1,7 +1,8 @@
 """Scheduler half of the connector: pure request bookkeeping in the EngineCore process.
 
 D side (kv_consumer): asks vLLM for the remote tokens, asynchronously or, for a small read
-from a linked P, in the step that computes the first token (in_step_loads); turns each
+that every worker reads in place, in the step that computes the first token (in_step_loads,
+fed by the workers' link_reports); turns each
 allocation into one RecvSpec (or a ReleaseSpec when there is nothing to pull) and lists the
 remote requests that still wait so the worker can renew P's leases.
 P side (kv_producer): keeps a finished prefill's blocks (delay-free), leases them under a
@@ -27,6 +28,7 @@ from hixl_connector.connector.kv_groups import (
     remote_blocks_to_read,
 )
 from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
+from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import (
     UNKNOWN_ENDPOINT,
     HixlConnectorMetadata,
@@ -109,6 +111,7 @@ class HixlScheduler:
             config.load_in_step_bytes,
             one_group_block_bytes(kv_cache_config),
             self._group_block_sizes[0],
+            self._tp_size,
         )
         # P: request_id -> (lease id, slot), until the worker reports it in finished_sending.
         self._leased: dict[str, tuple[int, int]] = {}
@@ -197,7 +200,6 @@ class HixlScheduler:
             self._stop_heartbeat(request_id)
         else:
             self._receiving.add(request_id)
-            self._loads.loading(request_id, prefill.remote)
         self._to_recv.append(
             RecvSpec(
                 request_id=request_id,
@@ -214,11 +216,9 @@ class HixlScheduler:
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._loads.reported(
-            connector_output.finished_recving or (),
-            connector_output.failed_recving or (),
-            bool(connector_output.invalid_block_ids),
-        )
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(report, LinkReport):
+            self._loads.report(report)
         for request_id in connector_output.finished_recving or ():
             self._stop_heartbeat(request_id)
             self._receiving.discard(request_id)

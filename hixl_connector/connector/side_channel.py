@@ -234,22 +234,41 @@ class SideChannelServer:
         return {"ok": True, "seq": seq, **reply}
 
 
+# How often a request waiting for its reply checks whether its owner shuts down.
+STOP_POLL_MS = 50
+
+
 class SideChannelClient:
     """Request/reply to one peer's side channel; thread-safe, every call bounded."""
 
     def __init__(
-        self, context: zmq.Context, host: str, port: int, timeout_s: float, auth_token: str = ""
+        self,
+        context: zmq.Context,
+        host: str,
+        port: int,
+        timeout_s: float,
+        auth_token: str = "",
+        stop: threading.Event | None = None,
     ) -> None:
         self._context = context
+        # Set when the owner shuts down: a request waiting for its reply gives up at once.
+        self._stop = stop or threading.Event()
         self._endpoint = endpoint(host, port)
         self._timeout_ms = max(1, int(timeout_s * 1000))
         self._auth_token = auth_token
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._socket: zmq.Socket | None = None
+        # Closed for good: a request after close raises (a socket made then would belong to
+        # no one, and zmq.Context.term would wait for it forever).
+        self._closed = False
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
+            if self._closed:
+                raise SideChannelError(
+                    f"the client of {self._endpoint} is closed; {message.get('type')!r} not sent"
+                )
             seq = next(self._seq)
             body = {**message, "seq": seq}
             nonce = b""
@@ -260,10 +279,11 @@ class SideChannelClient:
             sock = self._connected()
             sock.send_multipart([b"", _pack(body)])
             while True:
-                if not sock.poll(self._timeout_ms, zmq.POLLIN):
+                if not self._poll(sock):
                     self._reset()  # a late reply must not be taken for the next request's
+                    why = "shutting down" if self._stop.is_set() else "no reply"
                     raise SideChannelError(
-                        f"no reply from {self._endpoint} to {message.get('type')!r} "
+                        f"{why} from {self._endpoint} to {message.get('type')!r} "
                         f"within {self._timeout_ms} ms"
                     )
                 frames = sock.recv_multipart()
@@ -287,7 +307,19 @@ class SideChannelClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._reset()
+
+    def _poll(self, sock: zmq.Socket) -> bool:
+        """Waits for a reply up to the timeout, in slices so that ``stop`` ends the wait."""
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while not self._stop.is_set():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return False
+            if sock.poll(min(left_ms, STOP_POLL_MS), zmq.POLLIN):
+                return True
+        return False
 
     def _authentic(self, reply: dict[str, Any], nonce: bytes) -> bool:
         auth = reply.get("auth")

@@ -3,8 +3,9 @@
 D: every RecvSpec becomes one batch on the engine's transfer threads (`receiver.Receiver`),
 so vLLM's forward pass never waits on a transfer; `get_transfer_results` collects the finished
 ones on the step thread. Every rank reports its results there. The exception is a read in the
-step (in_step_loads): small, from a linked P, it lands before the forward that needs it, and a
-failure is reported as its blocks (`take_load_errors`).
+step (in_step_loads): small, from a P this worker reads in place (a same-host copy, which
+waits on no peer; `take_link_report` tells the scheduler which), it lands before the forward
+that needs it, and a failure is reported as its blocks (`take_load_errors`).
 P: a side-channel server answers handshakes, and `lease_server.LeaseServer` turns D's
 "done"/"release" notices and lease expiry into `finished_sending`, so vLLM frees the blocks
 exactly once.
@@ -30,6 +31,7 @@ from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.lease_client import LeaseClient
 from hixl_connector.connector.lease_server import LeaseServer
 from hixl_connector.connector.lease_words import LeaseWords, words_path
+from hixl_connector.connector.link_reports import LinkReport, LinkReporter
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.peers import PeerRegistry
 from hixl_connector.connector.rank_addresses import rank_address
@@ -45,6 +47,9 @@ logger = logging.getLogger(__name__)
 # for. Such an idle step waits up to this long for a transfer to finish (a finished pull or
 # lease wakes it at once), so a new request waits at most this long to be scheduled.
 IDLE_STEP_WAIT_S = 0.002
+# Shutdown waits this long for a handshake under way on the pool, then for the side-channel
+# sockets to close; a worker under load returns within a few seconds whatever its peers do.
+SHUTDOWN_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class HixlWorker:
         self._wake = threading.Event()  # a pull ended or a lease may have finished
         self._idle_step = False
         self._stats = HixlKVConnectorStats()
+        self._links = LinkReporter(self._tp_rank)
         self._context = zmq.Context()
         self._stats_lock = threading.Lock()  # pool threads record while vLLM collects
         self._engine: Engine | None = None
@@ -131,7 +137,12 @@ class HixlWorker:
         self._engine, self._layout = engine, layout
         self._payload = self._handshake_payload(layout, engine.listen_port)
         self._peers = PeerRegistry(
-            engine.api, engine.datadist, self._context, self._payload, self._config
+            engine.api,
+            engine.datadist,
+            self._context,
+            self._payload,
+            self._config,
+            engine.reads_in_place,
         )
         plans = ReadPlans(
             self._payload.compatibility, (self._tp_rank, self._tp_size), self._probe_slices
@@ -152,6 +163,7 @@ class HixlWorker:
             plans,
             self._peers,
             self._notices,
+            self._links,
             self._tp_rank,
             self._record,
             self._record_pull,
@@ -264,6 +276,10 @@ class HixlWorker:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_link_report(self) -> LinkReport | None:
+        """What this rank learned of its links since the last step, for the scheduler."""
+        return self._links.take()
+
     def get_stats(self) -> HixlKVConnectorStats | None:
         with self._stats_lock:
             if self._stats.is_empty():
@@ -303,8 +319,10 @@ class HixlWorker:
         )
 
     def shutdown(self) -> None:
-        if self._receiver is not None:
-            self._receiver.shutdown()
+        if self._peers is not None:
+            self._peers.stop()  # handshakes and notices under way give up at once
+        if self._receiver is not None and not self._receiver.shutdown(SHUTDOWN_WAIT_S):
+            logger.warning("hixl: a handshake still under way at shutdown is abandoned")
         if self._notices is not None:
             self._notices.shutdown()
         if self._server is not None:
@@ -316,7 +334,11 @@ class HixlWorker:
             self._engine = None
         if self._words is not None:
             self._words.unlink()  # normally gone already: the scheduler unlinks it
-        self._context.term()
+        # A socket a thread still holds (an abandoned handshake) would make term() wait for
+        # it: term in the background, and go on after a bound.
+        term = threading.Thread(target=self._context.term, name="hixl-zmq-term", daemon=True)
+        term.start()
+        term.join(SHUTDOWN_WAIT_S)
 
     # -- P side handlers (side-channel thread) ------------------------------------------
 

@@ -26,6 +26,10 @@ def _device_zero(tensor: Any) -> int:
     return 0
 
 
+def _never_in_place(datadist: Any, remote_cluster_id: int) -> bool:
+    return False
+
+
 # Where a method below has "/" and "*", the connector passes what precedes "/" by position
 # and what follows "*" by name, and mypy compares the latter's names with an implementation's
 # (it ignores the names of parameters that may be passed either way).
@@ -93,10 +97,22 @@ class BackendProfile:
     check_device_alignment: Callable[[list[int], str], None] = _no_alignment_rule
     # (num_tensors of a cache) -> most block pairs per pull_blocks call; None: no limit.
     max_pairs_per_pull: Callable[[int], int] | None = None
+    # (LLMDataDist, linked peer's cluster id) -> whether a read from that peer is a one-sided
+    # copy out of this host's memory, which ends whatever the peer does (stopped: it
+    # completes; dead: it fails at once). A network read waits on the peer.
+    reads_in_place: Callable[[Any, int], bool] = _never_in_place
+
+
+def _cma_link(datadist: Any, remote_cluster_id: int) -> bool:
+    return bool(datadist.peer_transport(remote_cluster_id) == "cma")
 
 
 NATIVE_PROFILE = BackendProfile(
-    name="native", device_memory=False, transfer_backend="", native_options=True
+    name="native",
+    device_memory=False,
+    transfer_backend="",
+    native_options=True,
+    reads_in_place=_cma_link,
 )
 
 

@@ -33,6 +33,8 @@ from hixl_connector.tools.demo.servers import (
     vllm_server_argv,
 )
 
+from .netns import NetnsPair
+
 HEALTH_TIMEOUT_S = 300.0
 MAX_TOKENS = 16
 
@@ -330,3 +332,19 @@ __all__ = [
     "wait_for",
     "wait_idle",
 ]
+
+
+def in_namespaces(
+    model_dir: Path, log_dir: Path, configs: dict[str, dict[str, Any]], net: NetnsPair
+) -> Servers:
+    """P and D servers each in its own namespace of ``net``: side channel and engine on the
+    data link's addresses, HTTP on the management links."""
+    for role, ip in (("prefill", net.p_ip), ("decode", net.d_ip)):
+        configs[role]["kv_connector_extra_config"].update(side_channel_host=ip, engine_host=ip)
+    return Servers(
+        model_dir,
+        log_dir,
+        configs,
+        wrap={"prefill": net.exec_prefix(net.ns_p), "decode": net.exec_prefix(net.ns_d)},
+        http_hosts={"prefill": net.p_http, "decode": net.d_http},
+    )

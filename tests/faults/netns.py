@@ -19,6 +19,7 @@ import subprocess
 from dataclasses import dataclass
 
 LOSS_TABLE = "hixl_loss"  # nftables table of the random-loss rule, inside the test's namespaces
+HOLE_TABLE = "hixl_hole"  # nftables table that black-holes one of P's ports
 
 
 class NetnsUnavailable(RuntimeError):
@@ -142,6 +143,23 @@ class NetnsPair:
                     if word == marker:
                         total += int(after.rstrip(","))
         return total
+
+    def black_hole(self, port: int) -> None:
+        """Drops every packet to and from P's ``port`` in P's namespace, silently (no reset):
+        a peer whose data path went silent while its other ports keep answering."""
+        ns = self.ns_p
+        self.in_ns(ns, "nft", "add", "table", "inet", HOLE_TABLE)
+        for chain, hook, match in (("in", "input", "dport"), ("out", "output", "sport")):
+            self.in_ns(ns, "nft", "add", "chain", "inet", HOLE_TABLE, chain,
+                       f"{{ type filter hook {hook} priority 0; policy accept; }}")  # fmt: skip
+            self.in_ns(ns, "nft", "add", "rule", "inet", HOLE_TABLE, chain,
+                       "tcp", match, str(port), "counter", "drop")  # fmt: skip
+
+    def clear_black_hole(self) -> None:
+        subprocess.run(
+            [*self.exec_prefix(self.ns_p), "nft", "delete", "table", "inet", HOLE_TABLE],
+            capture_output=True, timeout=20,
+        )  # fmt: skip
 
     def restore(self) -> None:
         for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):

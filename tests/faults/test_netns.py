@@ -28,6 +28,7 @@ from .deployments import (
 from .fault_harness import (
     FaultReport,
     Servers,
+    in_namespaces,
     leftover,
     plain,
     prefill_leg,
@@ -36,36 +37,15 @@ from .fault_harness import (
     wait_for,
     wait_idle,
 )
-from .netns import NetnsPair, NetnsUnavailable, make_pair
+from .netns import NetnsPair
 
 MARGIN_S = 3.0
 IDLE_TIMEOUT_S = LEASE_S + 10.0
 
 
 @pytest.fixture(scope="module")
-def net() -> Iterator[NetnsPair]:
-    try:
-        pair = make_pair()
-    except NetnsUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield pair
-    finally:
-        pair.remove()
-
-
-@pytest.fixture(scope="module")
 def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
-    configs = short_lease_pair("tcp")
-    for role, ip in (("prefill", net.p_ip), ("decode", net.d_ip)):
-        configs[role]["kv_connector_extra_config"].update(side_channel_host=ip, engine_host=ip)
-    servers = Servers(
-        model_dir,
-        log_dir / "netns",
-        configs,
-        wrap={"prefill": net.exec_prefix(net.ns_p), "decode": net.exec_prefix(net.ns_d)},
-        http_hosts={"prefill": net.p_http, "decode": net.d_http},
-    )
+    servers = in_namespaces(model_dir, log_dir / "netns", short_lease_pair("tcp"), net)
     try:
         servers.start("prefill", "decode")
         yield servers

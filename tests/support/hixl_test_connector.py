@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hixl_connector.connector.engine_setup import GuardedPull
 from hixl_connector.connector.facade import HixlConnector
-from hixl_connector.connector.metadata import RecvSpec
+from hixl_connector.connector.metadata import PeerRank, RecvSpec
+from hixl_connector.connector.peers import Peer
 from hixl_connector.connector.receiver import Receiver
 
 CONTROLS = ("test_corrupt_received_kv", "test_pull_delay_s")
@@ -40,9 +42,11 @@ class ControlledReceiver(Receiver):
     corrupt = False
     delay_s = 0.0
 
-    def _ready(self, spec: RecvSpec) -> bool:
+    def _peers_now(
+        self, spec: RecvSpec, lookup: Callable[[PeerRank], Peer | None]
+    ) -> dict[int, Peer] | None:
         # A delayed read waits on the pool, never on the step thread.
-        return not self.delay_s and super()._ready(spec)
+        return None if self.delay_s else super()._peers_now(spec, lookup)
 
     def _submit(self, spec: RecvSpec, pull: GuardedPull) -> tuple[Any, float]:
         if not self.delay_s:

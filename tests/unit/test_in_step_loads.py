@@ -24,7 +24,8 @@ from vllm_harness import (
     step,
 )
 
-from hixl_connector.connector.in_step_loads import MAX_LINKED_ENGINES, InStepLoads
+from hixl_connector.connector.in_step_loads import InStepLoads
+from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport, LinkReporter
 from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
@@ -60,13 +61,18 @@ def finish_step(scheduler: Scheduler, output: SchedulerOutput, **worker: object)
     return dict(output.num_scheduled_tokens)
 
 
+def in_place(remote: RemoteEndpoint = PREFILL, ok: bool = True, rank: int = 0) -> LinkReport:
+    """A worker's report: rank ``rank`` reads ``remote`` in place (or no longer does)."""
+    return LinkReport({rank: {remote: ok}})
+
+
 def warm(scheduler: Scheduler) -> None:
-    """A first, asynchronous read from PREFILL succeeds: PREFILL counts as linked."""
+    """A first, asynchronous read from PREFILL succeeds over a same-host link."""
     spec, output = admit(scheduler, "first", 2, seed=9)
     assert not spec.in_step
     finish_step(scheduler, output)
-    step(scheduler, finished_recving={"first"})
-    assert hixl(scheduler)._loads.linked_engines() == 1
+    step(scheduler, finished_recving={"first"}, link_report=in_place())
+    assert hixl(scheduler)._loads.in_place_engines() == 1
 
 
 def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the_step(
@@ -77,7 +83,7 @@ def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the
     assert not first.in_step
     assert scheduler.requests["first"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert finish_step(scheduler, output) == {}
-    step(scheduler, finished_recving={"first"})
+    step(scheduler, finished_recving={"first"}, link_report=in_place())
 
     spec, output = admit(scheduler, "small", SMALL_BLOCKS, seed=2)
     assert spec.in_step
@@ -96,9 +102,18 @@ def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the
     assert scheduler.requests["large"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
-def test_an_in_step_failure_recomputes_and_turns_every_engine_asynchronous(
-    tiny_model_dir: Path,
-) -> None:
+def test_reads_over_the_network_never_go_in_the_step(tiny_model_dir: Path) -> None:
+    """A worker whose read from P crossed the network reports it not in place: small reads
+    stay asynchronous, so that no step of D waits on a peer."""
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=EXTRA)
+    first, output = admit(scheduler, "first", 2, seed=1)
+    finish_step(scheduler, output)
+    step(scheduler, finished_recving={"first"}, link_report=in_place(ok=False))
+    assert hixl(scheduler)._loads.in_place_engines() == 0
+    assert not admit(scheduler, "small", 1, seed=2)[0].in_step
+
+
+def test_an_in_step_failure_recomputes(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute", extra=EXTRA)
     warm(scheduler)
     spec, output = admit(scheduler, "bad", 2, seed=4)
@@ -108,23 +123,17 @@ def test_an_in_step_failure_recomputes_and_turns_every_engine_asynchronous(
     # vLLM dropped the token sampled on missing KV and recomputes the prompt itself.
     assert request.num_output_tokens == 0
     assert request.num_computed_tokens == 0
-    assert hixl(scheduler)._loads.linked_engines() == 0
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens["bad"] == request.num_prompt_tokens
-    assert not admit(scheduler, "next", 2, seed=5)[0].in_step
 
 
-def test_a_failed_asynchronous_read_unlinks_its_engine(tiny_model_dir: Path) -> None:
+def test_a_lost_link_turns_its_engine_asynchronous(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute", extra=EXTRA)
     warm(scheduler)
-    spec, output = admit(scheduler, "in-step", 2, seed=6)
-    assert spec.in_step
-    finish_step(scheduler, output)
-    large, output = admit(scheduler, "large", SMALL_BLOCKS + 2, seed=7)
-    assert not large.in_step
-    finish_step(scheduler, output)
-    step(scheduler, failed_recving={"large"})
-    assert hixl(scheduler)._loads.linked_engines() == 0
+    other = RemoteEndpoint("other-engine", "10.0.0.9", 7200, 1, 16384)
+    step(scheduler, link_report=in_place(other))
+    step(scheduler, link_report=in_place(ok=False))
+    assert hixl(scheduler)._loads.in_place_engines() == 1  # the other engine's link stands
     assert not admit(scheduler, "after", 2, seed=8)[0].in_step
 
 
@@ -142,43 +151,61 @@ def test_off_with_zero_bytes(tiny_model_dir: Path) -> None:
 
 
 @given(
-    linked=st.booleans(),
+    reports=st.lists(st.tuples(st.integers(0, 2), st.booleans()), max_size=8),
     num_computed=st.integers(0, 8).map(lambda b: b * 16),
     extra_tokens=st.integers(0, 200),
     limit_blocks=st.integers(0, 10),
 )
-def test_wanted_exactly_for_small_reads_from_linked_engines(
-    linked: bool, num_computed: int, extra_tokens: int, limit_blocks: int
+def test_wanted_exactly_for_small_reads_every_rank_reads_in_place(
+    reports: list[tuple[int, bool]], num_computed: int, extra_tokens: int, limit_blocks: int
 ) -> None:
-    loads = InStepLoads(limit_blocks * 100, block_bytes=100, block_size=16)
-    if linked:
-        loads.loading("r", PREFILL)
-        loads.reported(["r"], [], in_step_failed=False)
+    loads = InStepLoads(limit_blocks * 100, block_bytes=100, block_size=16, ranks=3)
+    ranks: set[int] = set()
+    for rank, ok in reports:  # one rank's report per step, in order: the last one holds
+        loads.report(in_place(ok=ok, rank=rank))
+        (ranks.add if ok else ranks.discard)(rank)
     num_tokens = num_computed + extra_tokens
     blocks = -(-num_tokens // 16) - num_computed // 16
-    expected = linked and extra_tokens >= 2 and blocks <= limit_blocks
+    expected = len(ranks) == 3 and extra_tokens >= 2 and blocks <= limit_blocks
     assert loads.wanted(PREFILL, num_computed, num_tokens) == expected
 
 
+def test_aggregated_reports_of_every_rank_make_an_engine_in_place() -> None:
+    """vLLM aggregates the TP ranks' reports of a step into one (LinkReport.aggregate)."""
+    loads = InStepLoads(1 << 20, block_bytes=1, block_size=16, ranks=2)
+    loads.report(in_place(rank=0))
+    assert not loads.wanted(PREFILL, 0, 32)
+    loads.report(in_place(rank=1).aggregate(in_place(PREFILL, ok=False, rank=0)))
+    assert not loads.wanted(PREFILL, 0, 32)
+    loads.report(in_place(rank=0).aggregate(LinkReport()))
+    assert loads.wanted(PREFILL, 0, 32)
+
+
+def test_reporter_sends_changes_only() -> None:
+    reporter = LinkReporter(rank=1)
+    assert reporter.take() is None
+    reporter.read(PREFILL, True)
+    reporter.read(PREFILL, True)
+    assert reporter.take() == in_place(rank=1)
+    reporter.read(PREFILL, True)
+    assert reporter.take() is None  # nothing changed
+    reporter.lost(PREFILL)
+    reporter.read(PREFILL, True)  # in one step: the last word holds, and it is no change
+    assert reporter.take() == LinkReport({1: {PREFILL: True}})
+
+
 def test_unknown_block_bytes_never_read_in_the_step() -> None:
-    loads = InStepLoads(1 << 20, block_bytes=0, block_size=16)
-    loads.loading("r", PREFILL)
-    loads.reported(["r"], [], in_step_failed=False)
+    loads = InStepLoads(1 << 20, block_bytes=0, block_size=16, ranks=1)
+    loads.report(in_place())
     assert not loads.wanted(PREFILL, 0, 32)
 
 
-def test_linked_engines_are_bounded_and_requests_forgotten() -> None:
-    loads = InStepLoads(1 << 20, block_bytes=1, block_size=16)
-    for i in range(MAX_LINKED_ENGINES + 10):
-        remote = RemoteEndpoint(f"p{i}", "10.0.0.1", 7000, 1, 0)
-        loads.loading(f"r{i}", remote)
-        loads.reported([f"r{i}"], [], in_step_failed=False)
-    assert loads.linked_engines() == MAX_LINKED_ENGINES
+def test_in_place_engines_are_bounded() -> None:
+    loads = InStepLoads(1 << 20, block_bytes=1, block_size=16, ranks=1)
+    for i in range(MAX_REPORTED_ENGINES + 10):
+        loads.report(in_place(RemoteEndpoint(f"p{i}", "10.0.0.1", 7000, 1, 0)))
+    assert loads.in_place_engines() == MAX_REPORTED_ENGINES
     assert not loads.wanted(RemoteEndpoint("p0", "10.0.0.1", 7000, 1, 0), 0, 32)  # oldest
-    loads.loading("gone", PREFILL)
-    loads.forget("gone")
-    loads.reported(["gone"], [], in_step_failed=False)  # aborted first: links nothing
-    assert not loads.wanted(PREFILL, 0, 32)
 
 
 def test_an_in_step_read_after_a_prefix_hit_reads_only_the_suffix(tiny_model_dir: Path) -> None:

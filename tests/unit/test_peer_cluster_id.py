@@ -89,7 +89,7 @@ def test_params_must_name_the_cluster_id_the_handshake_announces(
     datadist = LinkRecorder()
     api: Any = SimpleNamespace(LLMClusterInfo=LLMClusterInfo, LLMStatusCode=LLMStatusCode)
     config = HixlConfig.from_dict({"handshake_timeout_s": 2.0}, "decode")
-    peers = PeerRegistry(api, datadist, context, payload("decode", 0, 1), config)
+    peers = PeerRegistry(api, datadist, context, payload("decode", 0, 1), config, lambda _: False)
     # P's rank 0 listens one port below: D finds rank 1 at remote_port + 1.
     remote = RemoteEndpoint("prefill", "127.0.0.1", prefill_rank_one - 1, 2, remote_cluster_id)
     try:

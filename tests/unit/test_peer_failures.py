@@ -48,7 +48,7 @@ def registry(context: zmq.Context) -> PeerRegistry:
         block_sizes=[16],
         slice_bytes=0,
     )
-    return PeerRegistry(None, None, context, local, config)
+    return PeerRegistry(None, None, context, local, config, lambda _: False)
 
 
 def test_requests_queued_behind_a_dead_peer_all_end_within_one_timeout(

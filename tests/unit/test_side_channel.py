@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,25 @@ def test_request_reply_and_handler_errors(context: zmq.Context) -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_a_closed_client_raises_and_opens_no_socket(context: zmq.Context) -> None:
+    """A client someone closed (a peer replaced while a lane held it) sends nothing again;
+    before, it made a socket no one owned, and Context.term() then waited forever."""
+    server = _serve(context)
+    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    try:
+        assert client.request({"type": "echo", "value": 1})["echo"] == 1
+        client.close()
+        with pytest.raises(SideChannelError, match="is closed; 'echo' not sent"):
+            client.request({"type": "echo", "value": 2})
+        assert client._socket is None
+    finally:
+        server.close()
+    ended = threading.Thread(target=context.term, daemon=True)
+    ended.start()
+    ended.join(5.0)
+    assert not ended.is_alive(), "zmq.Context.term() waits for a socket no one closes"
 
 
 def test_timeout_is_bounded_and_client_recovers(context: zmq.Context) -> None:

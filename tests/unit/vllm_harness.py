@@ -30,6 +30,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from hixl_connector.connector.facade import HixlConnector
 from hixl_connector.connector.lease_words import LeaseWords, words_path
+from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler import HixlScheduler
 
@@ -168,6 +169,7 @@ def runner_output(
     finished_recving: set[str] | None = None,
     failed_recving: set[str] | None = None,
     invalid_block_ids: set[int] | None = None,
+    link_report: LinkReport | None = None,
     token_id: int = 5,
 ) -> ModelRunnerOutput:
     """What the worker returns for ``output``: one sampled token per scheduled request."""
@@ -177,6 +179,7 @@ def runner_output(
         finished_recving=(finished_recving or set()) | (failed_recving or set()),
         failed_recving=failed_recving or set(),
         invalid_block_ids=invalid_block_ids or set(),
+        kv_connector_worker_meta=link_report,  # type: ignore[arg-type]  # registered ABC
     )
     return ModelRunnerOutput(
         req_ids=req_ids,

@@ -1,0 +1,243 @@
+"""A silent or stopped P never stalls D: P and D each in their own network namespace, TCP
+transport, D's reads otherwise as configured by default (small ones in the step where that
+is safe), while D streams a request of its own (the bystander).
+
+Each case asserts the bystander's largest gap between two tokens (the step thread never
+waits on a peer), how and when the stuck request ended, that the next request after the
+fault cleared is token-identical to a plain run, and that nothing is left leased or held.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hixl_connector.tools.demo.client import RequestFailed, post_sse
+from hixl_connector.tools.demo.processes import free_port
+
+from .deployments import (
+    AUTH_TOKEN,
+    HANDSHAKE_TIMEOUT_S,
+    HEARTBEAT_S,
+    LEASE_S,
+    PULL_TIMEOUT_S,
+    connector_config,
+)
+from .fault_harness import (
+    SERVED_MODEL_NAME,
+    FaultReport,
+    LegResult,
+    Servers,
+    both_idle,
+    hixl_counter,
+    in_namespaces,
+    plain,
+    prefill_leg,
+    run_decode,
+    token_prompt,
+    two_legs_identical,
+    wait_for,
+)
+from .netns import NetnsPair
+
+# The issue's bound on a bystander's inter-token gap under any single-peer fault; a healthy
+# step here takes a few ms.
+MAX_GAP_S = 0.1
+IDLE_TIMEOUT_S = LEASE_S + 10.0
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
+    common = {
+        "transport": "tcp",
+        "lease_s": LEASE_S,
+        "heartbeat_s": HEARTBEAT_S,
+        "pull_timeout_s": PULL_TIMEOUT_S,
+        "handshake_timeout_s": HANDSHAKE_TIMEOUT_S,
+        "auth_token": AUTH_TOKEN,
+    }
+    configs = {
+        "prefill": connector_config("prefill", **common, engine_port=free_port()),
+        "decode": connector_config("decode", **common),
+    }
+    servers = in_namespaces(model_dir, log_dir / "netns_isolation", configs, net)
+    try:
+        servers.start("prefill", "decode")
+        for seed in range(3):  # linked, and reads from P proven
+            two_legs_identical(servers, seed)
+        yield servers
+    finally:
+        servers.stop_all()
+
+
+class Bystander:
+    """Streams D's own requests (no P involved), one after another, until stopped; keeps the
+    largest gap between two tokens of one stream, and when streaming began and ended."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._stop = threading.Event()
+        self.largest_gap_s = 0.0
+        self.tokens = 0
+        self._thread = threading.Thread(target=self._run, name="bystander", daemon=True)
+        self.error: str | None = None
+
+    def __enter__(self) -> Bystander:
+        self._thread.start()
+        wait_for(lambda: self.tokens > 20 or self.error is not None, 30.0, "bystander tokens")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60.0)
+        assert not self._thread.is_alive(), "the bystander stream did not end"
+
+    def _run(self) -> None:
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": token_prompt(16, seed=999),
+            "max_tokens": 200,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        try:
+            while not self._stop.is_set():
+                last = None
+                for _ in post_sse(f"{self._url}/v1/completions", body, timeout_s=60.0):
+                    now = time.monotonic()
+                    if last is not None:
+                        self.largest_gap_s = max(self.largest_gap_s, now - last)
+                    last = now
+                    self.tokens += 1
+        except RequestFailed as e:
+            self.error = str(e)
+
+
+def stuck_request(pd: Servers, seed: int, fault: object) -> tuple[LegResult, float]:
+    """P's leg, then ``fault()``, then D's leg while the bystander streams; returns D's leg
+    and how long it took."""
+    prompt = token_prompt(150, seed)
+    params = prefill_leg(pd["prefill"], prompt)
+    assert callable(fault)
+    fault()
+    began = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(run_decode, pd["decode"], prompt, params, 60.0).result(120.0)
+    return result, result.finished_at - began
+
+
+def timed_out_in_isolation(bystander: Bystander, result: LegResult, took: float) -> None:
+    """D kept decoding its own stream while the stuck read timed out asynchronously."""
+    assert bystander.error is None, bystander.error
+    assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
+    assert result.failed, "a read from a silent P must not succeed"
+    assert took <= PULL_TIMEOUT_S + 1.0, f"the stuck request took {took:.2f} s"
+
+
+def recovered(pd: Servers, seed: int) -> float:
+    """Seconds until a request after the fault is token-identical to a plain run."""
+    began = time.monotonic()
+    two_legs_identical(pd, seed)
+    return time.monotonic() - began
+
+
+def test_black_holed_data_path(pd: Servers, net: NetnsPair, fault_report: FaultReport) -> None:
+    """Every packet to and from P's engine port is dropped; its side channel still answers.
+    D's read of the stuck request times out asynchronously; no step of D waits for it."""
+    engine_port = pd.config("prefill")["engine_port"]
+    # Small reads from P, which D would read in the step over a same-host link, were loaded
+    # asynchronously: they cross the network.
+    assert hixl_counter(pd["decode"], "network_reads_async") >= 1
+    assert hixl_counter(pd["decode"], "in_step_loads") == 0
+    try:
+        with Bystander(pd["decode"].url) as bystander:
+            result, took = stuck_request(pd, 10, lambda: net.black_hole(engine_port))
+    finally:
+        net.clear_black_hole()
+    timed_out_in_isolation(bystander, result, took)
+    back = recovered(pd, 11)
+    fault_report.record(
+        "netns + TCP: P's data path black-holed (side channel up), D streaming",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the stuck "
+        f"read fails after pull_timeout_s, asynchronously; next request identical "
+        f"after {back:.1f} s",
+        took,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )
+
+
+def test_black_holed_side_channel(pd: Servers, net: NetnsPair, fault_report: FaultReport) -> None:
+    """P's side channel goes silent after its leg: D reads the blocks over the data path as
+    usual; its "done" never arrives, so P frees at lease expiry."""
+    side_port = pd.config("prefill")["side_channel_port"]
+    try:
+        with Bystander(pd["decode"].url) as bystander:
+            prompt = token_prompt(150, seed=20)
+            expected = plain(pd["prefill"], prompt)
+            result, took = stuck_request(pd, 20, lambda: net.black_hole(side_port))
+        assert result.tokens == expected, result.error
+        wait_for(
+            lambda: hixl_counter(pd["prefill"], "expired_leases") >= 1,
+            LEASE_S + 10.0,
+            "P's lease expiry",
+        )
+    finally:
+        net.clear_black_hole()
+    assert bystander.error is None, bystander.error
+    assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
+    back = recovered(pd, 21)
+    fault_report.record(
+        "netns + TCP: P's side channel black-holed, D streaming",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the read "
+        f"succeeds, token-identical; P frees at lease expiry; next request identical "
+        f"after {back:.1f} s",
+        took,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )
+
+
+def test_stopped_prefill(pd: Servers, fault_report: FaultReport) -> None:
+    """P is frozen (SIGSTOP) after its leg: its kernel still takes D's packets, nothing
+    answers. D's read times out asynchronously; P resumes and serves the next request."""
+    try:
+        with Bystander(pd["decode"].url) as bystander:
+            result, took = stuck_request(pd, 30, lambda: pd.kill("prefill", signal.SIGSTOP))
+    finally:
+        pd.kill("prefill", signal.SIGCONT)
+    timed_out_in_isolation(bystander, result, took)
+    back = recovered(pd, 31)
+    fault_report.record(
+        "netns + TCP: P stopped (SIGSTOP) before D's read, D streaming",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the stuck "
+        f"read fails after pull_timeout_s, asynchronously; P resumed, next request "
+        f"identical after {back:.1f} s",
+        took,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )
+
+
+def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
+    """P is killed and started again at the same addresses (a new engine id) while D
+    streams: D's first request after the restart handshakes and links on D's pool, and no
+    step of D waits for that."""
+    with Bystander(pd["decode"].url) as bystander:
+        pd.kill("prefill")
+        pd.wait_gone("prefill")
+        pd.restart("prefill")
+        back = recovered(pd, 41)
+    assert bystander.error is None, bystander.error
+    assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
+    fault_report.record(
+        "netns + TCP: P killed and restarted at the same address (new engine id), D streaming",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the first "
+        "request after the restart links the new P on D's pool, token-identical",
+        back,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )

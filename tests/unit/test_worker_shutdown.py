@@ -1,0 +1,85 @@
+"""A real decode HixlWorker (native engine, real sockets) shuts down within a bound under load:
+reads queued behind handshakes with silent peers (listening sockets that never answer), with
+a handshake timeout far longer than the bound.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hixl_connector.tools.demo.processes import free_port
+
+STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
+sys.path.insert(0, str(STANDIN_DIR))
+from worker_harness import kv_caches, tp_group, vllm_config  # noqa: E402
+
+sys.path.remove(str(STANDIN_DIR))
+
+HANDSHAKE_TIMEOUT_S = 30.0  # far beyond the bound: shutdown must not wait it out
+SHUTDOWN_BOUND_S = 5.0
+SILENT_PEERS = 4
+READS = 100  # more than the 64 rows of reads in flight
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def hixl_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hixl")]
+
+
+@pytest.fixture
+def silent_peers() -> Iterator[list[int]]:
+    """Side channels that take the connection and never answer (the kernel's backlog)."""
+    sockets = [socket.socket() for _ in range(SILENT_PEERS)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+    try:
+        yield [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_shutdown_under_load_is_bounded_and_leaves_nothing(
+    tiny_model_dir: Path, silent_peers: list[int]
+) -> None:
+    from hixl_connector.connector.config import HixlConfig
+    from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
+    from hixl_connector.connector.worker import HixlWorker
+
+    extra = {"backend": "native", "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
+    config = vllm_config(tiny_model_dir, "kv_consumer", "d-shutdown", extra)
+    with tp_group(config, free_port()):
+        fds, threads = open_fds(), hixl_threads()
+        worker: Any = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-shutdown")
+        worker.register_kv_caches(dict(kv_caches(fill=False)))
+        recvs = []
+        for i in range(READS):
+            port = silent_peers[i % SILENT_PEERS]
+            remote = RemoteEndpoint(f"silent-{port}", "127.0.0.1", port, 1, 7000 + i % 4)
+            recvs.append(RecvSpec(f"d-{i}", f"p-{i}", i, remote, (i % 8,), (i % 8,)))
+        beats = [(spec.remote, spec.remote_request_id, spec.lease_id) for spec in recvs]
+        worker.start_load_kv(HixlConnectorMetadata(to_recv=recvs, heartbeats=beats))
+        time.sleep(0.5)  # handshakes under way, the rest queued behind them
+        began = time.monotonic()
+        worker.shutdown()
+        took = time.monotonic() - began
+        assert took < SHUTDOWN_BOUND_S, f"shutdown took {took:.1f} s"
+        # What a handshake under way held ends with it, within the stop poll.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and (hixl_threads() != threads or open_fds() > fds):
+            time.sleep(0.05)
+        assert hixl_threads() == threads
+        assert open_fds() <= fds, f"{open_fds() - fds} descriptors left open"
