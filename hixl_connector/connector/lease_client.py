@@ -232,7 +232,7 @@ def _take_batch(queue: deque[Outgoing]) -> list[Outgoing]:
     return batch
 
 
-PeerKey = tuple[str, str, int]  # (engine_id, side-channel host, port of the rank)
+PeerKey = tuple[str, int, str, int]  # PeerRank.key: engine id, incarnation, host, port
 LeaseKey = tuple[PeerKey, str, int]  # (peer, P's request id, lease id)
 
 

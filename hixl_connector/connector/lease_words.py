@@ -8,13 +8,17 @@ lease is valid by the time D can name it. A rank's worker clears its word when i
 frees the blocks only after the word stopped vouching for them. The scheduler frees the slot
 once every rank reported it.
 
-The word is not the lease id itself but a hash of it and of the leased block ids
-(``lease_word``), so a D whose ``kv_transfer_params`` name other blocks (forged, or mixed up)
-finds no match and reads nothing. D reads the word, the blocks, then the word again (a
-seqlock): both equal to its own means the blocks were leased to it for the whole read (P
-clears a word before reuse and never issues a lease id twice). Each rank's words are a file
-in /dev/shm mapped by the worker (which registers it with the engine, for D to read) and by
-the scheduler; stdlib only.
+The word is not the lease id itself but a hash of it, of the leased block ids and of P's
+incarnation (``lease_word``), so a D whose ``kv_transfer_params`` name other blocks (forged, or
+mixed up), or come from an earlier start of P at the same address, finds no match and reads
+nothing. The incarnation is a random nonce P's scheduler draws at each start and writes after
+the last slot of every rank's words, where the workers read it for their handshake; that word
+is not registered with the engine, so D cannot read it.
+
+D reads the word, the blocks, then the word again (a seqlock): both equal to its own means the
+blocks were leased to it for the whole read (P clears a word before reuse and never issues a
+lease id twice in one start). Each rank's words are a file in /dev/shm mapped by the worker
+(which registers it with the engine, for D to read) and by the scheduler; stdlib only.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ CLEARED = 0
 SHM_DIR = Path("/dev/shm")
 
 
-def lease_word(lease_id: int, block_ids: Sequence[Sequence[int]]) -> int:
-    """The word P publishes for a lease of these blocks (one list per KV-cache group); never
-    CLEARED."""
-    canonical = json.dumps([lease_id, [list(group) for group in block_ids]], separators=(",", ":"))
+def lease_word(lease_id: int, block_ids: Sequence[Sequence[int]], incarnation: int) -> int:
+    """The word P's start ``incarnation`` publishes for a lease of these blocks (one list per
+    KV-cache group); never CLEARED."""
+    groups = [list(group) for group in block_ids]
+    canonical = json.dumps([lease_id, groups, incarnation], separators=(",", ":"))
     digest = hashlib.blake2b(canonical.encode(), digest_size=WORD_BYTES).digest()
     return int.from_bytes(digest, "little") or 1
 
@@ -47,17 +52,17 @@ def words_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
 
 
 class LeaseWords:
-    """A mapped array of lease words. The worker ``create``s (and finally ``unlink``s) it;
-    the scheduler ``open``s it."""
+    """A mapped array of lease words, then P's incarnation. The worker ``create``s (and
+    finally ``unlink``s) it; the scheduler ``open``s it."""
 
     def __init__(self, path: Path, fd: int, slots: int) -> None:
         self.path = path
         self.slots = slots
         try:
-            self._map = mmap.mmap(fd, slots * WORD_BYTES)
+            self._map = mmap.mmap(fd, (slots + 1) * WORD_BYTES)
         finally:
             os.close(fd)
-        self._words = (ctypes.c_uint64 * slots).from_buffer(self._map)
+        self._words = (ctypes.c_uint64 * (slots + 1)).from_buffer(self._map)
 
     @classmethod
     def create(cls, path: Path, slots: int) -> LeaseWords:
@@ -65,7 +70,7 @@ class LeaseWords:
             raise ValueError(f"lease words need at least one slot, got {slots}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, slots * WORD_BYTES)
+            os.ftruncate(fd, (slots + 1) * WORD_BYTES)
         except OSError:
             os.close(fd)
             raise
@@ -81,14 +86,23 @@ class LeaseWords:
                 "register their KV caches"
             ) from None
         size = os.fstat(fd).st_size
-        if size < WORD_BYTES or size % WORD_BYTES:
+        if size < 2 * WORD_BYTES or size % WORD_BYTES:
             os.close(fd)
-            raise ValueError(f"lease words {path} hold {size} bytes, not whole words")
-        return cls(path, fd, size // WORD_BYTES)
+            raise ValueError(f"lease words {path} hold {size} bytes, not slots and a nonce")
+        return cls(path, fd, size // WORD_BYTES - 1)
 
     @property
     def address(self) -> int:
         return ctypes.addressof(self._words)
+
+    @property
+    def incarnation(self) -> int:
+        """P's start nonce; 0 until P's scheduler wrote it."""
+        return int(self._words[self.slots])
+
+    @incarnation.setter
+    def incarnation(self, nonce: int) -> None:
+        self._words[self.slots] = nonce
 
     def publish(self, slot: int, lease_id: int) -> None:
         self._words[slot] = lease_id

@@ -43,6 +43,9 @@ class RemoteEndpoint:
     port: int  # side channel port of P's tp rank 0; rank r listens on port + r
     tp_size: int
     cluster_id: int  # cluster id of P's tp rank 0; rank r's handshake must announce + r
+    # P's start nonce (lease_words): a P restarted at the same address, even under the same
+    # engine id, is another endpoint, and its handshake must announce the same nonce.
+    incarnation: int = 0
 
     def rank(self, p_rank: int) -> PeerRank:
         """One TP rank of this engine; raises ValueError when it has no such rank, or when
@@ -77,9 +80,15 @@ class PeerRank:
         return cluster_id_at("remote_cluster_id", self.remote.cluster_id, self.rank)
 
     @property
-    def key(self) -> tuple[str, str, int]:
-        """(engine id, side-channel host, port): a restarted engine gets a new key."""
-        return (self.remote.engine_id, self.remote.host, self.port)
+    def key(self) -> tuple[str, int, str, int]:
+        """(engine id, incarnation, side-channel host, port): a restarted engine gets a new
+        key, whatever its engine id."""
+        return (self.remote.engine_id, self.remote.incarnation, self.remote.host, self.port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(side-channel host, port): where whichever engine serves this rank now answers."""
+        return (self.remote.host, self.port)
 
 
 # Stands in for the peer when kv_transfer_params were unusable: such a spec carries an error.
@@ -163,6 +172,7 @@ class InvalidTransferParams(ValueError):
 REQUIRED_PARAMS = (
     *("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host"),
     *("remote_port", "tp_size", "remote_cluster_id", "remote_lease_id", "remote_lease_slot"),
+    "remote_incarnation",
 )
 
 
@@ -210,6 +220,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             port=check("remote_port", params, int, 1, MAX_PORT),
             tp_size=check("tp_size", params, int, 1, MAX_TP_SIZE),
             cluster_id=check("remote_cluster_id", params, int, 0, MAX_CLUSTER_ID),
+            incarnation=check("remote_incarnation", params, int, 1, MAX_U64),
         )
         block_ids = _groups(params["remote_block_ids"])
         block_sizes = params.get("remote_block_size")
@@ -246,7 +257,7 @@ def build_remote_decode_params(
 ) -> dict[str, Any]:
     """P's answer in request_finished: where and what D pulls (NixlConnector pull fields).
 
-    ``endpoint`` describes P itself: its rank-0 side channel port and cluster id;
+    ``endpoint`` describes P itself: its rank-0 side channel port, cluster id and incarnation;
     ``block_ids`` one list per KV-cache group, ``block_sizes`` their block sizes;
     ``lease`` the lease id and the slot of its lease word.
     """
@@ -269,6 +280,7 @@ def build_remote_decode_params(
         "remote_cluster_id": endpoint.cluster_id,
         "remote_lease_id": lease_id,
         "remote_lease_slot": lease_slot,
+        "remote_incarnation": endpoint.incarnation,
     }
 
 

@@ -67,28 +67,30 @@ class PeerRegistry:
         local: HandshakePayload,
         config: HixlConfig,
         reads_in_place: Callable[[int], bool],
+        record: Callable[[str], None],
     ) -> None:
         self._api = api
         self._reads_in_place = reads_in_place
+        self._record = record
         self._datadist = datadist
         self._context = context
         self._local = local
         self._config = config
-        self._peers: dict[tuple[str, str, int], Peer] = {}
+        self._peers: dict[tuple[str, int, str, int], Peer] = {}
         # Addresses come from kv_transfer_params, i.e. clients name them: an entry lives only
         # while a thread uses it, so the table never outgrows the transfer pool.
         self._locks: dict[tuple[str, int], _AddressLock] = {}
         # A peer whose handshake or link just failed: (when, why). Requests queued behind it
         # fail at once instead of each waiting out its own timeout; after one timeout's time
         # a request tries again. Client-named, so old entries are dropped on every lookup.
-        self._failures: dict[tuple[str, str, int], tuple[float, str]] = {}
+        self._failures: dict[tuple[str, int, str, int], tuple[float, str]] = {}
         self._guard = threading.Lock()
         # Set at shutdown: every request of this registry's clients gives up at once.
         self._stopping = threading.Event()
 
     def get(self, target: PeerRank) -> Peer:
         key = target.key
-        address = key[1:]
+        address = target.address
         with self._guard:
             entry = self._locks.setdefault(address, _AddressLock(threading.Lock()))
             entry.users += 1
@@ -110,7 +112,7 @@ class PeerRegistry:
                 if entry.users == 0:
                     del self._locks[address]
 
-    def _raise_if_just_failed(self, key: tuple[str, str, int]) -> None:
+    def _raise_if_just_failed(self, key: tuple[str, int, str, int]) -> None:
         now = time.monotonic()
         window = self._config.handshake_timeout_s
         with self._guard:
@@ -118,7 +120,7 @@ class PeerRegistry:
             failure = self._failures.get(key)
         if failure is not None:
             raise PeerError(
-                f"prefill engine {key[0]} at {key[1]}:{key[2]} failed {now - failure[0]:.1f} s "
+                f"prefill engine {key[0]} at {key[2]}:{key[3]} failed {now - failure[0]:.1f} s "
                 f"ago ({failure[1]}); not retried for {window:g} s (handshake_timeout_s)"
             )
 
@@ -180,7 +182,7 @@ class PeerRegistry:
             self._unlink(peer, force=False)
             peer.client.close()
 
-    def _connect(self, key: tuple[str, str, int], target: PeerRank) -> Peer:
+    def _connect(self, key: tuple[str, int, str, int], target: PeerRank) -> Peer:
         client = self.client_for(target)
         try:
             reply = client.request(
@@ -191,12 +193,19 @@ class PeerRegistry:
             # The handshake proved this engine serves the address now: links to engines it
             # replaced there (P restarted), and a broken link to itself, go first.
             with self._guard:
-                stale = [self._peers.pop(k) for k in list(self._peers) if k[1:] == key[1:]]
+                stale = [self._peers.pop(k) for k in list(self._peers) if k[2:] == key[2:]]
                 clash = [p for p in self._peers.values() if p.cluster_id == payload.cluster_id]
             for old in stale:
-                if old.engine_id != payload.engine_id:
+                if old.payload.incarnation != payload.incarnation:
+                    self._record("peer_restarts")
                     logger.info(
-                        "hixl: prefill engine %s replaced by %s", old.engine_id, payload.engine_id
+                        "hixl: prefill engine %s (incarnation %x) at %s:%d replaced by %s "
+                        "(incarnation %x)",
+                        old.engine_id,
+                        old.payload.incarnation,
+                        *target.address,
+                        payload.engine_id,
+                        payload.incarnation,
                     )
                 self._unlink(old, force=True)
                 old.client.close()
@@ -230,6 +239,12 @@ class PeerRegistry:
             raise PeerError(
                 f"side channel {remote.host}:{target.port} serves engine {payload.engine_id}, "
                 f"the request expects {remote.engine_id} (prefill restarted?)"
+            )
+        if payload.incarnation != remote.incarnation:
+            raise PeerError(
+                f"prefill engine {payload.engine_id} at {remote.host}:{target.port} was "
+                f"restarted: it runs incarnation {payload.incarnation:x}, the request's "
+                f"kv_transfer_params come from incarnation {remote.incarnation:x}"
             )
         if payload.compatibility_hash != self._local.compatibility_hash:
             raise PeerError(

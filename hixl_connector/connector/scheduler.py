@@ -87,12 +87,16 @@ class HixlScheduler:
         self._engine_id, self._dp_rank = engine_id, dp_rank
         # P announces rank 0's port and cluster id; D finds rank r at position r from there.
         rank_zero = rank_address(config, dp_rank, 0, self._tp_size)
+        # This start of the engine: in every lease word, in the params and (through the lease
+        # words file) in every rank's handshake, so nothing of an earlier start passes.
+        self._incarnation = secrets.randbits(64) or 1
         self._endpoint = RemoteEndpoint(
             engine_id=engine_id,
             host=config.side_channel_host,
             port=rank_zero.side_channel_port,
             tp_size=self._tp_size,
             cluster_id=rank_zero.cluster_id,
+            incarnation=self._incarnation,
         )
         # A random start keeps a restarted P engine from reissuing ids D still holds.
         self._next_lease_id = secrets.randbits(32)
@@ -210,7 +214,9 @@ class HixlScheduler:
                 remote_block_ids=remote,
                 blocks_per_block=ratio,
                 lease_slot=prefill.lease_slot,
-                lease_word=lease_word(prefill.lease_id, prefill.block_ids),
+                lease_word=lease_word(
+                    prefill.lease_id, prefill.block_ids, prefill.remote.incarnation
+                ),
                 in_step=in_step,
             )
         )
@@ -290,7 +296,7 @@ class HixlScheduler:
             return False, None
         slot = self._free_slots.pop()
         lease_id = self._new_lease_id()
-        word = lease_word(lease_id, prompt_blocks)
+        word = lease_word(lease_id, prompt_blocks, self._incarnation)
         # Published before kv_transfer_params leave the engine: D can check it at once.
         for rank_words in self._words:
             rank_words.publish(slot, word)
@@ -314,6 +320,7 @@ class HixlScheduler:
         ]
         for rank_words in words:  # mapped by every process that uses them now
             rank_words.unlink()
+            rank_words.incarnation = self._incarnation  # the workers' handshakes announce it
         return words
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HixlConnectorMetadata:

@@ -35,6 +35,9 @@ _COUNTS = (
     "network_reads_async",
     # An in-step read found no same-host link to its P (restarted or gone): invalid blocks.
     "in_step_peer_gone",
+    # A prefill rank at a known address answered with a new incarnation (P restarted): its
+    # old link was dropped.
+    "peer_restarts",
 )
 
 

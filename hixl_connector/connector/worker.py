@@ -143,6 +143,7 @@ class HixlWorker:
             self._payload,
             self._config,
             engine.reads_in_place,
+            self._record,
         )
         plans = ReadPlans(
             self._payload.compatibility, (self._tp_rank, self._tp_size), self._probe_slices
@@ -222,6 +223,7 @@ class HixlWorker:
             units_per_block=layout.units_per_block,
             block_sizes=list(self._block_sizes),
             slice_bytes=layout.slice_bytes,
+            incarnation=0,  # this start's nonce, announced once P's scheduler wrote it
         )
 
     # -- per step -----------------------------------------------------------------------
@@ -350,7 +352,10 @@ class HixlWorker:
             )
         if message.get("tp_rank") != self._tp_rank:
             raise ValueError(f"this side channel serves rank {self._tp_rank}")
-        return {"payload": self._payload.to_dict()}
+        incarnation = self._words.incarnation if self._words is not None else 0
+        if self._words is not None and not incarnation:
+            raise ValueError("this prefill engine is still starting (no incarnation yet)")
+        return {"payload": {**self._payload.to_dict(), "incarnation": incarnation}}
 
 
 def _describe_groups(kv_cache_config: Any) -> list[str]:

@@ -21,7 +21,7 @@ sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the stand-in first, then the
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     import llm_datadist
-    from worker_harness import kv_caches, tp_group, vllm_config
+    from worker_harness import P_INCARNATION, kv_caches, tp_group, vllm_config
 
     from hixl_connector.connector.config import HixlConfig
     from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
@@ -35,9 +35,10 @@ def main() -> None:
         worker.register_kv_caches(dict(caches))
         # P's scheduler publishes each lease in a lease word; lease k takes slot k.
         words = LeaseWords.open(words_path(spec["engine_id"], 0, 0))
+        words.incarnation = P_INCARNATION
         sends = []
         for slot, (request_id, lease, blocks) in enumerate(spec["leases"]):
-            word = lease_word(lease, [blocks])
+            word = lease_word(lease, [blocks], P_INCARNATION)
             words.publish(slot, word)
             sends.append(SendSpec(request_id, lease, slot, word))
         worker.start_load_kv(HixlConnectorMetadata(to_send=sends))

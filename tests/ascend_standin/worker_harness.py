@@ -17,6 +17,8 @@ NUM_BLOCKS = 64
 BLOCK_SIZE = 16
 KV_HEADS = 2  # the tiny model's
 HEAD_SIZE = 16
+# The stand-in P's start nonce: its prefill_worker plays P's scheduler and writes it.
+P_INCARNATION = 0x5EED
 
 
 def vllm_config(model_dir: Path, kv_role: str, engine_id: str, extra: dict[str, Any]) -> Any:

@@ -1,6 +1,7 @@
-"""A silent or stopped P never stalls D: P and D each in their own network namespace, TCP
-transport, D's reads otherwise as configured by default (small ones in the step where that
-is safe), while D streams a request of its own (the bystander).
+"""A silent, stopped or restarted P never stalls D: P and D each in their own network
+namespace, TCP transport, D's reads otherwise as configured by default (small ones in the step
+where that is safe), vllm-router in the root namespace reaching both over their own links,
+while D streams a request of its own (the bystander).
 
 Each case asserts the bystander's largest gap between two tokens (the step thread never
 waits on a peer), how and when the stuck request ended, that the next request after the
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.tools.demo.client import RequestFailed, post_sse
+from hixl_connector.tools.demo.client import RequestFailed, complete, post_sse
 from hixl_connector.tools.demo.processes import free_port
+from hixl_connector.tools.demo.servers import RouterProcess, start_router
 
 from .deployments import (
     AUTH_TOKEN,
@@ -66,6 +68,9 @@ def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
         "prefill": connector_config("prefill", **common, engine_port=free_port()),
         "decode": connector_config("decode", **common),
     }
+    # One engine id across restarts, as a deployment that names its engines has: only the
+    # incarnation tells D that P restarted.
+    configs["prefill"]["engine_id"] = "prefill-isolation"
     servers = in_namespaces(model_dir, log_dir / "netns_isolation", configs, net)
     try:
         servers.start("prefill", "decode")
@@ -74,6 +79,26 @@ def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
         yield servers
     finally:
         servers.stop_all()
+
+
+@pytest.fixture(scope="module")
+def router(pd: Servers, log_dir: Path) -> Iterator[RouterProcess]:
+    """vllm-router in the root namespace, sending each request to P, then D."""
+    router = start_router([pd["prefill"].url], [pd["decode"].url], log_dir / "netns_isolation")
+    try:
+        router.wait_healthy(60.0)
+        yield router
+    finally:
+        router.stop()
+
+
+def through_router(router: RouterProcess, prompt: list[int]) -> LegResult:
+    """A request the way a client sends it: the router runs P's leg, then D's."""
+    try:
+        out = complete(router.url, prompt, model=SERVED_MODEL_NAME, max_tokens=16, timeout_s=60)
+    except RequestFailed as e:
+        return LegResult(None, str(e), time.monotonic())
+    return LegResult(out.token_ids, None, time.monotonic())
 
 
 class Bystander:
@@ -148,26 +173,36 @@ def recovered(pd: Servers, seed: int) -> float:
     return time.monotonic() - began
 
 
-def test_black_holed_data_path(pd: Servers, net: NetnsPair, fault_report: FaultReport) -> None:
-    """Every packet to and from P's engine port is dropped; its side channel still answers.
-    D's read of the stuck request times out asynchronously; no step of D waits for it."""
+def test_black_holed_data_path(
+    pd: Servers, router: RouterProcess, net: NetnsPair, fault_report: FaultReport
+) -> None:
+    """Every packet to and from P's engine port is dropped; its HTTP and side channel still
+    answer. A request through the router: P prefills, D's read times out asynchronously, the
+    router answers with an error; no step of D waits for it."""
     engine_port = pd.config("prefill")["engine_port"]
     # Small reads from P, which D would read in the step over a same-host link, were loaded
     # asynchronously: they cross the network.
     assert hixl_counter(pd["decode"], "network_reads_async") >= 1
     assert hixl_counter(pd["decode"], "in_step_loads") == 0
+    prompt = token_prompt(150, seed=10)
+    expected = plain(pd["prefill"], prompt)
     try:
         with Bystander(pd["decode"].url) as bystander:
-            result, took = stuck_request(pd, 10, lambda: net.black_hole(engine_port))
+            net.black_hole(engine_port)
+            began = time.monotonic()
+            result = through_router(router, prompt)
+            took = result.finished_at - began
     finally:
         net.clear_black_hole()
     timed_out_in_isolation(bystander, result, took)
-    back = recovered(pd, 11)
+    began = time.monotonic()
+    assert through_router(router, prompt).tokens == expected
+    back = time.monotonic() - began
     fault_report.record(
-        "netns + TCP: P's data path black-holed (side channel up), D streaming",
+        "netns + TCP: P's data path black-holed (side channel up), via the router, D streaming",
         f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the stuck "
-        f"read fails after pull_timeout_s, asynchronously; next request identical "
-        f"after {back:.1f} s",
+        f"read fails after pull_timeout_s, asynchronously, and the router answers an error; "
+        f"the next request through the router is identical after {back:.1f} s",
         took,
         both_idle(pd, IDLE_TIMEOUT_S),
     )
@@ -224,20 +259,33 @@ def test_stopped_prefill(pd: Servers, fault_report: FaultReport) -> None:
 
 
 def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
-    """P is killed and started again at the same addresses (a new engine id) while D
-    streams: D's first request after the restart handshakes and links on D's pool, and no
-    step of D waits for that."""
+    """P is killed and started again at the same addresses under the same engine id while D
+    streams. D's first request after the restart names P's new incarnation: D drops the old
+    link and links the new P on its pool, and no step of D waits for that. A request whose
+    params P issued before the restart is refused, never read."""
+    prompt = token_prompt(150, seed=40)
+    stale = prefill_leg(pd["prefill"], prompt)
+    restarts = hixl_counter(pd["decode"], "peer_restarts")
     with Bystander(pd["decode"].url) as bystander:
         pd.kill("prefill")
         pd.wait_gone("prefill")
         pd.restart("prefill")
         back = recovered(pd, 41)
+        refused = run_decode(pd["decode"], prompt, stale, 60.0)
     assert bystander.error is None, bystander.error
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
+    fresh = prefill_leg(pd["prefill"], prompt)
+    assert fresh["remote_engine_id"] == stale["remote_engine_id"]
+    assert fresh["remote_incarnation"] != stale["remote_incarnation"]
+    assert hixl_counter(pd["decode"], "peer_restarts") == restarts + 1
+    assert refused.failed, "params of P's previous start must not be read"
+    run_decode(pd["decode"], prompt, fresh, 60.0)  # releases the lease the leg above took
     fault_report.record(
-        "netns + TCP: P killed and restarted at the same address (new engine id), D streaming",
+        "netns + TCP: P killed and restarted at the same address, same engine id, D streaming",
         f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the first "
-        "request after the restart links the new P on D's pool, token-identical",
+        "request after the restart names P's new incarnation: D drops the old link and "
+        "links the new P on its pool, token-identical; params of P's previous start are "
+        "refused",
         back,
         both_idle(pd, IDLE_TIMEOUT_S),
     )

@@ -33,7 +33,13 @@ from harness import (  # noqa: E402
     standin_on_path,
     stop,
 )
-from worker_harness import expected_block, kv_caches, tp_group, vllm_config  # noqa: E402
+from worker_harness import (  # noqa: E402
+    P_INCARNATION,
+    expected_block,
+    kv_caches,
+    tp_group,
+    vllm_config,
+)
 
 sys.path.remove(str(STANDIN_DIR))
 P_BASE, D_BASE = 100_000, 200_000
@@ -126,7 +132,7 @@ def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local:
     from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
 
     request, lease_id, remote_blocks = LEASES[lease]
-    remote = RemoteEndpoint("p-engine", SIDE_HOST, prefill["side_port"], 1, P_BASE)
+    remote = RemoteEndpoint("p-engine", SIDE_HOST, prefill["side_port"], 1, P_BASE, P_INCARNATION)
     spec = RecvSpec(
         f"d-{request}",
         request,
@@ -135,7 +141,7 @@ def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local:
         tuple(local),
         tuple(remote_blocks),
         lease_slot=lease,  # the stand-in P publishes lease k in slot k
-        lease_word=lease_word(lease_id, [remote_blocks]),
+        lease_word=lease_word(lease_id, [remote_blocks], P_INCARNATION),
     )
     worker = decode["worker"]
     worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))

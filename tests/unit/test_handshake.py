@@ -48,6 +48,7 @@ def payload_dict(**overrides: Any) -> dict[str, Any]:
         "units_per_block": 1,
         "block_sizes": [16],
         "slice_bytes": 128,
+        "incarnation": 0x5EED,
     }
     data.update(overrides)
     if "compatibility_hash" not in data:
@@ -93,6 +94,8 @@ def test_other_schema_version_is_refused_clearly() -> None:
         ({"block_sizes": [16, 0]}, "block_sizes"),
         ({"block_sizes": 16}, "block_sizes"),
         ({"slice_bytes": -1}, "slice_bytes"),
+        ({"incarnation": -1}, "incarnation"),
+        ({"incarnation": 2**64}, "incarnation"),
         ({"compatibility": FIELDS | {"kv_split": "rows"}}, "kv_split"),
         ({"units_per_block": 0}, "units_per_block"),
         ({"compatibility": {k: v for k, v in FIELDS.items() if k != "dtype"}}, "'dtype'"),

@@ -12,6 +12,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
+    P_INCARNATION,
     block_ids,
     finished_outputs,
     hixl,
@@ -28,7 +29,7 @@ from hixl_connector.connector.in_step_loads import InStepLoads
 from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport, LinkReporter
 from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
 
-PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
+PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 # The harness's blocks: 16 tokens x 2 KV heads x 16 x fp32, K and V, two layers.
 BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
 SMALL_BLOCKS = 3  # load_in_step_bytes below: reads of up to 3 blocks go in the step

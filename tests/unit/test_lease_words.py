@@ -40,7 +40,7 @@ def test_missing_or_malformed_words_are_named(path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="prefill workers create them"):
         LeaseWords.open(path)
     path.write_bytes(b"x" * 12)
-    with pytest.raises(ValueError, match="12 bytes, not whole words"):
+    with pytest.raises(ValueError, match="12 bytes, not slots and a nonce"):
         LeaseWords.open(path)
     with pytest.raises(ValueError, match="at least one slot"):
         LeaseWords.create(path, 0)
@@ -53,12 +53,30 @@ def test_engine_ids_become_safe_file_names() -> None:
 block_lists = st.lists(st.lists(st.integers(0, 2**40), max_size=8), min_size=1, max_size=3)
 
 
-@given(st.integers(0, 2**64 - 1), block_lists)
-def test_a_word_is_never_cleared_and_binds_lease_and_blocks(lease: int, blocks: list) -> None:
-    word = lease_word(lease, blocks)
+@given(st.integers(0, 2**64 - 1), block_lists, st.integers(1, 2**64 - 1))
+def test_a_word_is_never_cleared_and_binds_lease_blocks_and_incarnation(
+    lease: int, blocks: list, incarnation: int
+) -> None:
+    word = lease_word(lease, blocks, incarnation)
     assert word != CLEARED and 0 < word < 2**64
-    assert word == lease_word(lease, [tuple(group) for group in blocks])  # as D parses them
-    assert lease_word((lease + 1) % 2**64, blocks) != word
+    # As D parses them:
+    assert word == lease_word(lease, [tuple(group) for group in blocks], incarnation)
+    assert lease_word((lease + 1) % 2**64, blocks, incarnation) != word
+    # The same lease id and blocks from another start of P (restarted at the same address):
+    assert lease_word(lease, blocks, incarnation % (2**64 - 1) + 1) != word
     forged = [[b + 1 for b in group] for group in blocks]
     if forged != blocks:
-        assert lease_word(lease, forged) != word
+        assert lease_word(lease, forged, incarnation) != word
+
+
+def test_the_incarnation_lies_after_the_slots(tmp_path: Path) -> None:
+    """P's scheduler writes it; the workers read it; it is not a slot D can read."""
+    path = tmp_path / "words"
+    words = LeaseWords.create(path, 4)
+    assert words.slots == 4 and words.incarnation == 0
+    seen = LeaseWords.open(path)
+    assert seen.slots == 4
+    seen.incarnation = 0xABC
+    assert words.incarnation == 0xABC
+    assert [words[slot] for slot in range(4)] == [0, 0, 0, 0]
+    assert path.stat().st_size == 5 * 8

@@ -19,7 +19,7 @@ from hixl_connector.connector.metadata import (
     parse_remote_prefill,
 )
 
-P = RemoteEndpoint("prefill-0", "10.0.0.1", 5701, 2, 4096)
+P = RemoteEndpoint("prefill-0", "10.0.0.1", 5701, 2, 4096, incarnation=2**63 + 5)
 
 
 def wire(message: dict[str, Any]) -> Any:
@@ -74,6 +74,13 @@ def test_missing_fields_are_all_named() -> None:
         parse_remote_prefill(params)
 
 
+def test_params_of_a_p_without_incarnations_are_refused_naming_the_field() -> None:
+    params = p_params()
+    del params["remote_incarnation"]
+    with pytest.raises(InvalidTransferParams, match="lack required field.*remote_incarnation"):
+        parse_remote_prefill(params)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -92,6 +99,9 @@ def test_missing_fields_are_all_named() -> None:
         ({"dcp_size": 2}, "dcp_size"),
         ({"pp_size": 2}, "pp_size"),
         ({"remote_num_tokens": -3}, "remote_num_tokens"),
+        ({"remote_incarnation": 0}, "remote_incarnation"),
+        ({"remote_incarnation": 2**64}, "remote_incarnation"),
+        ({"remote_incarnation": "5"}, "remote_incarnation"),
     ],
 )
 def test_bad_params_raise_clear_errors(overrides: dict[str, Any], message: str) -> None:

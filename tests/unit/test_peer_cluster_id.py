@@ -3,6 +3,7 @@ kv_transfer_params name for that rank (``remote_cluster_id`` + rank)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -48,6 +49,7 @@ def payload(engine_id: str, tp_rank: int, cluster_id: int) -> HandshakePayload:
         units_per_block=1,
         block_sizes=[16],
         slice_bytes=0,
+        incarnation=0,
     )
 
 
@@ -89,7 +91,9 @@ def test_params_must_name_the_cluster_id_the_handshake_announces(
     datadist = LinkRecorder()
     api: Any = SimpleNamespace(LLMClusterInfo=LLMClusterInfo, LLMStatusCode=LLMStatusCode)
     config = HixlConfig.from_dict({"handshake_timeout_s": 2.0}, "decode")
-    peers = PeerRegistry(api, datadist, context, payload("decode", 0, 1), config, lambda _: False)
+    peers = PeerRegistry(
+        api, datadist, context, payload("decode", 0, 1), config, lambda _: False, lambda _: None
+    )
     # P's rank 0 listens one port below: D finds rank 1 at remote_port + 1.
     remote = RemoteEndpoint("prefill", "127.0.0.1", prefill_rank_one - 1, 2, remote_cluster_id)
     try:
@@ -102,4 +106,38 @@ def test_params_must_name_the_cluster_id_the_handshake_announces(
             assert datadist.linked == []
     finally:
         peers.close()
+        context.term()
+
+
+def test_a_restarted_prefill_is_another_peer_and_params_of_its_last_start_are_refused() -> None:
+    """P restarts at the same address under the same engine id: its handshake announces a new
+    incarnation. Params from before the restart cannot link it; params of the new start
+    replace the old link (counted)."""
+    context = zmq.Context()
+    before = dataclasses.replace(payload("prefill", 1, P_RANK_ONE_CLUSTER), incarnation=0xA)
+    answer = {"payload": before.to_dict()}
+    server = SideChannelServer(context, "127.0.0.1", 0, {"handshake": lambda _: answer})
+    datadist = LinkRecorder()
+    api: Any = SimpleNamespace(LLMClusterInfo=LLMClusterInfo, LLMStatusCode=LLMStatusCode)
+    config = HixlConfig.from_dict({"handshake_timeout_s": 2.0}, "decode")
+    recorded: list[str] = []
+    local = payload("decode", 0, 1)
+    peers = PeerRegistry(api, datadist, context, local, config, lambda _: False, recorded.append)
+    port, cluster = server.port - 1, P_RANK_ONE_CLUSTER - 1
+    old = RemoteEndpoint("prefill", "127.0.0.1", port, 2, cluster, incarnation=0xA)
+    new = RemoteEndpoint("prefill", "127.0.0.1", port, 2, cluster, incarnation=0xB)
+    try:
+        first = peers.get(old.rank(1))
+        answer["payload"] = dataclasses.replace(before, incarnation=0xB).to_dict()
+        peers.mark_broken(first)  # a read over the old link failed: P is gone
+        with pytest.raises(PeerError, match="restarted: it runs incarnation b, .* incarnation a"):
+            peers.get(old.rank(1))
+        assert peers.linked(new.rank(1)) is None  # not linked until a read asks for it
+        assert peers.get(new.rank(1)).payload.incarnation == 0xB
+        assert peers.tracked_addresses() == (1, 0)  # the old start's link is gone
+        assert recorded == ["peer_restarts"]
+        assert datadist.linked == [P_RANK_ONE_CLUSTER, P_RANK_ONE_CLUSTER]
+    finally:
+        peers.close()
+        server.close()
         context.term()

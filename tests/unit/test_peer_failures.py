@@ -47,8 +47,9 @@ def registry(context: zmq.Context) -> PeerRegistry:
         units_per_block=2,
         block_sizes=[16],
         slice_bytes=0,
+        incarnation=0,
     )
-    return PeerRegistry(None, None, context, local, config, lambda _: False)
+    return PeerRegistry(None, None, context, local, config, lambda _: False, lambda _: None)
 
 
 def test_requests_queued_behind_a_dead_peer_all_end_within_one_timeout(

@@ -15,6 +15,7 @@ from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
     EXTRA_CONFIG,
+    P_INCARNATION,
     block_ids,
     finished_outputs,
     free_blocks,
@@ -34,7 +35,7 @@ from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendS
 from hixl_connector.connector.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
-PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192)
+PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 
 
 def prompt(num_tokens: int, seed: int = 0) -> list[int]:
@@ -281,6 +282,7 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
         "remote_cluster_id": rank_address(config, 0, 0, 1).cluster_id,
         "remote_lease_id": leases["p1"],
         "remote_lease_slot": 0,
+        "remote_incarnation": hixl(scheduler)._incarnation,
     }
     assert finished["p2"].kv_transfer_params["remote_lease_slot"] == 1
     assert rank_address(config, 0, 0, 1).cluster_id == 4096
@@ -288,7 +290,12 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
 
     output, _ = step(scheduler)
     assert metadata(output).to_send == [
-        SendSpec(rid, leases[rid], slot, lease_word(leases[rid], [blocks[rid]]))
+        SendSpec(
+            rid,
+            leases[rid],
+            slot,
+            lease_word(leases[rid], [blocks[rid]], hixl(scheduler)._incarnation),
+        )
         for slot, rid in enumerate(("p1", "p2"))
     ]
     assert hixl(scheduler).num_leased == 2
@@ -312,8 +319,11 @@ def test_a_lease_is_published_before_its_params_leave_and_its_slot_reused_after(
         (out,) = finished_outputs(step(scheduler)[1]).values()
         sent = out.kv_transfer_params
         slot = sent["remote_lease_slot"]
-        word = lease_word(sent["remote_lease_id"], sent["remote_block_ids"])
+        word = lease_word(
+            sent["remote_lease_id"], sent["remote_block_ids"], sent["remote_incarnation"]
+        )
         assert words[slot] == word  # D can check it as soon as it has the params
+        assert words.incarnation == sent["remote_incarnation"]  # what P's handshake announces
         words.clear(slot, word)  # P's worker: cleared before it reports the lease ended
         step(scheduler, finished_sending={request_id})
         slots.append(slot)

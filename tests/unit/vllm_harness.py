@@ -36,6 +36,7 @@ from hixl_connector.connector.scheduler import HixlScheduler
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
+P_INCARNATION = 0xC0FFEE  # the start nonce of the P that prefill_params come from
 EXTRA_CONFIG = {"side_channel_host": "10.0.0.7", "side_channel_port": 6100, "cluster_id_base": 4096}
 
 init_none_hash(sha256)
@@ -151,6 +152,7 @@ def prefill_params(num_blocks: int, *, first_block: int = 100, **overrides: Any)
         "remote_cluster_id": 8192,
         "remote_lease_id": 77,
         "remote_lease_slot": 5,
+        "remote_incarnation": P_INCARNATION,
     }
     params.update(overrides)
     return params
