@@ -6,6 +6,7 @@ role=WORKER    -> `HixlWorker` (every worker; the engine, the side channel, the 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,6 +25,23 @@ from hixl_connector.connector.metadata import HixlConnectorMetadata
 
 KVConnectorMetadata.register(HixlConnectorMetadata)
 KVConnectorWorkerMetadata.register(LinkReport)
+
+
+def _log_where_vllm_logs() -> None:
+    """vLLM's logging config gives handlers to its own "vllm" logger only, so the
+    connector's INFO lines (links, restarts, shutdown) would reach no one: they go where
+    vLLM's go, at vLLM's level (VLLM_LOGGING_LEVEL). Left alone where vLLM configures none
+    (VLLM_CONFIGURE_LOGGING=0) or the application configured ours."""
+    ours, vllm_logger = logging.getLogger("hixl_connector"), logging.getLogger("vllm")
+    if ours.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.level)
+    ours.propagate = False
+
+
+_log_where_vllm_logs()
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -321,6 +321,7 @@ class HixlWorker:
         )
 
     def shutdown(self) -> None:
+        began = time.monotonic()
         if self._peers is not None:
             self._peers.stop()  # handshakes and notices under way give up at once
         if self._receiver is not None and not self._receiver.shutdown(SHUTDOWN_WAIT_S):
@@ -341,6 +342,7 @@ class HixlWorker:
         term = threading.Thread(target=self._context.term, name="hixl-zmq-term", daemon=True)
         term.start()
         term.join(SHUTDOWN_WAIT_S)
+        logger.info("hixl: worker shut down in %.2f s", time.monotonic() - began)
 
     # -- P side handlers (side-channel thread) ------------------------------------------
 

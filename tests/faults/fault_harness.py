@@ -335,7 +335,11 @@ __all__ = [
 
 
 def in_namespaces(
-    model_dir: Path, log_dir: Path, configs: dict[str, dict[str, Any]], net: NetnsPair
+    model_dir: Path,
+    log_dir: Path,
+    configs: dict[str, dict[str, Any]],
+    net: NetnsPair,
+    extra_args: Mapping[str, Sequence[str]] | None = None,
 ) -> Servers:
     """P and D servers each in its own namespace of ``net``: side channel and engine on the
     data link's addresses, HTTP on the management links."""
@@ -345,6 +349,7 @@ def in_namespaces(
         model_dir,
         log_dir,
         configs,
+        extra_args,
         wrap={"prefill": net.exec_prefix(net.ns_p), "decode": net.exec_prefix(net.ns_d)},
         http_hosts={"prefill": net.p_http, "decode": net.d_http},
     )

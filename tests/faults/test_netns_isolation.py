@@ -10,18 +10,20 @@ fault cleared is token-identical to a plain run, and that nothing is left leased
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from hixl_connector.tools.demo.client import RequestFailed, complete, post_sse
 from hixl_connector.tools.demo.processes import free_port
-from hixl_connector.tools.demo.servers import RouterProcess, start_router
+from hixl_connector.tools.demo.servers import RouterProcess, VllmServer, start_router
 
 from .deployments import (
     AUTH_TOKEN,
@@ -39,8 +41,10 @@ from .fault_harness import (
     both_idle,
     hixl_counter,
     in_namespaces,
+    leftover,
     plain,
     prefill_leg,
+    requests_in_flight,
     run_decode,
     token_prompt,
     two_legs_identical,
@@ -71,7 +75,16 @@ def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
     # One engine id across restarts, as a deployment that names its engines has: only the
     # incarnation tells D that P restarted.
     configs["prefill"]["engine_id"] = "prefill-isolation"
-    servers = in_namespaces(model_dir, log_dir / "netns_isolation", configs, net)
+    # A graceful shutdown (vLLM's default aborts and kills the engine at once), so that the
+    # shutdown tests below measure the connector's own.
+    graceful = ["--shutdown-timeout", "30"]
+    servers = in_namespaces(
+        model_dir,
+        log_dir / "netns_isolation",
+        configs,
+        net,
+        {"prefill": graceful, "decode": graceful},
+    )
     try:
         servers.start("prefill", "decode")
         for seed in range(3):  # linked, and reads from P proven
@@ -288,4 +301,96 @@ def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
         "refused",
         back,
         both_idle(pd, IDLE_TIMEOUT_S),
+    )
+
+
+SHUTDOWN_BOUND_S = 5.0
+BURST = 72  # more than D's 64 reads in flight: some wait for a row on D's pool
+SHUT_DOWN = re.compile(r"hixl: worker shut down in ([0-9.]+) s")
+
+
+def shutdown_took(server: VllmServer) -> float:
+    """How long the connector's worker took to shut down, as its log says."""
+    found = SHUT_DOWN.findall(server.log_tail(400))
+    assert found, f"{server.name} logged no connector shutdown:\n{server.log_tail(40)}"
+    return float(found[-1])
+
+
+def terminate(pd: Servers, name: str) -> float:
+    """SIGTERM to the API server alone, as a container runtime sends it (vLLM's API server
+    then stops its engine); seconds until every process of the server is gone."""
+    began = time.monotonic()
+    pid = pd[name].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    pd.wait_gone(name, timeout_s=45.0)
+    return time.monotonic() - began
+
+
+def burst_of_reads(
+    pd: Servers, seed: int, fault: Callable[[], None] = lambda: None
+) -> tuple[ThreadPoolExecutor, list[Future[LegResult]]]:
+    """P's legs for BURST short prompts, ``fault()``, then all their D legs at once (not
+    waited for)."""
+    prompts = [token_prompt(40, seed + i) for i in range(BURST)]
+    legs = [prefill_leg(pd["prefill"], prompt) for prompt in prompts]
+    fault()
+    pool = ThreadPoolExecutor(BURST)
+    futures = [
+        pool.submit(run_decode, pd["decode"], prompt, params, 60.0)
+        for prompt, params in zip(prompts, legs, strict=True)
+    ]
+    return pool, futures
+
+
+def test_prefill_shutdown_under_load_is_bounded(pd: Servers, fault_report: FaultReport) -> None:
+    """P gets SIGTERM while D reads a burst of requests from it, P's blocks leased: P's
+    connector shuts down within the bound, every D leg ends (read, or failed by policy),
+    and a restarted P serves again."""
+    pool, futures = burst_of_reads(pd, seed=50)
+    with pool:
+        time.sleep(0.2)
+        gone = terminate(pd, "prefill")
+        results = [future.result(timeout=60.0) for future in futures]
+    took = shutdown_took(pd["prefill"])
+    assert took < SHUTDOWN_BOUND_S, f"P's connector took {took:.2f} s to shut down"
+    pd.restart("prefill")
+    back = recovered(pd, 51)
+    fault_report.record(
+        f"P shut down (SIGTERM) while D reads a burst of {BURST} requests",
+        f"P's connector shut down in {took:.2f} s, P gone in {gone:.1f} s; "
+        f"{sum(r.failed for r in results)} of {BURST} reads failed by policy; a restarted P "
+        f"serves the next request identically after {back:.1f} s",
+        took,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )
+
+
+def test_decode_shutdown_under_load_is_bounded(
+    pd: Servers, net: NetnsPair, fault_report: FaultReport
+) -> None:
+    """P's data path black-holed, so D's reads of a burst hang: 64 in flight in D's engine,
+    the rest waiting for a row. D gets SIGTERM: vLLM drains (--shutdown-timeout), so the
+    reads in flight end by pull_timeout_s, then those that waited for a row; then the
+    connector shuts down within its bound and every process of D ends. Last in the module:
+    D stays down."""
+    engine_port = pd.config("prefill")["engine_port"]
+    try:
+        pool, futures = burst_of_reads(pd, 60, lambda: net.black_hole(engine_port))
+        with pool:
+            wait_for(lambda: requests_in_flight(pd["decode"]) >= BURST, 30.0, "D's burst admitted")
+            gone = terminate(pd, "decode")
+            results = [future.result(timeout=60.0) for future in futures]
+    finally:
+        net.clear_black_hole()
+    took = shutdown_took(pd["decode"])
+    assert took < SHUTDOWN_BOUND_S, f"D's connector took {took:.2f} s to shut down"
+    assert all(result.failed for result in results)
+    assert gone < 2 * PULL_TIMEOUT_S + SHUTDOWN_BOUND_S, f"D took {gone:.1f} s to end"
+    fault_report.record(
+        f"D shut down (SIGTERM) with {BURST} reads from a black-holed P (64 in flight)",
+        f"D's connector shut down in {took:.2f} s, D gone in {gone:.1f} s; every read "
+        "ended with its request",
+        took,
+        leftover(pd["prefill"]) + "; D: stopped",
     )
