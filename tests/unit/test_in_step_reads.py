@@ -1,0 +1,166 @@
+"""Reads in the step on a real pair of workers: the connector's HixlWorker on both sides, P in
+its own process, D here, the native engine between them on one host (a same-host link, which
+reads in place).
+
+D's worker reports the link as read in place (what lets its scheduler choose reads in the
+step), and an in-step read lands before its step's forward even when 64 asynchronous reads
+hold every row of the asynchronous ones in the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hixl_connector.tools.demo.processes import free_port
+
+STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
+sys.path.insert(0, str(STANDIN_DIR))
+from harness import launch, ready, stop  # noqa: E402
+from worker_harness import (  # noqa: E402
+    NUM_BLOCKS,
+    P_INCARNATION,
+    expected_block,
+    kv_caches,
+    tp_group,
+    vllm_config,
+)
+
+sys.path.remove(str(STANDIN_DIR))
+P_BASE, D_BASE = 300_000, 400_000
+ASYNC_READS = 64  # as many as D has rows for asynchronous reads
+RESULT_TIMEOUT_S = 30.0
+# Lease k leases block k + 1 of P. Lease 0 links P; leases 1..32 are each read twice,
+# asynchronously, in one step (P has a lease slot per block, fewer than 64 + 2); lease 33 is
+# read in the step.
+SHARED = ASYNC_READS // 2
+LEASES = [(f"r-{k}", 1000 + k, [k + 1]) for k in range(SHARED + 2)]
+assert len(LEASES) < NUM_BLOCKS
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """P's worker (native engine) leasing LEASES; yields its side-channel port."""
+    side_port = free_port()
+    extra = {
+        "backend": "native",
+        "side_channel_port": side_port,
+        "cluster_id_base": P_BASE,
+        "transport": "auto",
+    }
+    spec = {
+        "model_dir": str(tiny_model_dir),
+        "engine_id": "p-in-step",
+        "extra": extra,
+        "tp_port": free_port(),
+        "leases": LEASES,
+    }
+    spec_file = tmp_path_factory.mktemp("prefill") / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = launch([sys.executable, str(STANDIN_DIR / "prefill_worker.py"), str(spec_file)], env)
+    try:
+        ready(proc)
+        yield side_port
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
+    from hixl_connector.connector.config import HixlConfig
+    from hixl_connector.connector.worker import HixlWorker
+
+    extra = {"backend": "native", "cluster_id_base": D_BASE, "transport": "auto"}
+    config = vllm_config(tiny_model_dir, "kv_consumer", "d-in-step", extra)
+    with tp_group(config, free_port()):
+        worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-in-step")
+        caches = kv_caches(fill=False)
+        worker.register_kv_caches(dict(caches))
+        try:
+            yield {"worker": worker, "caches": caches}
+        finally:
+            worker.shutdown()
+
+
+def recv_spec(
+    side_port: int, lease: int, local_block: int, in_step: bool = False, copy: int = 0
+) -> Any:
+    """D's read of lease ``lease`` into ``local_block`` (``copy``: which of its reads)."""
+    from hixl_connector.connector.lease_words import lease_word
+    from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
+
+    request, lease_id, blocks = LEASES[lease]
+    remote = RemoteEndpoint("p-in-step", "127.0.0.1", side_port, 1, P_BASE, P_INCARNATION)
+    return RecvSpec(
+        f"d-{request}-{copy}",
+        request,
+        lease_id,
+        remote,
+        (local_block,),
+        tuple(blocks),
+        lease_slot=lease,  # P publishes lease k in slot k
+        lease_word=lease_word(lease_id, [blocks], P_INCARNATION),
+        in_step=in_step,
+    )
+
+
+def finished(worker: Any, request_ids: set[str]) -> tuple[set[str], set[str]]:
+    """Collects results until every one of ``request_ids`` ended: (ended, failed)."""
+    ended: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    while ended < request_ids and time.monotonic() < deadline:
+        _, recving, failing = worker.get_transfer_results()
+        ended |= recving
+        failed |= failing
+        time.sleep(0.002)
+    assert ended >= request_ids, f"{len(request_ids - ended)} reads got no result"
+    return ended, failed
+
+
+def holds_block(caches: dict[str, Any], local_block: int, remote_block: int) -> bool:
+    tensors = [tensor for pair in caches.values() for tensor in pair]
+    return all(
+        bool((tensor[local_block] == expected_block(index, remote_block)).all())
+        for index, tensor in enumerate(tensors)
+    )
+
+
+def test_a_same_host_link_is_reported_in_place_and_an_in_step_read_has_a_row_of_its_own(
+    prefill: int, decode: dict[str, Any]
+) -> None:
+    from hixl_connector.connector.link_reports import LinkReport
+    from hixl_connector.connector.metadata import HixlConnectorMetadata
+
+    worker = decode["worker"]
+    first = recv_spec(prefill, 0, local_block=1)
+    worker.start_load_kv(HixlConnectorMetadata(to_recv=[first]))  # links P on the pool
+    assert finished(worker, {first.request_id})[1] == set()
+    assert worker.take_link_report() == LinkReport({0: {first.remote: True}})
+
+    # Both reads of a lease land the same bytes in the same block.
+    reads = [
+        recv_spec(prefill, 1 + j // 2, local_block=2 + j // 2, copy=j % 2)
+        for j in range(ASYNC_READS)
+    ]
+    in_step = recv_spec(prefill, SHARED + 1, local_block=SHARED + 2, in_step=True)
+    # One step: every asynchronous row taken (rows come back when collected), then a read the
+    # forward of this very step needs.
+    worker.start_load_kv(HixlConnectorMetadata(to_recv=[*reads, in_step]))
+    assert worker.take_load_errors() == set(), "the in-step read failed"
+    assert holds_block(decode["caches"], in_step.local_block_ids[0], in_step.remote_block_ids[0])
+    ended, failed = finished(worker, {spec.request_id for spec in reads})
+    assert failed == set()
+    assert in_step.request_id not in ended  # vLLM learns of it from the forward, not here
+    for spec in reads:
+        assert holds_block(decode["caches"], spec.local_block_ids[0], spec.remote_block_ids[0])
+    stats = worker.get_stats()
+    assert stats is not None and stats.reduce()["Num in step loads"] == 1
