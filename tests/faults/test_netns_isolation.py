@@ -10,20 +10,15 @@ fault cleared is token-identical to a plain run, and that nothing is left leased
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from hixl_connector.tools.demo.client import RequestFailed, complete, post_sse
 from hixl_connector.tools.demo.processes import free_port
-from hixl_connector.tools.demo.servers import RouterProcess, VllmServer, start_router
+from hixl_connector.tools.demo.servers import RouterProcess, start_router
 
 from .deployments import (
     AUTH_TOKEN,
@@ -34,9 +29,7 @@ from .deployments import (
     connector_config,
 )
 from .fault_harness import (
-    SERVED_MODEL_NAME,
     FaultReport,
-    LegResult,
     Servers,
     both_idle,
     hixl_counter,
@@ -50,11 +43,21 @@ from .fault_harness import (
     two_legs_identical,
     wait_for,
 )
+from .isolation_harness import (
+    BURST,
+    MAX_GAP_S,
+    SHUTDOWN_BOUND_S,
+    Bystander,
+    burst_of_reads,
+    recovered,
+    shutdown_took,
+    stuck_request,
+    terminate,
+    through_router,
+    timed_out_in_isolation,
+)
 from .netns import NetnsPair
 
-# The issue's bound on a bystander's inter-token gap under any single-peer fault; a healthy
-# step here takes a few ms.
-MAX_GAP_S = 0.1
 IDLE_TIMEOUT_S = LEASE_S + 10.0
 
 
@@ -103,87 +106,6 @@ def router(pd: Servers, log_dir: Path) -> Iterator[RouterProcess]:
         yield router
     finally:
         router.stop()
-
-
-def through_router(router: RouterProcess, prompt: list[int]) -> LegResult:
-    """A request the way a client sends it: the router runs P's leg, then D's."""
-    try:
-        out = complete(router.url, prompt, model=SERVED_MODEL_NAME, max_tokens=16, timeout_s=60)
-    except RequestFailed as e:
-        return LegResult(None, str(e), time.monotonic())
-    return LegResult(out.token_ids, None, time.monotonic())
-
-
-class Bystander:
-    """Streams D's own requests (no P involved), one after another, until stopped; keeps the
-    largest gap between two tokens of one stream, and when streaming began and ended."""
-
-    def __init__(self, url: str) -> None:
-        self._url = url
-        self._stop = threading.Event()
-        self.largest_gap_s = 0.0
-        self.tokens = 0
-        self._thread = threading.Thread(target=self._run, name="bystander", daemon=True)
-        self.error: str | None = None
-
-    def __enter__(self) -> Bystander:
-        self._thread.start()
-        wait_for(lambda: self.tokens > 20 or self.error is not None, 30.0, "bystander tokens")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(60.0)
-        assert not self._thread.is_alive(), "the bystander stream did not end"
-
-    def _run(self) -> None:
-        body = {
-            "model": SERVED_MODEL_NAME,
-            "prompt": token_prompt(16, seed=999),
-            "max_tokens": 200,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        try:
-            while not self._stop.is_set():
-                last = None
-                for _ in post_sse(f"{self._url}/v1/completions", body, timeout_s=60.0):
-                    now = time.monotonic()
-                    if last is not None:
-                        self.largest_gap_s = max(self.largest_gap_s, now - last)
-                    last = now
-                    self.tokens += 1
-        except RequestFailed as e:
-            self.error = str(e)
-
-
-def stuck_request(pd: Servers, seed: int, fault: object) -> tuple[LegResult, float]:
-    """P's leg, then ``fault()``, then D's leg while the bystander streams; returns D's leg
-    and how long it took."""
-    prompt = token_prompt(150, seed)
-    params = prefill_leg(pd["prefill"], prompt)
-    assert callable(fault)
-    fault()
-    began = time.monotonic()
-    with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(run_decode, pd["decode"], prompt, params, 60.0).result(120.0)
-    return result, result.finished_at - began
-
-
-def timed_out_in_isolation(bystander: Bystander, result: LegResult, took: float) -> None:
-    """D kept decoding its own stream while the stuck read timed out asynchronously."""
-    assert bystander.error is None, bystander.error
-    assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
-    assert result.failed, "a read from a silent P must not succeed"
-    assert took <= PULL_TIMEOUT_S + 1.0, f"the stuck request took {took:.2f} s"
-
-
-def recovered(pd: Servers, seed: int) -> float:
-    """Seconds until a request after the fault is token-identical to a plain run."""
-    began = time.monotonic()
-    two_legs_identical(pd, seed)
-    return time.monotonic() - began
 
 
 def test_black_holed_data_path(
@@ -251,6 +173,47 @@ def test_black_holed_side_channel(pd: Servers, net: NetnsPair, fault_report: Fau
     )
 
 
+def test_partition_during_heartbeats(
+    pd: Servers, net: NetnsPair, fault_report: FaultReport
+) -> None:
+    """P and D partitioned (engine port and side channel black-holed) after P's leg: D's read
+    waits past heartbeat_s, so its lease heartbeats go out into the partition and fail on
+    their lanes; the read times out; P's lease expires and P frees the blocks."""
+    ports = (pd.config("prefill")["engine_port"], pd.config("prefill")["side_channel_port"])
+    expired = hixl_counter(pd["prefill"], "expired_leases")
+    lost = hixl_counter(pd["decode"], "failed_notifications")
+
+    def partition() -> None:
+        for port in ports:
+            net.black_hole(port)
+
+    try:
+        with Bystander(pd["decode"].url) as bystander:
+            result, took = stuck_request(pd, 25, partition)
+        wait_for(
+            lambda: hixl_counter(pd["prefill"], "expired_leases") > expired,
+            LEASE_S + 10.0,
+            "P's lease expiry",
+        )
+        wait_for(
+            lambda: hixl_counter(pd["decode"], "failed_notifications") > lost,
+            HANDSHAKE_TIMEOUT_S + 5.0,
+            "D's lost heartbeats",
+        )
+    finally:
+        net.clear_black_hole()
+    timed_out_in_isolation(bystander, result, took)
+    back = recovered(pd, 26)
+    fault_report.record(
+        "netns + TCP: P and D partitioned while D's read waits (heartbeats lost), D streaming",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; heartbeats "
+        "fail on their lanes, the read fails after pull_timeout_s, P's lease expires; next "
+        f"request identical after {back:.1f} s",
+        took,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )
+
+
 def test_stopped_prefill(pd: Servers, fault_report: FaultReport) -> None:
     """P is frozen (SIGSTOP) after its leg: its kernel still takes D's packets, nothing
     answers. D's read times out asynchronously; P resumes and serves the next request."""
@@ -302,45 +265,6 @@ def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
         back,
         both_idle(pd, IDLE_TIMEOUT_S),
     )
-
-
-SHUTDOWN_BOUND_S = 5.0
-BURST = 72  # more than D's 64 reads in flight: some wait for a row on D's pool
-SHUT_DOWN = re.compile(r"hixl: worker shut down in ([0-9.]+) s")
-
-
-def shutdown_took(server: VllmServer) -> float:
-    """How long the connector's worker took to shut down, as its log says."""
-    found = SHUT_DOWN.findall(server.log_tail(400))
-    assert found, f"{server.name} logged no connector shutdown:\n{server.log_tail(40)}"
-    return float(found[-1])
-
-
-def terminate(pd: Servers, name: str) -> float:
-    """SIGTERM to the API server alone, as a container runtime sends it (vLLM's API server
-    then stops its engine); seconds until every process of the server is gone."""
-    began = time.monotonic()
-    pid = pd[name].pid
-    assert pid is not None
-    os.kill(pid, signal.SIGTERM)
-    pd.wait_gone(name, timeout_s=45.0)
-    return time.monotonic() - began
-
-
-def burst_of_reads(
-    pd: Servers, seed: int, fault: Callable[[], None] = lambda: None
-) -> tuple[ThreadPoolExecutor, list[Future[LegResult]]]:
-    """P's legs for BURST short prompts, ``fault()``, then all their D legs at once (not
-    waited for)."""
-    prompts = [token_prompt(40, seed + i) for i in range(BURST)]
-    legs = [prefill_leg(pd["prefill"], prompt) for prompt in prompts]
-    fault()
-    pool = ThreadPoolExecutor(BURST)
-    futures = [
-        pool.submit(run_decode, pd["decode"], prompt, params, 60.0)
-        for prompt, params in zip(prompts, legs, strict=True)
-    ]
-    return pool, futures
 
 
 def test_prefill_shutdown_under_load_is_bounded(pd: Servers, fault_report: FaultReport) -> None:
