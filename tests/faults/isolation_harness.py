@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from hixl_connector.tools.demo.client import RequestFailed, complete, post_sse
 from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
@@ -148,3 +149,39 @@ def burst_of_reads(
         for prompt, params in zip(prompts, legs, strict=True)
     ]
     return pool, futures
+
+
+def engine_resources(server: VllmServer) -> tuple[int, int]:
+    """(open descriptors, threads) of the server's engine process, where the connector's
+    worker runs: the API server's child with the most threads."""
+    pid = server.pid
+    assert pid is not None
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    counts = []
+    for child in children:
+        try:
+            counts.append(
+                (len(os.listdir(f"/proc/{child}/task")), len(os.listdir(f"/proc/{child}/fd")))
+            )
+        except OSError:  # gone meanwhile
+            continue
+    threads, fds = max(counts)
+    return fds, threads
+
+
+def nothing_left_behind(server: VllmServer, before: tuple[int, int]) -> tuple[int, int]:
+    """Waits until the engine's descriptors and threads are back to ``before`` (notice lanes
+    idle out after a while); returns what they are."""
+    try:
+        wait_for(
+            lambda: all(n <= b for n, b in zip(engine_resources(server), before, strict=True)),
+            15.0,
+            f"{server.name}'s descriptors and threads back to {before}",
+        )
+    except TimeoutError:
+        pass
+    now = engine_resources(server)
+    assert all(n <= b for n, b in zip(now, before, strict=True)), (
+        f"{server.name} holds {now[0]} descriptors and {now[1]} threads, {before} before"
+    )
+    return now

@@ -49,6 +49,8 @@ from .isolation_harness import (
     SHUTDOWN_BOUND_S,
     Bystander,
     burst_of_reads,
+    engine_resources,
+    nothing_left_behind,
     recovered,
     shutdown_took,
     stuck_request,
@@ -57,6 +59,13 @@ from .isolation_harness import (
     timed_out_in_isolation,
 )
 from .netns import NetnsPair
+
+
+def kept(pd: Servers, before: tuple[int, int]) -> str:
+    """D's engine holds no more descriptors and threads than before the fault."""
+    fds, threads = nothing_left_behind(pd["decode"], before)
+    return f"; D's engine: {fds} fds, {threads} threads (before: {before[0]}, {before[1]})"
+
 
 IDLE_TIMEOUT_S = LEASE_S + 10.0
 
@@ -114,6 +123,7 @@ def test_black_holed_data_path(
     """Every packet to and from P's engine port is dropped; its HTTP and side channel still
     answer. A request through the router: P prefills, D's read times out asynchronously, the
     router answers with an error; no step of D waits for it."""
+    before = engine_resources(pd["decode"])
     engine_port = pd.config("prefill")["engine_port"]
     # Small reads from P, which D would read in the step over a same-host link, were loaded
     # asynchronously: they cross the network.
@@ -139,13 +149,14 @@ def test_black_holed_data_path(
         f"read fails after pull_timeout_s, asynchronously, and the router answers an error; "
         f"the next request through the router is identical after {back:.1f} s",
         took,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd, IDLE_TIMEOUT_S) + kept(pd, before),
     )
 
 
 def test_black_holed_side_channel(pd: Servers, net: NetnsPair, fault_report: FaultReport) -> None:
     """P's side channel goes silent after its leg: D reads the blocks over the data path as
     usual; its "done" never arrives, so P frees at lease expiry."""
+    before = engine_resources(pd["decode"])
     side_port = pd.config("prefill")["side_channel_port"]
     try:
         with Bystander(pd["decode"].url) as bystander:
@@ -169,7 +180,7 @@ def test_black_holed_side_channel(pd: Servers, net: NetnsPair, fault_report: Fau
         f"succeeds, token-identical; P frees at lease expiry; next request identical "
         f"after {back:.1f} s",
         took,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd, IDLE_TIMEOUT_S) + kept(pd, before),
     )
 
 
@@ -179,6 +190,7 @@ def test_partition_during_heartbeats(
     """P and D partitioned (engine port and side channel black-holed) after P's leg: D's read
     waits past heartbeat_s, so its lease heartbeats go out into the partition and fail on
     their lanes; the read times out; P's lease expires and P frees the blocks."""
+    before = engine_resources(pd["decode"])
     ports = (pd.config("prefill")["engine_port"], pd.config("prefill")["side_channel_port"])
     expired = hixl_counter(pd["prefill"], "expired_leases")
     lost = hixl_counter(pd["decode"], "failed_notifications")
@@ -210,13 +222,14 @@ def test_partition_during_heartbeats(
         "fail on their lanes, the read fails after pull_timeout_s, P's lease expires; next "
         f"request identical after {back:.1f} s",
         took,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd, IDLE_TIMEOUT_S) + kept(pd, before),
     )
 
 
 def test_stopped_prefill(pd: Servers, fault_report: FaultReport) -> None:
     """P is frozen (SIGSTOP) after its leg: its kernel still takes D's packets, nothing
     answers. D's read times out asynchronously; P resumes and serves the next request."""
+    before = engine_resources(pd["decode"])
     try:
         with Bystander(pd["decode"].url) as bystander:
             result, took = stuck_request(pd, 30, lambda: pd.kill("prefill", signal.SIGSTOP))
@@ -230,7 +243,7 @@ def test_stopped_prefill(pd: Servers, fault_report: FaultReport) -> None:
         f"read fails after pull_timeout_s, asynchronously; P resumed, next request "
         f"identical after {back:.1f} s",
         took,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd, IDLE_TIMEOUT_S) + kept(pd, before),
     )
 
 
@@ -239,6 +252,7 @@ def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
     streams. D's first request after the restart names P's new incarnation: D drops the old
     link and links the new P on its pool, and no step of D waits for that. A request whose
     params P issued before the restart is refused, never read."""
+    before = engine_resources(pd["decode"])
     prompt = token_prompt(150, seed=40)
     stale = prefill_leg(pd["prefill"], prompt)
     restarts = hixl_counter(pd["decode"], "peer_restarts")
@@ -247,7 +261,9 @@ def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
         pd.wait_gone("prefill")
         pd.restart("prefill")
         back = recovered(pd, 41)
+        began = time.monotonic()
         refused = run_decode(pd["decode"], prompt, stale, 60.0)
+        refused_in = refused.finished_at - began
     assert bystander.error is None, bystander.error
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
     fresh = prefill_leg(pd["prefill"], prompt)
@@ -255,15 +271,16 @@ def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
     assert fresh["remote_incarnation"] != stale["remote_incarnation"]
     assert hixl_counter(pd["decode"], "peer_restarts") == restarts + 1
     assert refused.failed, "params of P's previous start must not be read"
+    assert refused_in <= HANDSHAKE_TIMEOUT_S + 1.0, f"refused after {refused_in:.2f} s"
     run_decode(pd["decode"], prompt, fresh, 60.0)  # releases the lease the leg above took
     fault_report.record(
         "netns + TCP: P killed and restarted at the same address, same engine id, D streaming",
         f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the first "
         "request after the restart names P's new incarnation: D drops the old link and "
         "links the new P on its pool, token-identical; params of P's previous start are "
-        "refused",
+        f"refused in {refused_in:.2f} s",
         back,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd, IDLE_TIMEOUT_S) + kept(pd, before),
     )
 
 
