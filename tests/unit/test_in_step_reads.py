@@ -38,10 +38,10 @@ P_BASE, D_BASE = 300_000, 400_000
 ASYNC_READS = 64  # as many as D has rows for asynchronous reads
 RESULT_TIMEOUT_S = 30.0
 # Lease k leases block k + 1 of P. Lease 0 links P; leases 1..32 are each read twice,
-# asynchronously, in one step (P has a lease slot per block, fewer than 64 + 2); lease 33 is
-# read in the step.
+# asynchronously, in one step (P has a lease slot per block, fewer than 64 + 2); leases 33
+# and 34 are read in the step.
 SHARED = ASYNC_READS // 2
-LEASES = [(f"r-{k}", 1000 + k, [k + 1]) for k in range(SHARED + 2)]
+LEASES = [(f"r-{k}", 1000 + k, [k + 1]) for k in range(SHARED + 3)]
 assert len(LEASES) < NUM_BLOCKS
 
 
@@ -164,3 +164,26 @@ def test_a_same_host_link_is_reported_in_place_and_an_in_step_read_has_a_row_of_
         assert holds_block(decode["caches"], spec.local_block_ids[0], spec.remote_block_ids[0])
     stats = worker.get_stats()
     assert stats is not None and stats.reduce()["Num in step loads"] == 1
+
+
+def test_an_in_step_read_from_a_link_marked_broken_reads_and_the_step_never_handshakes(
+    prefill: int, decode: dict[str, Any]
+) -> None:
+    """Another request's failure marked P's rank broken (the scheduler learns of it a step
+    later): an in-step read still reads over the same-host link, which reads or fails at
+    once, instead of failing for a transient state or handshaking on the step thread."""
+    from hixl_connector.connector.metadata import HixlConnectorMetadata
+
+    worker = decode["worker"]
+    spec = recv_spec(prefill, SHARED + 2, local_block=SHARED + 3, in_step=True)
+    target = spec.remote.rank(0)
+    peer = worker._peers.in_place(target)
+    assert peer is not None, "linked by the test before"
+    worker._peers.mark_broken(peer)
+    began = time.monotonic()
+    worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
+    took = time.monotonic() - began
+    assert worker.take_load_errors() == set()
+    assert holds_block(decode["caches"], spec.local_block_ids[0], spec.remote_block_ids[0])
+    assert worker._peers.in_place(target) is peer, "the step thread handshook again"
+    assert took < 0.5, f"the step waited {took:.2f} s"
