@@ -25,7 +25,7 @@ Pure bookkeeping of the scheduler half: no engine, no I/O.
 from __future__ import annotations
 
 from hixl_connector.connector.blocks import blocks_for_tokens
-from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport
+from hixl_connector.connector.link_reports import LinkReport, put_newest
 from hixl_connector.connector.metadata import RemoteEndpoint
 
 
@@ -83,10 +83,8 @@ class InStepLoads:
                     ranks.add(rank)
                 else:
                     ranks.discard(rank)
-                if ranks:  # re-inserted: the most recently reported
-                    self._in_place[remote] = ranks
-        while len(self._in_place) > MAX_REPORTED_ENGINES:
-            del self._in_place[next(iter(self._in_place))]
+                if ranks:
+                    put_newest(self._in_place, remote, ranks)
 
     def in_place_engines(self) -> int:
         """P engines read in place by every rank."""

@@ -16,12 +16,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from hixl_connector.connector.metadata import RemoteEndpoint
 
 # Engines a worker remembers having reported; beyond this many the least recently read is
 # forgotten (reported again at its next read): engines come and go over a long run.
 MAX_REPORTED_ENGINES = 4096
+
+_Value = TypeVar("_Value")
+
+
+def put_newest(
+    engines: dict[RemoteEndpoint, _Value], remote: RemoteEndpoint, value: _Value
+) -> None:
+    """Sets ``remote`` as the most recent entry of ``engines`` (insertion order: oldest
+    first), forgetting the oldest beyond MAX_REPORTED_ENGINES."""
+    engines.pop(remote, None)
+    engines[remote] = value
+    while len(engines) > MAX_REPORTED_ENGINES:
+        del engines[next(iter(engines))]
 
 
 @dataclass(frozen=True)
@@ -66,9 +80,7 @@ class LinkReporter:
 
     def _note(self, remote: RemoteEndpoint, in_place: bool) -> None:
         with self._lock:
-            known = self._reported.pop(remote, None)
-            self._reported[remote] = in_place  # re-inserted: the most recently read
-            while len(self._reported) > MAX_REPORTED_ENGINES:
-                del self._reported[next(iter(self._reported))]
+            known = self._reported.get(remote)
+            put_newest(self._reported, remote, in_place)
             if known is not in_place:
                 self._changes[remote] = in_place

@@ -135,16 +135,18 @@ class PeerRegistry:
 
     def linked(self, target: PeerRank) -> Peer | None:
         """The peer if linked and not broken; never connects."""
-        with self._guard:
-            peer = self._peers.get(target.key)
+        peer = self._known(target)
         return peer if peer is not None and not peer.broken else None
 
     def in_place(self, target: PeerRank) -> Peer | None:
         """The peer if its link reads in place, broken or not (a broken same-host link
         either reads or fails at once); never connects."""
-        with self._guard:
-            peer = self._peers.get(target.key)
+        peer = self._known(target)
         return peer if peer is not None and peer.in_place else None
+
+    def _known(self, target: PeerRank) -> Peer | None:
+        with self._guard:
+            return self._peers.get(target.key)
 
     def mark_broken(self, peer: Peer) -> None:
         peer.broken = True
@@ -153,9 +155,8 @@ class PeerRegistry:
         """The client lease notices to ``target`` go through, and whether the caller owns
         (and closes) it: a linked peer's one persistent client, else a fresh one to an
         address no handshake vouched for."""
-        with self._guard:
-            peer = self._peers.get(target.key)
-        if peer is not None and not peer.broken:
+        peer = self.linked(target)
+        if peer is not None:
             return peer.client, False
         return self.client_for(target), True
 

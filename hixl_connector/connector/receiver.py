@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,7 @@ class Receiver:
         self._invalidate = invalidate  # an in-step read failed: its blocks hold no KV
         # Handshakes and links with P ranks not linked yet, off the step thread.
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
+        self._pooled: set[Future[None]] = set()  # work given to the pool, until it ends
         # One row of scratch words per read in flight: where its batch reads P's lease words.
         # In-step reads have rows of their own (the step thread's alone), so they never
         # wait for asynchronous ones.
@@ -145,7 +146,9 @@ class Receiver:
         if row is not None:
             self._begin(spec, queued_at, row, peers)
             return False
-        self._pool.submit(self._begin_pooled, spec, queued_at)
+        pooled = self._pool.submit(self._begin_pooled, spec, queued_at)
+        self._pooled.add(pooled)
+        pooled.add_done_callback(self._pooled.discard)
         return True
 
     def _start_in_step(self, spec: RecvSpec, queued_at: float) -> None:
@@ -231,15 +234,11 @@ class Receiver:
 
     def shutdown(self, wait_s: float) -> bool:
         """Stops the pool: queued reads are dropped, threads waiting for a row give up at
-        once, and a handshake under way is waited for up to ``wait_s``; True when every pool
-        thread ended."""
+        once, and a handshake under way is waited for up to ``wait_s``; True when all the
+        pool's work ended."""
         self._closing.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + wait_s
-        threads = list(getattr(self._pool, "_threads", ()))
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in threads)
+        return not wait(list(self._pooled), timeout=wait_s).not_done
 
     def _free_row(self) -> int | None:
         try:
@@ -260,10 +259,13 @@ class Receiver:
         is missing."""
         if spec.error:
             return {}
-        plan = self._plans.rank_plan(spec.remote.tp_size)
-        found = {p_rank: lookup(spec.remote.rank(p_rank)) for p_rank in plan.notify}
-        peers = {p_rank: peer for p_rank, peer in found.items() if peer is not None}
-        return peers if len(peers) == len(found) else None
+        peers: dict[int, Peer] = {}
+        for p_rank in self._plans.rank_plan(spec.remote.tp_size).notify:
+            peer = lookup(spec.remote.rank(p_rank))
+            if peer is None:
+                return None
+            peers[p_rank] = peer
+        return peers
 
     def _begin_pooled(self, spec: RecvSpec, queued_at: float) -> None:
         while not self._closing.is_set():  # waits while every row is in flight

@@ -4,6 +4,7 @@ off again), free ports, and bounded child processes."""
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
@@ -76,3 +77,12 @@ def stop(proc: subprocess.Popen[str]) -> str:
         proc.kill()
         proc.wait(timeout=STOP_TIMEOUT_S)
     return out or ""
+
+
+def launch_prefill_worker(spec: dict[str, Any], directory: Path) -> subprocess.Popen[str]:
+    """prefill_worker.py (a real HixlWorker as P, in its own process) with ``spec``, its JSON
+    written into ``directory``; not waited for (``ready`` does)."""
+    spec_file = directory / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return launch([sys.executable, str(HERE / "prefill_worker.py"), str(spec_file)], env)

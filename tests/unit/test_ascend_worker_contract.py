@@ -28,7 +28,7 @@ from hixl_connector.tools.demo.processes import free_port
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
 from harness import (  # noqa: E402
-    launch,
+    launch_prefill_worker,
     ready,
     standin_on_path,
     stop,
@@ -82,12 +82,8 @@ def prefill(
         "tp_port": free_port(),
         "leases": LEASES,
     }
-    script = str(STANDIN_DIR / "prefill_worker.py")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    spec_file = tmp_path_factory.mktemp("prefill") / "spec.json"
-    spec_file.write_text(json.dumps(spec))
     # Not waited for here: P imports vLLM while D does the same in this process.
-    proc = launch([sys.executable, script, str(spec_file)], env)
+    proc = launch_prefill_worker(spec, tmp_path_factory.mktemp("prefill"))
     result: dict[str, Any] = {"proc": proc, "pid": proc.pid, "side_port": side_port}
     yield result
     if proc.poll() is None:

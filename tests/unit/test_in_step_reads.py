@@ -9,8 +9,6 @@ hold every row of the asynchronous ones in the same step.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ from hixl_connector.tools.demo.processes import free_port
 
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
-from harness import launch, ready, stop  # noqa: E402
+from harness import launch_prefill_worker, ready, stop  # noqa: E402
 from worker_harness import (  # noqa: E402
     NUM_BLOCKS,
     P_INCARNATION,
@@ -62,10 +60,7 @@ def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "tp_port": free_port(),
         "leases": LEASES,
     }
-    spec_file = tmp_path_factory.mktemp("prefill") / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = launch([sys.executable, str(STANDIN_DIR / "prefill_worker.py"), str(spec_file)], env)
+    proc = launch_prefill_worker(spec, tmp_path_factory.mktemp("prefill"))
     try:
         ready(proc)
         yield side_port
