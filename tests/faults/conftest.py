@@ -20,7 +20,7 @@ from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 from .deployments import short_lease_pair
 from .fault_harness import FaultReport, Servers
-from .netns import NetnsPair, NetnsUnavailable, make_pair
+from .netns import NetnsBed, NetnsUnavailable, make_bed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPORT = REPO_ROOT / "artifacts" / "faults" / "reliability.json"
@@ -82,13 +82,13 @@ def lease_pd(model_dir: Path, log_dir: Path) -> Iterator[Servers]:
 
 
 @pytest.fixture(scope="module")
-def net() -> Iterator[NetnsPair]:
-    """P's and D's network namespaces (netns.py), for one module's servers."""
+def net() -> Iterator[NetnsBed]:
+    """P's, D's and the router's network namespaces (netns.py), for one module's servers."""
     try:
-        pair = make_pair()
+        bed = make_bed()
     except NetnsUnavailable as e:
         pytest.skip(str(e))
     try:
-        yield pair
+        yield bed
     finally:
-        pair.remove()
+        bed.remove()

@@ -33,7 +33,7 @@ from hixl_connector.tools.demo.servers import (
     vllm_server_argv,
 )
 
-from .netns import NetnsPair
+from .netns import NetnsBed
 
 HEALTH_TIMEOUT_S = 300.0
 MAX_TOKENS = 16
@@ -244,9 +244,12 @@ class Servers:
         # A later --host wins over the default 127.0.0.1 (argparse keeps the last value).
         return ["--host", self._http_hosts[name]] if name in self._http_hosts else []
 
-    def restart(self, name: str) -> float:
+    def restart(self, name: str, engine_id: str | None = None) -> float:
+        """Stops the server and starts it on the same port, under ``engine_id`` if given."""
         old = self._servers[name]
         old.stop()
+        if engine_id is not None:
+            self._configs[name] = {**self._configs[name], "engine_id": engine_id}
         return self.start(name, ports={name: old.port})
 
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
@@ -338,7 +341,7 @@ def in_namespaces(
     model_dir: Path,
     log_dir: Path,
     configs: dict[str, dict[str, Any]],
-    net: NetnsPair,
+    net: NetnsBed,
     extra_args: Mapping[str, Sequence[str]] | None = None,
 ) -> Servers:
     """P and D servers each in its own namespace of ``net``: side channel and engine on the

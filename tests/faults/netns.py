@@ -1,12 +1,15 @@
-"""Two network namespaces joined by a veth pair, made and removed by a test (needs root).
+"""P, D and the router each in their own network namespace, made and removed by a test (needs
+root).
 
 Layout (X derived from the test's pid so parallel runs do not collide):
 - data link: ``hxd<X>p`` in the P namespace (10.77.X.1) <-> ``hxd<X>d`` in the D namespace
   (10.77.X.2): the side channel and the TCP transport run over it, and tests cut it or add
   delay and loss on it (netem, or tbf plus nftables random drops where the kernel has no
   netem);
-- management links from the root namespace to each server's HTTP port (10.78.X.0/30 to P,
-  10.79.X.0/30 to D), so the test talks to the servers while the data link is cut or impaired.
+- management network 10.78.X.0/24: a bridge in a namespace of its own (so no host firewall
+  filters it) joins the root namespace (.1), P (.2), D (.3) and the router (.4). HTTP runs
+  over it: the router reaches P and D, and the test reaches all three, while the data link is
+  cut or impaired.
 Only interfaces this module creates are touched; ``remove`` deletes the namespaces, which
 deletes every interface in them and their peers.
 """
@@ -33,7 +36,7 @@ def _run(*argv: str) -> None:
 
 
 @dataclass(frozen=True)
-class NetnsPair:
+class NetnsBed:
     tag: int
 
     @property
@@ -43,6 +46,15 @@ class NetnsPair:
     @property
     def ns_d(self) -> str:
         return f"hxf{self.tag}d"
+
+    @property
+    def ns_router(self) -> str:
+        return f"hxf{self.tag}r"
+
+    @property
+    def ns_fabric(self) -> str:
+        """Holds the management bridge."""
+        return f"hxf{self.tag}m"
 
     @property
     def data_p(self) -> str:
@@ -66,7 +78,11 @@ class NetnsPair:
 
     @property
     def d_http(self) -> str:
-        return f"10.79.{self.tag}.2"
+        return f"10.78.{self.tag}.3"
+
+    @property
+    def router_http(self) -> str:
+        return f"10.78.{self.tag}.4"
 
     def exec_prefix(self, ns: str) -> list[str]:
         return ["ip", "netns", "exec", ns]
@@ -77,8 +93,9 @@ class NetnsPair:
     def create(self) -> None:
         if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
             raise NetnsUnavailable("network namespace tests need root, ip and tc")
-        _run("ip", "netns", "add", self.ns_p)
-        _run("ip", "netns", "add", self.ns_d)
+        for ns in (self.ns_p, self.ns_d, self.ns_router, self.ns_fabric):
+            _run("ip", "netns", "add", ns)
+            self.in_ns(ns, "ip", "link", "set", "lo", "up")
         _run(
             "ip", "link", "add", self.data_p, "netns", self.ns_p,
             "type", "veth", "peer", "name", self.data_d, "netns", self.ns_d,
@@ -87,16 +104,28 @@ class NetnsPair:
             (self.ns_p, self.data_p, self.p_ip),
             (self.ns_d, self.data_d, self.d_ip),
         ):
-            self.in_ns(ns, "ip", "link", "set", "lo", "up")
             self.in_ns(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
             self.in_ns(ns, "ip", "link", "set", dev, "up")
-        for ns, net, side in ((self.ns_p, 78, "p"), (self.ns_d, 79, "d")):
-            root_dev, ns_dev = f"hxm{self.tag}{side}0", f"hxm{self.tag}{side}1"
-            _run("ip", "link", "add", root_dev, "type", "veth", "peer", "name", ns_dev, "netns", ns)
-            _run("ip", "addr", "add", f"10.{net}.{self.tag}.1/30", "dev", root_dev)
-            _run("ip", "link", "set", root_dev, "up")
-            self.in_ns(ns, "ip", "addr", "add", f"10.{net}.{self.tag}.2/30", "dev", ns_dev)
-            self.in_ns(ns, "ip", "link", "set", ns_dev, "up")
+        self._management_network()
+
+    def _management_network(self) -> None:
+        bridge = f"hxb{self.tag}"
+        self.in_ns(self.ns_fabric, "ip", "link", "add", bridge, "type", "bridge")
+        self.in_ns(self.ns_fabric, "ip", "link", "set", bridge, "up")
+        members = (
+            ("h", None, 1),
+            ("p", self.ns_p, 2),
+            ("d", self.ns_d, 3),
+            ("r", self.ns_router, 4),
+        )
+        for side, ns, host in members:
+            port, end = f"hxm{self.tag}{side}0", f"hxm{self.tag}{side}1"
+            _run("ip", "link", "add", port, "netns", self.ns_fabric,
+                 "type", "veth", "peer", "name", end, *(("netns", ns) if ns else ()))  # fmt: skip
+            self.in_ns(self.ns_fabric, "ip", "link", "set", port, "master", bridge, "up")
+            prefix = self.exec_prefix(ns) if ns else []
+            _run(*prefix, "ip", "addr", "add", f"10.78.{self.tag}.{host}/24", "dev", end)
+            _run(*prefix, "ip", "link", "set", end, "up")
 
     def set_data_link(self, up: bool) -> None:
         self.in_ns(self.ns_p, "ip", "link", "set", self.data_p, "up" if up else "down")
@@ -178,19 +207,17 @@ class NetnsPair:
             self.in_ns(ns, "tc", "qdisc", "add", "dev", dev, "root", *spec)
 
     def remove(self) -> None:
-        for ns in (self.ns_p, self.ns_d):
+        for ns in (self.ns_p, self.ns_d, self.ns_router, self.ns_fabric):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
-        for side in ("p", "d"):  # normally gone with the namespace already
-            subprocess.run(
-                ["ip", "link", "del", f"hxm{self.tag}{side}0"], capture_output=True, timeout=20
-            )
+        # Normally gone with its peer in the fabric namespace already.
+        subprocess.run(["ip", "link", "del", f"hxm{self.tag}h1"], capture_output=True, timeout=20)
 
 
-def make_pair() -> NetnsPair:
-    pair = NetnsPair(tag=20 + os.getpid() % 200)
+def make_bed() -> NetnsBed:
+    bed = NetnsBed(tag=20 + os.getpid() % 200)
     try:
-        pair.create()
+        bed.create()
     except Exception:
-        pair.remove()
+        bed.remove()
         raise
-    return pair
+    return bed

@@ -37,14 +37,14 @@ from .fault_harness import (
     wait_for,
     wait_idle,
 )
-from .netns import NetnsPair
+from .netns import NetnsBed
 
 MARGIN_S = 3.0
 IDLE_TIMEOUT_S = LEASE_S + 10.0
 
 
 @pytest.fixture(scope="module")
-def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
+def pd(model_dir: Path, log_dir: Path, net: NetnsBed) -> Iterator[Servers]:
     servers = in_namespaces(model_dir, log_dir / "netns", short_lease_pair("tcp"), net)
     try:
         servers.start("prefill", "decode")
@@ -85,7 +85,7 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def test_listeners_bind_the_configured_address_only(pd: Servers, net: NetnsPair) -> None:
+def test_listeners_bind_the_configured_address_only(pd: Servers, net: NetnsBed) -> None:
     """No wildcard listener; the side channel and the engine listen on 10.77.X.1 only."""
     side_port = pd.config("prefill")["side_channel_port"]
     pid = pd["prefill"].pid
@@ -115,9 +115,7 @@ def mean_pull_ms(pd: Servers, work: Callable[[], list[float]]) -> float:
     return (seconds2 - seconds) / (count2 - count) * 1000
 
 
-def test_impaired_link_still_correct(
-    pd: Servers, net: NetnsPair, fault_report: FaultReport
-) -> None:
+def test_impaired_link_still_correct(pd: Servers, net: NetnsBed, fault_report: FaultReport) -> None:
     timed_two_legs(pd, seed=20)  # linked before measuring
     clean = mean_pull_ms(pd, lambda: [timed_two_legs(pd, seed=21 + i) for i in range(2)])
     applied = net.degrade()
@@ -138,7 +136,7 @@ def test_impaired_link_still_correct(
 
 
 def test_link_cut_mid_pull_then_restored(
-    pd: Servers, net: NetnsPair, fault_report: FaultReport
+    pd: Servers, net: NetnsBed, fault_report: FaultReport
 ) -> None:
     timed_two_legs(pd, seed=30)  # D is linked to P over the data link
     prompt = token_prompt(200, seed=31)

@@ -1,7 +1,7 @@
 """A silent, stopped or restarted P never stalls D: P and D each in their own network
 namespace, TCP transport, D's reads otherwise as configured by default (small ones in the step
-where that is safe), vllm-router in the root namespace reaching both over their own links,
-while D streams a request of its own (the bystander).
+where that is safe), vllm-router in a third namespace reaching both over the management
+network, while D streams a request of its own (the bystander).
 
 Each case asserts the bystander's largest gap between two tokens (the step thread never
 waits on a peer), how and when the stuck request ended, that the next request after the
@@ -58,7 +58,7 @@ from .isolation_harness import (
     through_router,
     timed_out_in_isolation,
 )
-from .netns import NetnsPair
+from .netns import NetnsBed
 
 
 def kept(pd: Servers, before: tuple[int, int]) -> str:
@@ -71,7 +71,7 @@ IDLE_TIMEOUT_S = LEASE_S + 10.0
 
 
 @pytest.fixture(scope="module")
-def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
+def pd(model_dir: Path, log_dir: Path, net: NetnsBed) -> Iterator[Servers]:
     common = {
         "transport": "tcp",
         "lease_s": LEASE_S,
@@ -107,9 +107,15 @@ def pd(model_dir: Path, log_dir: Path, net: NetnsPair) -> Iterator[Servers]:
 
 
 @pytest.fixture(scope="module")
-def router(pd: Servers, log_dir: Path) -> Iterator[RouterProcess]:
-    """vllm-router in the root namespace, sending each request to P, then D."""
-    router = start_router([pd["prefill"].url], [pd["decode"].url], log_dir / "netns_isolation")
+def router(pd: Servers, log_dir: Path, net: NetnsBed) -> Iterator[RouterProcess]:
+    """vllm-router in its own namespace, sending each request to P, then D."""
+    router = start_router(
+        [pd["prefill"].url],
+        [pd["decode"].url],
+        log_dir / "netns_isolation",
+        host=net.router_http,
+        wrap=net.exec_prefix(net.ns_router),
+    )
     try:
         router.wait_healthy(60.0)
         yield router
@@ -118,7 +124,7 @@ def router(pd: Servers, log_dir: Path) -> Iterator[RouterProcess]:
 
 
 def test_black_holed_data_path(
-    pd: Servers, router: RouterProcess, net: NetnsPair, fault_report: FaultReport
+    pd: Servers, router: RouterProcess, net: NetnsBed, fault_report: FaultReport
 ) -> None:
     """Every packet to and from P's engine port is dropped; its HTTP and side channel still
     answer. A request through the router: P prefills, D's read times out asynchronously, the
@@ -153,7 +159,7 @@ def test_black_holed_data_path(
     )
 
 
-def test_black_holed_side_channel(pd: Servers, net: NetnsPair, fault_report: FaultReport) -> None:
+def test_black_holed_side_channel(pd: Servers, net: NetnsBed, fault_report: FaultReport) -> None:
     """P's side channel goes silent after its leg: D reads the blocks over the data path as
     usual; its "done" never arrives, so P frees at lease expiry."""
     before = engine_resources(pd["decode"])
@@ -184,9 +190,7 @@ def test_black_holed_side_channel(pd: Servers, net: NetnsPair, fault_report: Fau
     )
 
 
-def test_partition_during_heartbeats(
-    pd: Servers, net: NetnsPair, fault_report: FaultReport
-) -> None:
+def test_partition_during_heartbeats(pd: Servers, net: NetnsBed, fault_report: FaultReport) -> None:
     """P and D partitioned (engine port and side channel black-holed) after P's leg: D's read
     waits past heartbeat_s, so its lease heartbeats go out into the partition and fail on
     their lanes; the read times out; P's lease expires and P frees the blocks."""
@@ -247,19 +251,22 @@ def test_stopped_prefill(pd: Servers, fault_report: FaultReport) -> None:
     )
 
 
-def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
-    """P is killed and started again at the same addresses under the same engine id while D
-    streams. D's first request after the restart names P's new incarnation: D drops the old
-    link and links the new P on its pool, and no step of D waits for that. A request whose
-    params P issued before the restart is refused, never read."""
+@pytest.mark.parametrize("renamed", [False, True], ids=["same-engine-id", "new-engine-id"])
+def test_restarted_prefill(pd: Servers, fault_report: FaultReport, renamed: bool) -> None:
+    """P is killed and started again at the same addresses, under the same engine id (only
+    its incarnation changes) or a new one, while D streams. D's first request after the
+    restart names the new P: D drops the old link and links the new P on its pool, and no
+    step of D waits for that. A request whose params P issued before the restart is refused,
+    never read."""
     before = engine_resources(pd["decode"])
     prompt = token_prompt(150, seed=40)
     stale = prefill_leg(pd["prefill"], prompt)
     restarts = hixl_counter(pd["decode"], "peer_restarts")
+    engine_id = f"{stale['remote_engine_id']}-renamed" if renamed else None
     with Bystander(pd["decode"].url) as bystander:
         pd.kill("prefill")
         pd.wait_gone("prefill")
-        pd.restart("prefill")
+        pd.restart("prefill", engine_id)
         back = recovered(pd, 41)
         began = time.monotonic()
         refused = run_decode(pd["decode"], prompt, stale, 60.0)
@@ -267,16 +274,18 @@ def test_restarted_prefill(pd: Servers, fault_report: FaultReport) -> None:
     assert bystander.error is None, bystander.error
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
     fresh = prefill_leg(pd["prefill"], prompt)
-    assert fresh["remote_engine_id"] == stale["remote_engine_id"]
+    assert fresh["remote_engine_id"] == (engine_id or stale["remote_engine_id"])
     assert fresh["remote_incarnation"] != stale["remote_incarnation"]
     assert hixl_counter(pd["decode"], "peer_restarts") == restarts + 1
     assert refused.failed, "params of P's previous start must not be read"
     assert refused_in <= HANDSHAKE_TIMEOUT_S + 1.0, f"refused after {refused_in:.2f} s"
     run_decode(pd["decode"], prompt, fresh, 60.0)  # releases the lease the leg above took
     fault_report.record(
-        "netns + TCP: P killed and restarted at the same address, same engine id, D streaming",
+        "netns + TCP: P killed and restarted at the same address, "
+        + ("a new engine id" if renamed else "same engine id")
+        + ", D streaming",
         f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; the first "
-        "request after the restart names P's new incarnation: D drops the old link and "
+        "request after the restart names the new P: D drops the old link and "
         "links the new P on its pool, token-identical; params of P's previous start are "
         f"refused in {refused_in:.2f} s",
         back,
@@ -308,7 +317,7 @@ def test_prefill_shutdown_under_load_is_bounded(pd: Servers, fault_report: Fault
 
 
 def test_decode_shutdown_under_load_is_bounded(
-    pd: Servers, net: NetnsPair, fault_report: FaultReport
+    pd: Servers, net: NetnsBed, fault_report: FaultReport
 ) -> None:
     """P's data path black-holed, so D's reads of a burst hang: 64 in flight in D's engine,
     the rest waiting for a row. D gets SIGTERM: vLLM drains (--shutdown-timeout), so the

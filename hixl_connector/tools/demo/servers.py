@@ -185,8 +185,10 @@ def router_argv(
     request_timeout_s: int = 300,
     worker_startup_timeout_s: int = 300,
     extra_args: Sequence[str] = (),
+    host: str = HOST,
 ) -> list[str]:
-    """Command line of the vLLM router in PD mode, bound to 127.0.0.1.
+    """Command line of the vLLM router in PD mode, bound to ``host`` (its metrics to
+    127.0.0.1).
 
     The router polls worker health at start-up every ``--worker-startup-check-interval``
     seconds (default 30), so a short interval keeps start-up fast. Its Prometheus exporter
@@ -199,7 +201,7 @@ def router_argv(
         argv += ["--prefill", url]
     for url in decode_urls:
         argv += ["--decode", url]
-    argv += ["--policy", policy, "--host", HOST, "--port", str(port)]
+    argv += ["--policy", policy, "--host", host, "--port", str(port)]
     argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port)]
     argv += ["--worker-startup-check-interval", "1"]
     argv += ["--worker-startup-timeout-secs", str(worker_startup_timeout_s)]
@@ -211,10 +213,10 @@ def router_argv(
 class RouterProcess(ManagedProcess):
     """The vLLM router in PD-disaggregation mode."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path, port: int) -> None:
+    def __init__(self, argv: Sequence[str], log_path: Path, port: int, host: str = HOST) -> None:
         super().__init__("router", argv, log_path, env=dict(os.environ))
         self.port = port
-        self.url = f"http://{HOST}:{port}"
+        self.url = f"http://{host}:{port}"
         self.healthy_after_s: float | None = None
 
     def wait_healthy(self, timeout_s: float = 60.0) -> float:
@@ -231,12 +233,19 @@ def start_router(
     log_dir: str | os.PathLike[str],
     *,
     port: int | None = None,
+    host: str = HOST,
+    wrap: Sequence[str] = (),
     **kwargs: Any,
 ) -> RouterProcess:
-    """Start the router (call ``wait_healthy`` next). Logs go to ``log_dir/router.log``."""
+    """Start the router (call ``wait_healthy`` next). Logs go to ``log_dir/router.log``.
+
+    ``wrap`` prefixes the command line (e.g. ``ip netns exec NS`` to run it in a network
+    namespace, where it binds ``host``)."""
     chosen = port if port is not None else free_port()
-    argv = router_argv(prefill_urls, decode_urls, chosen, metrics_port=free_port(), **kwargs)
-    router = RouterProcess(argv, Path(log_dir) / "router.log", chosen)
+    argv = router_argv(
+        prefill_urls, decode_urls, chosen, metrics_port=free_port(), host=host, **kwargs
+    )
+    router = RouterProcess([*wrap, *argv], Path(log_dir) / "router.log", chosen, host)
     router.start()
     return router
 
