@@ -13,12 +13,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hixl_connector.connector import vllm_interface
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
@@ -45,6 +44,7 @@ _log_where_vllm_logs()
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -61,12 +61,15 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
     """Supports the hybrid KV-cache manager: each KV-cache group moves with its own block ids
     (a sliding-window group only the blocks still in its window)."""
 
-    _cache_hit_source = CacheHitSource.P2P
+    _cache_hit_source = vllm_interface.p2p_cache_hit_source()
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        vllm_interface.check_this_vllm(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        # Blocks of failed receives, for vLLM that takes them as load errors (get_finished).
+        self._failed_receive_blocks: set[int] = set()
         config = HixlConfig.from_vllm_config(vllm_config)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self._scheduler: HixlScheduler | None = None
@@ -142,15 +145,31 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         """Pull mode: nothing is saved; P's blocks stay leased until D is done."""
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM with KVConnectorTransferResults: failed receives by request id."""
         assert self._worker is not None
-        sending, recving, failed = self._worker.get_transfer_results()
-        return KVConnectorTransferResults(
-            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        results = self._worker.get_transfer_results()
+        return cast(
+            "KVConnectorTransferResults",
+            vllm_interface.transfer_results(
+                results.finished_sending, results.finished_recving, results.failed_recving
+            ),
         )
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM without get_transfer_results (vllm_interface): a failed receive is finished,
+        and its blocks are load errors of this same step."""
+        assert self._worker is not None
+        results = self._worker.get_transfer_results()
+        self._failed_receive_blocks |= results.failed_blocks
+        return results.finished_sending or None, results.finished_recving or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of in-step reads that failed: vLLM recomputes or fails their requests."""
-        return self._worker.take_load_errors() if self._worker is not None else set()
+        """Blocks of in-step reads that failed (and, where vLLM asks get_finished, of failed
+        receives): vLLM recomputes or fails their requests."""
+        if self._worker is None:
+            return set()
+        failed, self._failed_receive_blocks = self._failed_receive_blocks, set()
+        return self._worker.take_load_errors() | failed
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Which P engines this rank now reads in place (link_reports), for the scheduler."""

@@ -97,7 +97,7 @@ class Receiver:
         tp_rank: int,
         record: Callable[[str], None],
         record_pull: Callable[[float, float, int, int], None],
-        finish: Callable[[str, bool], None],
+        finish: Callable[[str, bool, tuple[int, ...]], None],
         invalidate: Callable[[tuple[int, ...]], None],
     ) -> None:
         self._config = config
@@ -372,7 +372,7 @@ class Receiver:
         if spec.in_step:
             self._record("in_step_loads")
         else:
-            self._finish(spec.request_id, True)
+            self._finish(spec.request_id, True, spec.local_block_ids)
         self._notices.release_later(self._release(spec), "done")
 
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
@@ -403,7 +403,7 @@ class Receiver:
         if spec.in_step:
             self._invalidate(spec.local_block_ids)
         else:
-            self._finish(spec.request_id, False)
+            self._finish(spec.request_id, False, spec.local_block_ids)
 
     @staticmethod
     def _release(spec: RecvSpec) -> ReleaseSpec:

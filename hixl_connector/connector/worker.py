@@ -56,6 +56,18 @@ SHUTDOWN_WAIT_S = 2.0
 class _Outcome:
     request_id: str
     ok: bool
+    block_ids: tuple[int, ...]  # where the KV was to land
+
+
+@dataclass(frozen=True)
+class TransferResults:
+    """What ended since the last step. A failed receive is in ``finished_recving`` too;
+    ``failed_blocks`` are its blocks (for vLLM that takes failures as load errors)."""
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+    failed_blocks: set[int]
 
 
 class HixlWorker:
@@ -251,8 +263,8 @@ class HixlWorker:
                 self._notices.release_later(release)
             self._notices.heartbeats(metadata.heartbeats, now)
 
-    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) since the last call."""
+    def get_transfer_results(self) -> TransferResults:
+        """What ended since the last call."""
         idle = self._idle_step and self._outcomes.empty()
         if self._receiver is not None and self._receiver.in_flight():
             self._receiver.collect(IDLE_STEP_WAIT_S if idle else 0.0)
@@ -261,6 +273,7 @@ class HixlWorker:
         self._wake.clear()
         recving: set[str] = set()
         failed: set[str] = set()
+        failed_blocks: set[int] = set()
         while True:
             try:
                 outcome = self._outcomes.get_nowait()
@@ -269,8 +282,9 @@ class HixlWorker:
             recving.add(outcome.request_id)
             if not outcome.ok:
                 failed.add(outcome.request_id)
+                failed_blocks.update(outcome.block_ids)
         finished = set() if self._leases is None else self._leases.finished(time.monotonic())
-        return finished, recving, failed
+        return TransferResults(finished, recving, failed, failed_blocks)
 
     def take_load_errors(self) -> set[int]:
         """Blocks of in-step reads that failed since the last call: they hold no KV."""
@@ -297,9 +311,9 @@ class HixlWorker:
         with self._stats_lock:
             self._stats.record_pull(pull_s, ready_s, nbytes, blocks)
 
-    def _finish(self, request_id: str, ok: bool) -> None:
+    def _finish(self, request_id: str, ok: bool, block_ids: tuple[int, ...]) -> None:
         """A receive ended: reported at the next get_transfer_results, which it wakes."""
-        self._outcomes.put(_Outcome(request_id, ok))
+        self._outcomes.put(_Outcome(request_id, ok, block_ids))
         self._wake.set()
 
     def _invalidate(self, block_ids: tuple[int, ...]) -> None:

@@ -143,7 +143,8 @@ def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local:
     worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
     deadline = time.monotonic() + RESULT_TIMEOUT_S
     while time.monotonic() < deadline:
-        _, recving, failed = worker.get_transfer_results()
+        results = worker.get_transfer_results()
+        recving, failed = results.finished_recving, results.failed_recving
         if spec.request_id in recving:
             return spec.request_id not in failed
         time.sleep(0.02)

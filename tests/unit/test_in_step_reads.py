@@ -113,7 +113,8 @@ def finished(worker: Any, request_ids: set[str]) -> tuple[set[str], set[str]]:
     failed: set[str] = set()
     deadline = time.monotonic() + RESULT_TIMEOUT_S
     while ended < request_ids and time.monotonic() < deadline:
-        _, recving, failing = worker.get_transfer_results()
+        results = worker.get_transfer_results()
+        recving, failing = results.finished_recving, results.failed_recving
         ended |= recving
         failed |= failing
         time.sleep(0.002)

@@ -3,7 +3,8 @@ KV-cache manager on, so every request has two KV-cache groups, and with it off.
 
 With the manager on, each group moves with its own block ids and the sliding-window group
 only the blocks D still attends to; with it off every layer keeps and ships its whole
-history. Both must be token-identical to a plain server.
+history. Both must be token-identical to a plain server. On a vLLM that reports failed reads
+by block id only (vllm_interface), the manager on is refused at start instead.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from hixl_connector.connector.vllm_interface import REPORTS_FAILED_RECEIVES
 from hixl_connector.tools.demo.client import complete
+from hixl_connector.tools.demo.processes import ProcessFailed
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
 from hixl_connector.tools.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
 
@@ -53,6 +56,8 @@ class HybridFleet:
 def fleet(
     tmp_path_factory: pytest.TempPathFactory, e2e_log_dir: Path, process_registry: ProcessRegistry
 ) -> Iterator[HybridFleet]:
+    if not REPORTS_FAILED_RECEIVES:
+        pytest.skip("this vLLM refuses the hybrid manager with the connector (tested below)")
     model = build_tiny_model(tmp_path_factory.mktemp("gemma3") / "model", "gemma3")
     launcher = PDLauncher(model, e2e_log_dir / "hybrid", process_registry)
     try:
@@ -135,3 +140,21 @@ def test_mismatched_groups_fail_the_request_naming_them_and_free_the_prefill(
     assert "the prefill side sent 2 KV-cache groups, this engine has 1" in decode.log_tail(200)
     assert pulled(decode)[0] == pulls
     wait_kv_idle(fleet.servers["p_on"])  # D released at once: well within the 30 s lease
+
+
+@pytest.mark.skipif(REPORTS_FAILED_RECEIVES, reason="this vLLM reports failed reads by request")
+def test_the_manager_is_refused_where_a_failed_read_would_crash_the_scheduler(
+    tmp_path_factory: pytest.TempPathFactory, e2e_log_dir: Path, process_registry: ProcessRegistry
+) -> None:
+    """An older vLLM maps failed blocks to requests in the first KV-cache group only: the
+    connector refuses to start there with two groups, naming the way out."""
+    model = build_tiny_model(tmp_path_factory.mktemp("gemma3_refused") / "model", "gemma3")
+    launcher = PDLauncher(model, e2e_log_dir / "hybrid_refused", process_registry)
+    try:
+        decode = launcher.server("d_on", hixl_connector_config("decode"))
+        with pytest.raises(ProcessFailed) as refused:
+            decode.wait_healthy(launcher.health_timeout_s)
+    finally:
+        launcher.stop_all()
+    assert "this model has 2 (hybrid KV-cache manager)" in str(refused.value)
+    assert "--disable-hybrid-kv-cache-manager" in str(refused.value)
