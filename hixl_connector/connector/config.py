@@ -159,6 +159,15 @@ def check_parallelism(parallel_config: Any) -> None:
                 f"some of a request's {part}. Run this server with {flag} 1 (tensor and data "
                 "parallelism are supported)"
             )
+    nodes = getattr(parallel_config, "nnodes_within_dp", 1)
+    if nodes > 1:
+        raise ValueError(
+            f"hixl_connector does not support tensor parallelism across nodes (one engine "
+            f"spans {nodes} nodes, --nnodes {parallel_config.nnodes}): the engine's scheduler "
+            "publishes each lease in shared memory that every TP rank maps, so all ranks of "
+            "an engine must share a host. Keep each engine's TP within a node and add P or D "
+            "instances (or data-parallel ranks) instead"
+        )
 
 
 def derived_cluster_id_base(engine_id: str) -> int:

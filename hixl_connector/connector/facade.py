@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hixl_connector.connector import vllm_interface
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.kv_groups import check_movable
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 
@@ -67,6 +68,7 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         vllm_interface.check_this_vllm(kv_cache_config)
+        check_movable(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         # Blocks of failed receives, for vLLM that takes them as load errors (get_finished).
         self._failed_receive_blocks: set[int] = set()
@@ -178,7 +180,18 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         return cast(KVConnectorWorkerMetadata | None, self._worker.take_link_report())
 
     def get_kv_connector_stats(self) -> HixlKVConnectorStats | None:
-        return self._worker.get_stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.get_stats()
+        assert self._scheduler is not None
+        misconfigured = self._scheduler.misconfigured.take()
+        if not misconfigured:
+            return None
+        from hixl_connector.connector.stats import HixlKVConnectorStats
+
+        stats = HixlKVConnectorStats()
+        for kind, n in misconfigured.items():
+            stats.record_misconfigured(kind, n)
+        return stats
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -4,7 +4,7 @@ no torch, no engine."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hixl_connector.connector.block_slices import blocks_per_block
@@ -22,6 +22,45 @@ def group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, ...]
     return tuple(int(group.kv_cache_spec.block_size) for group in groups) or (
         int(vllm_config.cache_config.block_size),
     )
+
+
+def check_movable(kv_cache_config: Any) -> None:
+    """Refuses, at start, a model with KV-cache state the connector cannot move: it reads
+    attention KV (full, sliding-window, MLA), blocks of tokens; a per-request state such as
+    Mamba's cannot be read block by block, and must not be silently left behind."""
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        spec = group.kv_cache_spec
+        for layer_spec in list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]:
+            if not any(cls.__name__ == "AttentionSpec" for cls in type(layer_spec).__mro__):
+                layers = ", ".join(group.layer_names[:3]) + (
+                    ", ..." if len(group.layer_names) > 3 else ""
+                )
+                raise ValueError(
+                    f"hixl_connector moves attention KV only; KV-cache group {index} of this "
+                    f"model holds {type(layer_spec).__name__} state ({layers}), which is not "
+                    "kept in blocks of tokens and cannot be pulled. Serve this model without "
+                    "P/D disaggregation"
+                )
+
+
+def check_every_layer_registered(kv_cache_config: Any, registered: Iterable[str]) -> None:
+    """Refuses, at start, KV-cache layers that vLLM's KV-cache config has and the connector
+    was not given: they would never be moved (a speculative draft's layers, say), and D would
+    decode on KV it never received. Groups vLLM marks as not transferable are rebuilt by vLLM
+    after a load, and skipped."""
+    names = set(registered)
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        missing = [name for name in group.layer_names if name not in names]
+        if missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            draft = " (the speculative draft's)" if getattr(group, "is_eagle_group", False) else ""
+            raise ValueError(
+                f"KV-cache group {index}{draft} has {len(missing)} layer(s) that vLLM did not "
+                f"register with the connector ({shown}): their KV would never be moved. Serve "
+                "this model (or this speculative method) without P/D disaggregation"
+            )
 
 
 def one_group_block_bytes(kv_cache_config: Any) -> int:

@@ -169,10 +169,13 @@ class InvalidTransferParams(ValueError):
     """kv_transfer_params from P (through the router) cannot drive a pull."""
 
 
+# The fields of P's params that NixlConnector's do not have; params with none of them come
+# from another connector.
+OWN_PARAMS = ("remote_cluster_id", "remote_lease_id", "remote_lease_slot", "remote_incarnation")
 REQUIRED_PARAMS = (
     *("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host"),
-    *("remote_port", "tp_size", "remote_cluster_id", "remote_lease_id", "remote_lease_slot"),
-    "remote_incarnation",
+    *("remote_port", "tp_size"),
+    *OWN_PARAMS,
 )
 
 
@@ -192,12 +195,32 @@ class RemotePrefill:
 
 
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
-    """Validates P's params on D; raises InvalidTransferParams naming what is wrong.
+    """Validates P's params on D; raises InvalidTransferParams naming what is wrong and the
+    prefill engine the params name (who sent them, as far as they tell).
 
     ``remote_cluster_id`` is required and read: P's rank r must announce
     ``remote_cluster_id + r`` in its handshake, and D refuses to link a rank that announces
     another cluster id (PeerRegistry), so params and the engine D links always agree.
     """
+    try:
+        return _parse_remote_prefill(params)
+    except InvalidTransferParams as exc:
+        raise InvalidTransferParams(f"{exc} ({_sender(params)})") from None
+
+
+def _sender(params: Any) -> str:
+    if not isinstance(params, Mapping):
+        return "from an unknown sender"
+    engine, host = params.get("remote_engine_id"), params.get("remote_host")
+    if engine is None and host is None:
+        return "they name no prefill engine"
+    # Hostile params: every value shown bounded.
+    return (
+        f"sent for prefill engine {engine!r:.80} at {host!r:.80}:{params.get('remote_port')!r:.12}"
+    )
+
+
+def _parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     if not isinstance(params, Mapping):
         raise InvalidTransferParams(f"kv_transfer_params must be a dict, got {params!r}")
     missing = [key for key in REQUIRED_PARAMS if params.get(key) is None]

@@ -30,6 +30,7 @@ from hixl_connector.connector.kv_groups import (
 from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import (
+    OWN_PARAMS,
     UNKNOWN_ENDPOINT,
     HixlConnectorMetadata,
     InvalidTransferParams,
@@ -41,6 +42,7 @@ from hixl_connector.connector.metadata import (
     build_remote_decode_params,
     parse_remote_prefill,
 )
+from hixl_connector.connector.misconfig import Misconfigurations
 from hixl_connector.connector.rank_addresses import rank_address
 
 if TYPE_CHECKING:
@@ -110,6 +112,8 @@ class HixlScheduler:
         self._receiving: set[str] = set()
         # D: request_id -> heartbeat entry, from on_new_request until its KV arrived.
         self._waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
+        # Requests that show a misconfigured deployment (misconfig).
+        self.misconfigured = Misconfigurations()
         # D: which reads go in the step that computes the first token.
         self._loads = InStepLoads(
             config.load_in_step_bytes,
@@ -126,22 +130,26 @@ class HixlScheduler:
     # ------------------------------------------------------------------ D side
 
     def on_new_request(self, request: Request) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        params = request.kv_transfer_params or {}
+        request_id = request.request_id
+        if params.get("do_remote_decode") and not self._is_producer:
+            self.misconfigured.note("consumer_asked_to_produce", request_id)
+        if self._is_consumer and not self._is_producer and not params:
+            self.misconfigured.note("decode_without_params", request_id)
+        if not params.get("do_remote_prefill"):
             return
         if not self._is_consumer:
-            logger.warning(
-                "request %s asks for a remote prefill but this engine is a kv_producer; "
-                "it will compute the prompt itself",
-                request.request_id,
-            )
+            self.misconfigured.note("producer_asked_to_consume", request_id)
             return
         try:
             prefill = parse_remote_prefill(params)
         except InvalidTransferParams as exc:
             # The request fails when it is allocated (RecvSpec with an error), not here:
             # the scheduler cannot fail a request on its own.
-            logger.error("request %s: %s", request.request_id, exc)
+            logger.error("request %s: %s", request_id, exc)
+            foreign = [key for key in OWN_PARAMS if key not in params]
+            if len(foreign) == len(OWN_PARAMS):
+                self.misconfigured.note("foreign_params", request_id, ", ".join(foreign))
             return
         self._waiting[request.request_id] = (
             prefill.remote,

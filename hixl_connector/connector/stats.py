@@ -39,6 +39,9 @@ _COUNTS = (
     # old link was dropped.
     "peer_restarts",
 )
+# Requests that show a misconfigured deployment, by kind (misconfig.KINDS): data keys
+# "misconfigured_requests:<kind>", one Prometheus counter labelled by kind.
+MISCONFIGURED = "misconfigured_requests"
 
 
 @dataclass
@@ -63,13 +66,25 @@ class HixlKVConnectorStats(KVConnectorStats):
             raise KeyError(f"unknown counter {counter!r}; known: {', '.join(_COUNTS)}")
         self.data[counter].append(n)
 
+    def record_misconfigured(self, kind: str, n: int) -> None:
+        self.data.setdefault(f"{MISCONFIGURED}:{kind}", []).append(n)
+
+    def misconfigured(self) -> dict[str, int]:
+        """Misconfigured requests by kind."""
+        prefix = MISCONFIGURED + ":"
+        return {
+            key[len(prefix) :]: int(sum(values))
+            for key, values in self.data.items()
+            if key.startswith(prefix)
+        }
+
     def clone_and_reset(self) -> HixlKVConnectorStats:
         snapshot = copy.deepcopy(self)
         self.reset()
         return snapshot
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(name) for name in (*_SERIES, *_COUNTS))
+        return not any(self.data.values())
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, values in other.data.items():
@@ -90,6 +105,7 @@ class HixlKVConnectorStats(KVConnectorStats):
             "P90 KV-ready ms": round(1e3 * _percentile(ready, 0.9), 3),
             "GB/s": round(total_bytes / busy / 1e9, 3) if busy > 0 else 0,
             **{_label(name): int(sum(self.data[name])) for name in _COUNTS},
+            **{_label(f"misconfigured {kind}"): n for kind, n in self.misconfigured().items()},
         }
 
 
@@ -142,6 +158,11 @@ class HixlPromMetrics(KVConnectorPromMetrics):
             )
             for name in ("pulls", "pull_bytes", "pull_blocks", *_COUNTS)
         }
+        self._misconfigured = self._counter_cls(
+            name=f"vllm:hixl_{MISCONFIGURED}",
+            documentation="hixl_connector requests that show a misconfigured deployment.",
+            labelnames=[*labelnames, "kind"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, histogram in self._histograms.items():
@@ -152,3 +173,6 @@ class HixlPromMetrics(KVConnectorPromMetrics):
             total = sum(transfer_stats_data.get(name, ()))
             if total:
                 self._counters[name][engine_idx].inc(total)
+        labels = self.per_engine_labelvalues[engine_idx]
+        for kind, n in HixlKVConnectorStats(data=transfer_stats_data).misconfigured().items():
+            self._misconfigured.labels(*labels, kind).inc(n)

@@ -26,7 +26,7 @@ from hixl_connector.connector.block_slices import SliceRun
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.engine_setup import Engine, open_engine
 from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
-from hixl_connector.connector.kv_groups import group_block_sizes
+from hixl_connector.connector.kv_groups import check_every_layer_registered, group_block_sizes
 from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.lease_client import LeaseClient
 from hixl_connector.connector.lease_server import LeaseServer
@@ -98,6 +98,7 @@ class HixlWorker:
         model = vllm_config.model_config
         self._num_kv_heads = int(model.get_total_num_kv_heads())
         self._mla = bool(getattr(model, "use_mla", False))
+        self._kv_cache_config = kv_cache_config
         self._kv_cache_groups = _describe_groups(kv_cache_config)
         self._block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
@@ -124,6 +125,7 @@ class HixlWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.platforms import current_platform
 
+        check_every_layer_registered(self._kv_cache_config, kv_caches)
         num_blocks = int(self._vllm_config.cache_config.num_gpu_blocks or 0)
         # vLLM's CPU layout keeps each KV head of a block contiguous (heads outermost).
         heads = self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config)

@@ -217,6 +217,14 @@ class PDDeployment:
         return found
 
 
+@dataclass
+class NamedFleet:
+    """Servers by name, and a router per named P/D pair of them (PDLauncher.pairs)."""
+
+    servers: dict[str, VllmServer]
+    routers: dict[str, RouterProcess]
+
+
 class PDLauncher:
     """Starts P/D deployments with given ``kv_transfer_config`` dicts; ``stop_all`` ends them."""
 
@@ -293,12 +301,13 @@ class PDLauncher:
         args: Sequence[str] = (),
         model_dir: Path | None = None,
         block_size: int = BLOCK_SIZE,
+        env: Mapping[str, str] | None = None,
     ) -> VllmServer:
         """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
         by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority:
         its engine and workers busy-step while KV sends or receives are pending, and on a
         2-core host would starve the peer they wait for."""
-        env: dict[str, str] = {}
+        env = dict(env or {})
         extra = list(args)
         nice = 0
         if tp > 1:
@@ -333,6 +342,17 @@ class PDLauncher:
         self._track(router)
         router.wait_healthy(60.0)
         return router
+
+    def pairs(
+        self, servers: Mapping[str, VllmServer], pairs: Mapping[str, tuple[str, str]]
+    ) -> dict[str, RouterProcess]:
+        """Waits until every server is healthy, then a router per named (P, D) pair."""
+        for server in servers.values():
+            server.wait_healthy(self.health_timeout_s)
+        return {
+            name: self.router(f"router_{name}", [servers[p]], [servers[d]])
+            for name, (p, d) in pairs.items()
+        }
 
     def stop_all(self) -> None:
         # Router first, so no request reaches a server that is going away.

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from hixl_connector.tools.demo.client import Generation, chat, complete
+from hixl_connector.tools.demo.client import (
+    Generation,
+    chat,
+    complete,
+    metric_total,
+    read_metrics,
+)
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 
 from .harness import (
@@ -33,6 +39,7 @@ from .harness import (
     hixl_connector_config,
     hixl_counter,
     pulled,
+    settled,
     wait_for_counter,
     wait_for_pulls,
 )
@@ -147,3 +154,24 @@ def test_corrupted_kv_changes_the_output(
         assert wait_for_counter(pd.decode, "in_step_loads", 1) >= 1
     finally:
         launcher.stop_all()
+
+
+def test_a_request_that_reaches_decode_without_params_is_counted_and_named(
+    deployment: PDDeployment, plain_outputs: dict[Any, Generation]
+) -> None:
+    """A gateway that sends a prompt straight to D (or drops P's params) makes D compute it
+    itself: the answer is right, and D's metrics and log say it happened."""
+    decode = deployment.decode
+
+    def counted() -> float:
+        return metric_total(
+            read_metrics(decode.url),
+            "vllm:hixl_misconfigured_requests_total",
+            kind="decode_without_params",
+        )
+
+    before = counted()
+    out = complete(decode.url, PROMPTS[97], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+    assert out.token_ids == plain_outputs[97].token_ids
+    assert settled(counted, lambda value: value >= before + 1) == before + 1
+    assert "without kv_transfer_params" in decode.log_path.read_text(errors="replace")

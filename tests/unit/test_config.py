@@ -200,6 +200,19 @@ def test_connection_limit_matches_the_engines() -> None:
     HixlConfig.from_dict({"tcp_connections": ENGINE_LIMIT}, "e")
 
 
+def connector_vllm_config(role: str, engine_id: str) -> Any:
+    """vLLM's own config of a server running the connector in ``role``."""
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    kv = KVTransferConfig(
+        kv_connector="HixlConnector",
+        kv_connector_module_path="hixl_connector.connector.facade",
+        kv_role=role,
+        engine_id=engine_id,
+    )
+    return VllmConfig(kv_transfer_config=kv)
+
+
 @pytest.mark.parametrize(
     ("name", "flag"),
     [
@@ -209,15 +222,7 @@ def test_connection_limit_matches_the_engines() -> None:
     ],
 )
 def test_pipeline_and_context_parallelism_are_refused_at_start(name: str, flag: str) -> None:
-    from vllm.config import KVTransferConfig, VllmConfig
-
-    kv = KVTransferConfig(
-        kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_connector.connector.facade",
-        kv_role="kv_producer",
-        engine_id="engine-pp",
-    )
-    vllm_config = VllmConfig(kv_transfer_config=kv)
+    vllm_config = connector_vllm_config("kv_producer", "engine-pp")
     HixlConfig.from_vllm_config(vllm_config)  # TP and DP sizes alone are fine
     setattr(vllm_config.parallel_config, name, 2)
     with pytest.raises(ValueError, match=f"{name}=2.*{flag}"):
@@ -255,3 +260,19 @@ def test_side_channel_host_refuses_what_zeromq_cannot_reach(host: str) -> None:
     expected = re.escape("'side_channel_host' must be an IPv4 address, an IPv6 address without ")
     with pytest.raises(ValueError, match=expected + ".*" + re.escape(repr(host))):
         HixlConfig.from_dict({"side_channel_host": host, "engine_host": "10.0.0.5"}, "e")
+
+
+def test_tensor_parallelism_across_nodes_is_refused_at_start() -> None:
+    """vLLM's own config of an engine whose TP ranks span two nodes: refused naming it, where
+    it once failed later opening another node's shared memory."""
+    vllm_config = connector_vllm_config("kv_consumer", "engine-nodes")
+    parallel = vllm_config.parallel_config
+    parallel.tensor_parallel_size, parallel.nnodes = 2, 2
+    assert parallel.nnodes_within_dp == 2
+    with pytest.raises(ValueError, match="tensor parallelism across nodes .* --nnodes 2"):
+        HixlConfig.from_vllm_config(vllm_config)
+    # Data-parallel ranks on two nodes, TP within each: fine.
+    parallel.tensor_parallel_size, parallel.data_parallel_size = 1, 2
+    parallel.data_parallel_size_local = 1
+    assert parallel.nnodes_within_dp == 1
+    HixlConfig.from_vllm_config(vllm_config)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hixl_connector.connector.kv_groups import (
     blocks_to_fill,
+    check_every_layer_registered,
+    check_movable,
     group_block_sizes,
     one_group_block_bytes,
 )
@@ -76,3 +80,65 @@ def test_an_in_step_read_fills_every_block_past_the_local_hit(
     ((positions, ids),) = blocks_to_fill([made], hit_blocks * block_size, block_size)
     assert positions == tuple(range(hit_blocks, count))
     assert ids == positions
+
+
+def test_state_that_is_not_attention_kv_is_refused_naming_it() -> None:
+    """vLLM's own spec classes: attention KV of every kind moves; a Mamba state group is
+    refused at start, naming the group, the spec and its layers."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64
+    )
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+
+    def config(*specs: Any) -> KVCacheConfig:
+        groups = [
+            KVCacheGroupSpec([f"layers.{i}.{j}" for j in range(4)], spec)
+            for i, spec in enumerate(specs)
+        ]
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    uniform = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full, "b": full})
+    for movable in (config(full), config(full, window), config(mla), config(uniform)):
+        check_movable(movable)
+    check_movable(None)  # no KV-cache config: nothing to refuse
+    with pytest.raises(ValueError, match=r"group 1 .* MambaSpec state \(layers.1.0, .*, \.\.\.\)"):
+        check_movable(config(full, mamba))
+    mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full, "m": mamba})
+    with pytest.raises(ValueError, match="group 0 .* MambaSpec"):
+        check_movable(config(mixed))
+
+
+def test_a_layer_vllm_did_not_register_with_the_connector_is_refused() -> None:
+    """Every layer of vLLM's KV-cache config must be among those registered, else its KV
+    would silently never move (a speculative draft's, say); groups vLLM rebuilds itself
+    (enable_kv_transfer False) are exempt."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    target = KVCacheGroupSpec([f"model.layers.{i}.attn" for i in range(2)], full)
+    draft = KVCacheGroupSpec(["draft.layers.0.attn"], full, is_eagle_group=True)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[target, draft])
+    every = [*target.layer_names, *draft.layer_names]
+    check_every_layer_registered(config, every)
+    check_every_layer_registered(None, [])
+    with pytest.raises(ValueError, match=r"group 1 \(the speculative draft's\) has 1 layer.*"):
+        check_every_layer_registered(config, target.layer_names)
+    with pytest.raises(ValueError, match="group 0 has 1 layer.*model.layers.1.attn"):
+        check_every_layer_registered(config, [every[0], every[2]])
+    rebuilt = KVCacheGroupSpec(["draft.layers.0.attn"], full, enable_kv_transfer=False)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[target, rebuilt])
+    check_every_layer_registered(config, target.layer_names)

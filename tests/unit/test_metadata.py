@@ -7,8 +7,11 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hixl_connector.connector.metadata import (
+    REQUIRED_PARAMS,
     HixlConnectorMetadata,
     InvalidTransferParams,
     RecvSpec,
@@ -107,6 +110,29 @@ def test_params_of_a_p_without_incarnations_are_refused_naming_the_field() -> No
 def test_bad_params_raise_clear_errors(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidTransferParams, match=message):
         parse_remote_prefill(p_params(**overrides))
+
+
+@given(
+    st.sets(st.sampled_from(REQUIRED_PARAMS), min_size=1),
+    st.dictionaries(
+        st.sampled_from(sorted(p_params())), st.one_of(st.none(), st.text(), st.integers())
+    ),
+)
+def test_every_refusal_names_the_field_and_the_engine_the_params_name(
+    missing: set[str], garbled: dict[str, Any]
+) -> None:
+    params = {**p_params(), **garbled}
+    for key in missing:
+        params.pop(key)
+    with pytest.raises(InvalidTransferParams) as refused:
+        parse_remote_prefill(params)
+    message = str(refused.value)
+    assert all(key in message for key in missing)
+    if params.get("remote_engine_id") is None and params.get("remote_host") is None:
+        assert message.endswith("(they name no prefill engine)")
+    else:
+        assert f"sent for prefill engine {params.get('remote_engine_id')!r:.80}" in message
+    assert len(message) < 2000  # hostile values stay bounded
 
 
 def test_params_are_not_a_dict() -> None:

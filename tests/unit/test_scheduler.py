@@ -379,3 +379,63 @@ def test_kv_both_serves_as_prefill_and_decode(tiny_model_dir: Path) -> None:
     params = finished_outputs(engine_outputs)["p"].kv_transfer_params
     assert params["do_remote_prefill"] is True and params["remote_request_id"] == "p"
     assert [spec.request_id for spec in metadata(step(scheduler)[0]).to_send] == ["p"]
+
+
+def test_misconfigured_requests_are_counted_by_kind_and_said_once(
+    tiny_model_dir: Path, caplog: Any
+) -> None:
+    """Requests that show a misconfigured deployment, through vLLM's real scheduler: counted
+    by kind in the connector's stats, and each kind said once with its cause."""
+    import logging
+
+    logger = logging.getLogger("hixl_connector.connector.misconfig")
+    logger.addHandler(caplog.handler)
+
+    def said(kind: str) -> list[str]:
+        # One record (seen once more where the logger also propagates to caplog's root).
+        records = {r for r in caplog.records if f"{{kind={kind}}}" in r.getMessage()}
+        return [r.getMessage() for r in records]
+
+    def misconfigured(scheduler: Scheduler) -> dict[str, int]:
+        stats: Any = scheduler.connector.get_kv_connector_stats()  # type: ignore[union-attr]
+        return {} if stats is None else stats.misconfigured()
+
+    try:
+        decode = make_scheduler(tiny_model_dir, "kv_consumer")
+        for i in range(3):  # straight to D: it computes the whole prompt
+            decode.add_request(make_request(f"plain{i}", prompt(20, seed=i)))
+        decode.add_request(make_request("d1", prompt(40), params=prefill_params(3)))
+        decode.add_request(make_request("local", prompt(20), params={"do_remote_prefill": False}))
+        asked = {"do_remote_decode": True, "do_remote_prefill": False}
+        decode.add_request(make_request("as-p", prompt(20), params=asked))
+        nixl = {k: v for k, v in prefill_params(3).items() if "lease" not in k}
+        nixl = {
+            k: v for k, v in nixl.items() if k not in ("remote_cluster_id", "remote_incarnation")
+        }
+        decode.add_request(make_request("nixl", prompt(40), params=nixl))
+        assert misconfigured(decode) == {
+            "decode_without_params": 3,
+            "consumer_asked_to_produce": 1,
+            "foreign_params": 1,
+        }
+        assert misconfigured(decode) == {}  # counted since the last stats
+        (without,) = said("decode_without_params")
+        assert "request plain0" in without and "must reach D unchanged" in without
+        (as_p,) = said("consumer_asked_to_produce")
+        assert "request as-p" in as_p and "set kv_role to kv_producer" in as_p
+        (foreign,) = said("foreign_params")
+        assert "remote_lease_slot" in foreign and "HixlConnector on the prefill side" in foreign
+
+        prefill = make_scheduler(tiny_model_dir, "kv_producer", engine_id="other-p")
+        prefill.add_request(make_request("plain", prompt(20)))  # P's everyday request
+        prefill.add_request(make_request("as-d", prompt(40), params=prefill_params(3)))
+        assert misconfigured(prefill) == {"producer_asked_to_consume": 1}
+        (as_d,) = said("producer_asked_to_consume")
+        assert "request as-d" in as_d and "set kv_role to kv_consumer" in as_d
+
+        both = make_scheduler(tiny_model_dir, "kv_both", engine_id="other-both")
+        both.add_request(make_request("plain", prompt(20)))
+        both.add_request(make_request("as-p", prompt(20), params=asked))
+        assert misconfigured(both) == {}  # kv_both serves either way
+    finally:
+        logger.removeHandler(caplog.handler)

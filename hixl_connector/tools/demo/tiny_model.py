@@ -6,6 +6,9 @@
 - ``gemma3``: a hybrid model, 4 layers alternating sliding-window (64 tokens) and full
   attention, so vLLM's hybrid KV-cache manager runs two KV-cache groups. Weights N(0, 0.1);
   Gemma's norms scale by 1 + w, so norm weights are drawn near 0.
+- ``deepseek-v2``: multi-head latent attention (MLA, as DeepSeek-V2/V3): 3 layers caching a
+  512-wide latent plus a 64-wide rotary key per token (one KV "head" of 576), dense MLPs
+  throughout (no experts), served by vLLM's CPU MLA backend.
 Two builds with the same recipe are byte-identical, so token ids from one build are valid for
 another (both architectures share the tokenizer).
 
@@ -48,8 +51,10 @@ _SEED_CORPUS = 1234
 _SEED_WEIGHTS = 0
 _INIT_STD = 0.2
 # llama-kv4: the llama with 4 KV heads instead of 2, an incompatible peer for the handshake.
-ARCHITECTURES = ("llama", "gemma3", "llama-kv4")
+ARCHITECTURES = ("llama", "gemma3", "llama-kv4", "deepseek-v2")
 GEMMA3_SLIDING_WINDOW = 64
+MLA_KV_LORA_RANK = 512  # the latent D reads per token and layer, beside the rotary key
+MLA_ROPE_DIM = 64
 _GEMMA3_INIT_STD = 0.1
 _GEMMA3_NORM_STD = 0.02
 
@@ -136,6 +141,26 @@ def _build_gemma3(out_dir: Path, tokenizer: Any) -> None:
     _save_random(Gemma3ForCausalLM, config, out_dir, _GEMMA3_INIT_STD, _GEMMA3_NORM_STD)
 
 
+def _build_deepseek_v2(out_dir: Path, tokenizer: Any) -> None:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    layers = 3
+    config = DeepseekV2Config(
+        **{**_shared_config(tokenizer), "num_key_value_heads": 4},
+        num_hidden_layers=layers,
+        kv_lora_rank=MLA_KV_LORA_RANK,
+        q_lora_rank=None,
+        qk_rope_head_dim=MLA_ROPE_DIM,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=layers,  # every MLP dense: no experts to route
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    )
+    _save_random(DeepseekV2ForCausalLM, config, out_dir, _INIT_STD, 0.0)
+
+
 def _build_model(out_dir: Path, tokenizer: Any, kv_heads: int = 2) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -181,6 +206,8 @@ def build_tiny_model(model_dir: str | os.PathLike[str], architecture: str = "lla
         tokenizer = _build_tokenizer(staging)
         if architecture == "gemma3":
             _build_gemma3(staging, tokenizer)
+        elif architecture == "deepseek-v2":
+            _build_deepseek_v2(staging, tokenizer)
         else:
             _build_model(staging, tokenizer, kv_heads=4 if architecture == "llama-kv4" else 2)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())

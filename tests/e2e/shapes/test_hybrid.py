@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,12 +18,13 @@ import pytest
 from hixl_connector.connector.vllm_interface import REPORTS_FAILED_RECEIVES
 from hixl_connector.tools.demo.client import complete
 from hixl_connector.tools.demo.processes import ProcessFailed
-from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 from hixl_connector.tools.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
 
 from ..harness import (
     BLOCK_SIZE,
     MAX_TOKENS,
+    NamedFleet,
     PDLauncher,
     ProcessRegistry,
     hixl_connector_config,
@@ -43,19 +43,12 @@ NUM_LAYERS = 4
 HYBRID_OFF = ("--disable-hybrid-kv-cache-manager",)
 
 
-@dataclass
-class HybridFleet:
-    """Servers by name (plain, p_on/d_on with the manager on, p_off/d_off with it off,
-    d_corrupt fed by p_on) and a router per P/D pair (on, off, corrupt, mismatch)."""
-
-    servers: dict[str, VllmServer]
-    routers: dict[str, RouterProcess]
-
-
 @pytest.fixture(scope="module")
 def fleet(
     tmp_path_factory: pytest.TempPathFactory, e2e_log_dir: Path, process_registry: ProcessRegistry
-) -> Iterator[HybridFleet]:
+) -> Iterator[NamedFleet]:
+    """Servers: plain, p_on/d_on with the manager on, p_off/d_off with it off, d_corrupt fed
+    by p_on; a router per pair: on, off, corrupt, mismatch."""
     if not REPORTS_FAILED_RECEIVES:
         pytest.skip("this vLLM refuses the hybrid manager with the connector (tested below)")
     model = build_tiny_model(tmp_path_factory.mktemp("gemma3") / "model", "gemma3")
@@ -70,19 +63,13 @@ def fleet(
             "d_off": launcher.server("d_off", hixl_connector_config("decode"), args=HYBRID_OFF),
             "d_corrupt": launcher.server("d_corrupt", corrupt),
         }
-        for server in servers.values():
-            server.wait_healthy(launcher.health_timeout_s)
         pairs = {
             "on": ("p_on", "d_on"),
             "off": ("p_off", "d_off"),
             "corrupt": ("p_on", "d_corrupt"),
             "mismatch": ("p_on", "d_off"),  # two groups on P, one on D
         }
-        routers = {
-            name: launcher.router(f"router_{name}", [servers[p]], [servers[d]])
-            for name, (p, d) in pairs.items()
-        }
-        yield HybridFleet(servers, routers)
+        yield NamedFleet(servers, launcher.pairs(servers, pairs))
     finally:
         launcher.stop_all()
 
@@ -91,12 +78,12 @@ def generate(url: str, n: int) -> list[int]:
     return complete(url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS).token_ids
 
 
-def test_the_manager_stays_on_with_the_connector(fleet: HybridFleet) -> None:
+def test_the_manager_stays_on_with_the_connector(fleet: NamedFleet) -> None:
     for name in ("p_on", "d_on"):
         assert "Turning off hybrid kv cache manager" not in fleet.servers[name].log_tail(400)
 
 
-def test_token_identical_with_the_sliding_window_shipping_less(fleet: HybridFleet) -> None:
+def test_token_identical_with_the_sliding_window_shipping_less(fleet: NamedFleet) -> None:
     reference = {n: generate(fleet.servers["plain"].url, n) for n in LENGTHS}
     # Varied outputs: the random weights do not collapse to one repeated token.
     assert all(len(set(tokens)) >= MAX_TOKENS // 5 for tokens in reference.values())
@@ -123,7 +110,7 @@ def test_token_identical_with_the_sliding_window_shipping_less(fleet: HybridFlee
     assert moved["on"] < moved["off"], moved
 
 
-def test_corrupted_kv_changes_the_output(fleet: HybridFleet) -> None:
+def test_corrupted_kv_changes_the_output(fleet: NamedFleet) -> None:
     for n in (97, 160, 300):
         reference = generate(fleet.servers["plain"].url, n)
         assert generate(fleet.routers["corrupt"].url, n) != reference, n
@@ -131,7 +118,7 @@ def test_corrupted_kv_changes_the_output(fleet: HybridFleet) -> None:
 
 
 def test_mismatched_groups_fail_the_request_naming_them_and_free_the_prefill(
-    fleet: HybridFleet,
+    fleet: NamedFleet,
 ) -> None:
     decode = fleet.servers["d_off"]
     pulls = pulled(decode)[0]

@@ -1,0 +1,54 @@
+"""The README against the code it documents: "What travels in kv_transfer_params" names
+exactly the fields P sends and which are the connector's own, and the misconfiguration table
+exactly the kinds the connector counts. A field or kind added without the doc fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hixl_connector.connector.metadata import (
+    OWN_PARAMS,
+    REQUIRED_PARAMS,
+    RemoteEndpoint,
+    build_remote_decode_params,
+)
+from hixl_connector.connector.misconfig import KINDS
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+
+
+def params_section() -> str:
+    text = README.read_text()
+    start = text.index("### What travels in `kv_transfer_params`")
+    return text[start : text.index("\n## ", start)]
+
+
+def sent_fields() -> set[str]:
+    endpoint = RemoteEndpoint("p", "10.0.0.5", 6000, 1, 7, incarnation=9)
+    return set(build_remote_decode_params(endpoint, "r", [[1]], 16, (3, 0), [16]))
+
+
+def test_every_field_p_sends_is_documented_and_nothing_else() -> None:
+    section = params_section()
+    named = set(re.findall(r"`([a-z_]+)`", section)) - {"kv_transfer_params"}
+    assert named == sent_fields()
+    assert set(REQUIRED_PARAMS) <= sent_fields()
+
+
+def test_the_connectors_own_fields_are_counted_and_listed() -> None:
+    section = " ".join(params_section().split())
+    match = re.search(r"and (\w+) of its own: (.*?) D refuses", section)
+    assert match is not None, "the section no longer says which fields are the connector's own"
+    own = re.findall(r"`([a-z_]+)` \(", match[2])
+    # OWN_PARAMS (which NixlConnector's params lack), and the optional block size.
+    assert set(own) == {*OWN_PARAMS, "remote_block_size"}
+    assert NUMBERS[match[1]] == len(own)
+
+
+def test_every_misconfiguration_kind_is_in_the_table() -> None:
+    text = README.read_text()
+    start = text.index("| kind | what happened")
+    table = text[start : text.index("\n\n", start)]
+    assert sorted(re.findall(r"^\| `([a-z_]+)` \|", table, re.M)) == sorted(KINDS)
