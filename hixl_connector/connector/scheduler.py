@@ -147,11 +147,10 @@ class HixlScheduler:
             # The request fails when it is allocated (RecvSpec with an error), not here:
             # the scheduler cannot fail a request on its own.
             logger.error("request %s: %s", request_id, exc)
-            foreign = [key for key in OWN_PARAMS if key not in params]
-            if len(foreign) == len(OWN_PARAMS):
-                self.misconfigured.note("foreign_params", request_id, ", ".join(foreign))
+            if not any(key in params for key in OWN_PARAMS):
+                self.misconfigured.note("foreign_params", request_id, ", ".join(OWN_PARAMS))
             return
-        self._waiting[request.request_id] = (
+        self._waiting[request_id] = (
             prefill.remote,
             prefill.remote_request_id,
             prefill.lease_id,

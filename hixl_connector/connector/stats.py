@@ -8,6 +8,7 @@ object through `HixlConnector.build_kv_connector_stats` and aggregates across wo
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,12 +72,7 @@ class HixlKVConnectorStats(KVConnectorStats):
 
     def misconfigured(self) -> dict[str, int]:
         """Misconfigured requests by kind."""
-        prefix = MISCONFIGURED + ":"
-        return {
-            key[len(prefix) :]: int(sum(values))
-            for key, values in self.data.items()
-            if key.startswith(prefix)
-        }
+        return _misconfigured(self.data)
 
     def clone_and_reset(self) -> HixlKVConnectorStats:
         snapshot = copy.deepcopy(self)
@@ -107,6 +103,15 @@ class HixlKVConnectorStats(KVConnectorStats):
             **{_label(name): int(sum(self.data[name])) for name in _COUNTS},
             **{_label(f"misconfigured {kind}"): n for kind, n in self.misconfigured().items()},
         }
+
+
+def _misconfigured(data: Mapping[str, list[float]]) -> dict[str, int]:
+    prefix = MISCONFIGURED + ":"
+    return {
+        key[len(prefix) :]: int(sum(values))
+        for key, values in data.items()
+        if key.startswith(prefix)
+    }
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -174,5 +179,5 @@ class HixlPromMetrics(KVConnectorPromMetrics):
             if total:
                 self._counters[name][engine_idx].inc(total)
         labels = self.per_engine_labelvalues[engine_idx]
-        for kind, n in HixlKVConnectorStats(data=transfer_stats_data).misconfigured().items():
+        for kind, n in _misconfigured(transfer_stats_data).items():
             self._misconfigured.labels(*labels, kind).inc(n)
