@@ -1,11 +1,12 @@
 """The handshake D asks of each prefill rank, and the check that P and D can share KV.
 
-D sends ``{"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": r}`` on P's side
-channel; P's rank r answers with its ``HandshakePayload``: where its engine listens, its
-cluster id, its registered blocks, and the compatibility fields (model, dtype, KV layout...)
-with their hash. D links only a payload whose schema, hash and rank it expects; a mismatch
-names each differing field. Everything is msgpack-able primitives, and whatever arrives is
-validated here: a bad payload raises ``ValueError`` naming the field.
+D sends ``{"type": "handshake", "schema": SCHEMA_VERSION}`` to P's rank r on its side
+channel (the envelope names the rank and P's incarnation); P's rank r answers with its
+``HandshakePayload``: where its engine listens, its cluster id, its registered blocks, and
+the compatibility fields (model, dtype, KV layout...) with their hash. D links only a
+payload whose schema, hash and rank it expects; a mismatch names each differing field.
+Everything is msgpack-able primitives, and whatever arrives is validated here: a bad payload
+raises ``ValueError`` naming the field.
 """
 
 from __future__ import annotations

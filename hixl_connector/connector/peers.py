@@ -28,6 +28,7 @@ from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, describe_mismatch
 from hixl_connector.connector.metadata import PeerRank
 from hixl_connector.connector.side_channel import SideChannelClient
+from hixl_connector.connector.side_channel_envelope import Destination
 from hixl_connector.connector.tp_mapping import heads_per_rank
 from hixl_connector.datadist import Backend, DataDist
 
@@ -166,6 +167,7 @@ class PeerRegistry:
             self._context,
             target.remote.host,
             target.port,
+            Destination(target.remote.engine_id, target.rank, target.remote.incarnation),
             self._config.handshake_timeout_s,
             self._config.auth_token,
             self._stopping,
@@ -186,9 +188,7 @@ class PeerRegistry:
     def _connect(self, key: tuple[str, int, str, int], target: PeerRank) -> Peer:
         client = self.client_for(target)
         try:
-            reply = client.request(
-                {"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": target.rank}
-            )
+            reply = client.request({"type": "handshake", "schema": SCHEMA_VERSION})
             payload = HandshakePayload.from_dict(reply["payload"])
             self._check_compatible(target, payload)
             # The handshake proved this engine serves the address now: links to engines it

@@ -3,37 +3,34 @@
 It carries the handshake (P's layout and engine address), "done"/"release" notifications
 and lease heartbeats. Nothing received is trusted: frames are size-capped by ZMQ, decoded
 with msgpack limits, type-checked, and answered with {"ok": False, "error": ...} when bad.
-With an auth token, every request carries a fresh nonce, its send time and an HMAC-SHA256
-of its body; the server refuses, before running a handler, a request without a valid one,
-one sent more than ``REPLAY_WINDOW_S`` away from its own clock, or one whose nonce it has seen
-(a replay). Every reply is signed over its body and the request's nonce, so a client takes
-no reply that a peer without the token made up or that answers another request.
+What a message carries around its body (wire version, destination, nonce, send time, HMAC)
+and the checks of it are in ``side_channel_envelope``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import itertools
 import logging
-import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import zmq
+
+from hixl_connector.connector.side_channel_envelope import (
+    MAX_MESSAGE_BYTES,
+    Destination,
+    RequestGate,
+    pack,
+    reply_problem,
+    seal_reply,
+    seal_request,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 1 << 20
-# A signed request older or newer than this (by the server's wall clock) is refused, and its
-# nonce is remembered this long: hosts' clocks must agree within it.
-REPLAY_WINDOW_S = 30.0
-MAX_REMEMBERED_NONCES = 1 << 16
-NONCE_BYTES = 16
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -41,65 +38,14 @@ class SideChannelError(RuntimeError):
     """A side-channel request failed: timeout, refused, or a malformed reply."""
 
 
-def _pack(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def _unpack(frame: bytes) -> dict[str, Any]:
-    value = msgpack.unpackb(
-        frame,
-        raw=False,
-        strict_map_key=True,
-        max_str_len=MAX_MESSAGE_BYTES,
-        max_bin_len=MAX_MESSAGE_BYTES,
-        max_array_len=1 << 16,
-        max_map_len=1 << 12,
-    )
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a map, got {type(value).__name__}")
-    return value
-
-
-def _signature(token: str, body: dict[str, Any], request_nonce: bytes = b"") -> bytes:
-    """HMAC of a request (``request_nonce`` empty) or of a reply to the request that carried
-    ``request_nonce``."""
-    unsigned = {k: v for k, v in body.items() if k != "auth"}
-    canonical = msgpack.packb([request_nonce, sorted(unsigned.items())], use_bin_type=True)
-    return hmac.new(token.encode(), canonical, hashlib.sha256).digest()
-
-
-class _Nonces:
-    """The nonces of requests accepted within the replay window, oldest first (bounded)."""
-
-    def __init__(self) -> None:
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
-
-    def fresh(self, nonce: Any, sent_at: Any, now: float) -> str:
-        """ "" when the request may be served, else why not; remembers an accepted nonce."""
-        while self._seen and next(iter(self._seen.values())) < now - REPLAY_WINDOW_S:
-            self._seen.popitem(last=False)
-        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-            return "missing nonce"
-        if isinstance(sent_at, bool) or not isinstance(sent_at, (int, float)):
-            return "missing send time"
-        if abs(now - sent_at) > REPLAY_WINDOW_S:
-            return (
-                f"sent {now - sent_at:.0f} s off this host's clock ({REPLAY_WINDOW_S:g} s allowed)"
-            )
-        if nonce in self._seen:
-            return "replayed request"
-        if len(self._seen) >= MAX_REMEMBERED_NONCES:
-            return "too many requests within the replay window"
-        self._seen[nonce] = now
-        return ""
-
-
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class SideChannelServer:
-    """Serves `handlers[message["type"]]` on one thread until `close()`."""
+    """Serves `handlers[message["type"]]` on one thread until `close()`, for requests that
+    name ``identity()`` as their destination (read per request: P's incarnation is written
+    after the server starts). ``clock`` is the wall clock send times are checked against."""
 
     def __init__(
         self,
@@ -107,11 +53,15 @@ class SideChannelServer:
         host: str,
         port: int,
         handlers: dict[str, Handler],
+        identity: Callable[[], Destination],
         auth_token: str = "",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._handlers = handlers
+        self._identity = identity
         self._auth_token = auth_token
-        self._nonces = _Nonces()
+        self._gate = RequestGate(auth_token)
+        self._clock = clock
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -189,36 +139,30 @@ class SideChannelServer:
         if len(frames) != 3 or frames[1] != b"":
             logger.warning("side channel: dropped a message with %d frames", len(frames))
             return
-        reply = self._answer(frames[2])
-        if self._auth_token:
-            reply["auth"] = _signature(self._auth_token, reply, reply.pop("nonce", b""))
+        reply, request_nonce = self._answer(frames[2])
         try:
-            self._socket.send_multipart([frames[0], b"", _pack(reply)], zmq.NOBLOCK)
+            sealed = seal_reply(reply, self._auth_token, request_nonce)
+            self._socket.send_multipart([frames[0], b"", pack(sealed)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.warning("side channel: reply not sent: %s", e)
 
-    def _answer(self, frame: bytes) -> dict[str, Any]:
+    def _answer(self, frame: bytes) -> tuple[dict[str, Any], bytes]:
+        """The reply, and the nonce of the request it answers (signed with it)."""
         try:
-            message = _unpack(frame)
+            message = unpack(frame)
         except Exception as e:  # hostile or corrupt bytes: any decoder error
             logger.warning("side channel: undecodable message (%d bytes): %s", len(frame), e)
-            return {"ok": False, "error": f"undecodable message: {e}"}
+            return {"ok": False, "error": f"undecodable message: {e}"}, b""
         seq = message.get("seq")
         if not isinstance(seq, int):
-            return {"ok": False, "error": "missing integer 'seq'"}
-        if self._auth_token:
-            auth = message.get("auth")
-            expected = _signature(self._auth_token, message)
-            if not isinstance(auth, bytes) or not hmac.compare_digest(auth, expected):
-                logger.warning("side channel: refused an unauthenticated request")
-                return {"ok": False, "seq": seq, "error": "authentication failed"}
-            nonce = message["nonce"] if isinstance(message.get("nonce"), bytes) else b""
-            stale = self._nonces.fresh(nonce, message.get("sent_at"), time.time())
-            if stale:
-                logger.warning("side channel: refused a signed request: %s", stale)
-                return {"ok": False, "seq": seq, "error": f"refused: {stale}"}
-            return {**self._dispatch(message, seq), "nonce": nonce}
-        return self._dispatch(message, seq)
+            return {"ok": False, "error": "missing integer 'seq'"}, b""
+        refusal = self._gate.refusal(message, self._identity(), self._clock())
+        if refusal:
+            logger.warning("side channel: refused a %r request: %s", message.get("type"), refusal)
+            return {"ok": False, "seq": seq, "error": refusal}, b""
+        nonce = message.get("nonce") if self._auth_token else b""
+        assert isinstance(nonce, bytes)  # the gate admits no signed request without one
+        return self._dispatch(message, seq), nonce
 
     def _dispatch(self, message: dict[str, Any], seq: int) -> dict[str, Any]:
         handler = self._handlers.get(message.get("type"))  # type: ignore[arg-type]
@@ -239,18 +183,21 @@ STOP_POLL_MS = 50
 
 
 class SideChannelClient:
-    """Request/reply to one peer's side channel; thread-safe, every call bounded."""
+    """Request/reply to the side channel of the prefill rank ``to``, which refuses requests
+    for any other; thread-safe, every call bounded."""
 
     def __init__(
         self,
         context: zmq.Context,
         host: str,
         port: int,
+        to: Destination,
         timeout_s: float,
         auth_token: str = "",
         stop: threading.Event | None = None,
     ) -> None:
         self._context = context
+        self._to = to
         # Set when the owner shuts down: a request waiting for its reply gives up at once.
         self._stop = stop or threading.Event()
         self._endpoint = endpoint(host, port)
@@ -270,14 +217,9 @@ class SideChannelClient:
                     f"the client of {self._endpoint} is closed; {message.get('type')!r} not sent"
                 )
             seq = next(self._seq)
-            body = {**message, "seq": seq}
-            nonce = b""
-            if self._auth_token:
-                nonce = os.urandom(NONCE_BYTES)
-                body.update(nonce=nonce, sent_at=time.time())
-                body["auth"] = _signature(self._auth_token, body)
+            body, nonce = seal_request(message, seq, self._to, self._auth_token, time.time())
             sock = self._connected()
-            sock.send_multipart([b"", _pack(body)])
+            sock.send_multipart([b"", pack(body)])
             while True:
                 if not self._poll(sock):
                     self._reset()  # a late reply must not be taken for the next request's
@@ -288,18 +230,19 @@ class SideChannelClient:
                     )
                 frames = sock.recv_multipart()
                 try:
-                    reply = _unpack(frames[-1])
+                    reply = unpack(frames[-1])
                 except Exception as e:
                     self._reset()
                     raise SideChannelError(f"malformed reply from {self._endpoint}: {e}") from e
                 if reply.get("seq") in (seq, None):
                     break
-            if self._auth_token and not self._authentic(reply, nonce):
+            problem = reply_problem(reply, self._auth_token, nonce)
+            if problem:
                 self._reset()
                 # A refusal is never taken as an answer, so its unverified text is shown.
                 what = f": {reply.get('error')}" if not reply.get("ok") else ""
                 raise SideChannelError(
-                    f"unauthenticated reply from {self._endpoint} to {message.get('type')!r}{what}"
+                    f"{problem} from {self._endpoint} to {message.get('type')!r}{what}"
                 )
             if not reply.get("ok"):
                 raise SideChannelError(f"{self._endpoint} refused: {reply.get('error')}")
@@ -320,11 +263,6 @@ class SideChannelClient:
             if sock.poll(min(left_ms, STOP_POLL_MS), zmq.POLLIN):
                 return True
         return False
-
-    def _authentic(self, reply: dict[str, Any], nonce: bytes) -> bool:
-        auth = reply.get("auth")
-        expected = _signature(self._auth_token, reply, nonce)
-        return isinstance(auth, bytes) and hmac.compare_digest(auth, expected)
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:

@@ -38,6 +38,7 @@ from hixl_connector.connector.rank_addresses import rank_address
 from hixl_connector.connector.read_plans import ReadPlans
 from hixl_connector.connector.receiver import Receiver
 from hixl_connector.connector.side_channel import SideChannelServer
+from hixl_connector.connector.side_channel_envelope import Destination
 from hixl_connector.connector.stats import HixlKVConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ class HixlWorker:
                 self._config.side_channel_host,
                 self._address.side_channel_port,
                 {"handshake": self._on_handshake, **self._leases.handlers()},
+                self._identity,
                 self._config.auth_token,
             )
         logger.info(
@@ -368,12 +370,14 @@ class HixlWorker:
             raise ValueError(
                 f"peer speaks schema {message.get('schema')!r}, this engine {SCHEMA_VERSION}"
             )
-        if message.get("tp_rank") != self._tp_rank:
-            raise ValueError(f"this side channel serves rank {self._tp_rank}")
-        incarnation = self._words.incarnation if self._words is not None else 0
-        if self._words is not None and not incarnation:
-            raise ValueError("this prefill engine is still starting (no incarnation yet)")
-        return {"payload": {**self._payload.to_dict(), "incarnation": incarnation}}
+        # The side channel served it only if it names this rank and incarnation.
+        return {"payload": {**self._payload.to_dict(), "incarnation": self._identity().incarnation}}
+
+    def _identity(self) -> Destination:
+        """What a request to this P rank's side channel must name (incarnation 0 until P's
+        scheduler wrote it: then every request is refused as too early)."""
+        assert self._words is not None
+        return Destination(self._engine_id, self._tp_rank, self._words.incarnation)
 
 
 def _describe_groups(kv_cache_config: Any) -> list[str]:

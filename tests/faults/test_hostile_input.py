@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,7 +38,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hixl_connector.connector.handshake import SCHEMA_VERSION
-from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError, _signature
+from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError
+from hixl_connector.connector.side_channel_envelope import (
+    NONCE_BYTES,
+    WIRE_VERSION,
+    Destination,
+    signature,
+)
 
 from .deployments import AUTH_TOKEN
 from .fault_harness import Servers, plain, prefill_leg, run_decode, token_prompt
@@ -63,7 +70,7 @@ values = st.recursive(
 items = st.lists(st.lists(values, min_size=1, max_size=4), max_size=4) | values
 messages = st.fixed_dictionaries(
     {"type": st.sampled_from([*KINDS, "bogus"]) | scalars, "seq": st.integers(0, 2**40)},
-    optional={"items": items, "schema": values, "tp_rank": values, "auth": values},
+    optional={"items": items, "schema": values, "auth": values},
 )
 
 
@@ -77,6 +84,22 @@ def context() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
     ctx.term()
+
+
+@pytest.fixture(scope="module")
+def rank_zero(context: zmq.Context, prefill: Servers) -> Destination:
+    """P's rank 0 as its kv_transfer_params name it (one prefill leg, released at once)."""
+    params = prefill_leg(prefill["prefill"], token_prompt(40, seed=69))
+    to = Destination(params["remote_engine_id"], 0, params["remote_incarnation"])
+    trusted = client(context, prefill, AUTH_TOKEN, to)
+    item = [params["remote_request_id"], params["remote_lease_id"], 1, 0]
+    # "early" when the release overtakes the start of the lease on P's next step
+    assert trusted.request({"type": "release", "items": [item]})["results"][0] in (
+        "finished",
+        "early",
+    )
+    trusted.close()
+    return to
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +119,11 @@ def ask(sock: zmq.Socket, frame: bytes) -> dict[str, Any]:
     return reply
 
 
-def client(context: zmq.Context, prefill: Servers, token: str) -> SideChannelClient:
+def client(
+    context: zmq.Context, prefill: Servers, token: str, to: Destination
+) -> SideChannelClient:
     port = prefill.config("prefill")["side_channel_port"]
-    return SideChannelClient(context, "127.0.0.1", port, 3.0, token)
+    return SideChannelClient(context, "127.0.0.1", port, to, 3.0, token)
 
 
 def still_serves(prefill: Servers, seed: int) -> None:
@@ -109,7 +134,7 @@ def still_serves(prefill: Servers, seed: int) -> None:
 
 
 def test_side_channel_survives_fuzzing(
-    prefill: Servers, dealer: zmq.Socket, fuzz_examples: int
+    prefill: Servers, dealer: zmq.Socket, rank_zero: Destination, fuzz_examples: int
 ) -> None:
     @settings(max_examples=fuzz_examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
@@ -121,8 +146,10 @@ def test_side_channel_survives_fuzzing(
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(message=messages, sign=st.booleans(), cut=st.integers(0, 64))
     def wrong_schemas(message: dict[str, Any], sign: bool, cut: int) -> None:
-        if sign:  # signed with the real token, so it reaches the handlers
-            message["auth"] = _signature(AUTH_TOKEN, message)
+        if sign:  # a valid envelope signed with the real token, so it reaches the handlers
+            message.update(wire=WIRE_VERSION, to=rank_zero.to_wire(), sent_at=time.time())
+            message["nonce"] = os.urandom(NONCE_BYTES)
+            message["auth"] = signature(AUTH_TOKEN, message)
         frame = msgpack.packb(message, use_bin_type=True)
         reply = ask(dealer, frame[: len(frame) - cut] if cut < len(frame) else frame)
         if not sign:
@@ -137,25 +164,25 @@ def test_side_channel_survives_fuzzing(
 
 
 def test_side_channel_refuses_peers_without_the_token(
-    context: zmq.Context, prefill: Servers
+    context: zmq.Context, prefill: Servers, rank_zero: Destination
 ) -> None:
-    hello = {"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": 0}
+    hello = {"type": "handshake", "schema": SCHEMA_VERSION}
     for token in ("", "wrong-token"):
-        anonymous = client(context, prefill, token)
+        anonymous = client(context, prefill, token, rank_zero)
         with pytest.raises(SideChannelError, match="authentication failed"):
             anonymous.request(hello)
         anonymous.close()
-    trusted = client(context, prefill, AUTH_TOKEN)
+    trusted = client(context, prefill, AUTH_TOKEN, rank_zero)
     assert trusted.request(hello)["payload"]["engine_port"] > 0
     trusted.close()
 
 
-def engine_address(context: zmq.Context, prefill: Servers) -> tuple[tuple[str, int], int]:
+def engine_address(
+    context: zmq.Context, prefill: Servers, rank_zero: Destination
+) -> tuple[tuple[str, int], int]:
     """((host, port), cluster id) of P's engine, from an authenticated handshake."""
-    trusted = client(context, prefill, AUTH_TOKEN)
-    payload = trusted.request({"type": "handshake", "schema": SCHEMA_VERSION, "tp_rank": 0})[
-        "payload"
-    ]
+    trusted = client(context, prefill, AUTH_TOKEN, rank_zero)
+    payload = trusted.request({"type": "handshake", "schema": SCHEMA_VERSION})["payload"]
     trusted.close()
     return (str(payload["engine_host"]), int(payload["engine_port"])), int(payload["cluster_id"])
 
@@ -185,8 +212,10 @@ def authenticate(sock: socket.socket, token: str, cluster: int) -> None:
     sock.sendall(frame(AUTH, client_proof(token, payload[1:33], client_nonce)))
 
 
-def test_engine_refuses_peers_without_the_token(context: zmq.Context, prefill: Servers) -> None:
-    address, cluster = engine_address(context, prefill)
+def test_engine_refuses_peers_without_the_token(
+    context: zmq.Context, prefill: Servers, rank_zero: Destination
+) -> None:
+    address, cluster = engine_address(context, prefill, rank_zero)
     for token in ("", "wrong-token"):
         with socket.create_connection(address, timeout=5) as sock:
             try:
@@ -204,9 +233,9 @@ def test_engine_refuses_peers_without_the_token(context: zmq.Context, prefill: S
 
 
 def test_engine_server_survives_fuzzing(
-    context: zmq.Context, prefill: Servers, fuzz_examples: int
+    context: zmq.Context, prefill: Servers, rank_zero: Destination, fuzz_examples: int
 ) -> None:
-    address, cluster = engine_address(context, prefill)
+    address, cluster = engine_address(context, prefill, rank_zero)
 
     @settings(max_examples=fuzz_examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip

@@ -14,8 +14,9 @@ import zmq
 
 from hixl_connector.connector.lease_client import LeaseClient, Outgoing, PeerLanes
 from hixl_connector.connector.lease_messages import LeaseNotice
-from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint
+from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
 from hixl_connector.connector.side_channel import SideChannelClient, SideChannelServer
+from hixl_connector.connector.side_channel_envelope import Destination
 
 DEAD_TIMEOUT_S = 2.0  # each notice to a dead address waits this long for its reply
 DEAD_ADDRESSES = 4
@@ -29,7 +30,13 @@ def context() -> Iterator[zmq.Context]:
 
 
 def endpoint(name: str, port: int) -> RemoteEndpoint:
-    return RemoteEndpoint(engine_id=name, host="127.0.0.1", port=port, tp_size=1, cluster_id=0)
+    return RemoteEndpoint(name, "127.0.0.1", port, tp_size=1, cluster_id=0, incarnation=1)
+
+
+def client(context: zmq.Context, target: PeerRank) -> tuple[SideChannelClient, bool]:
+    """A fresh client to ``target``, owned by the caller (as for an unlinked peer)."""
+    to = Destination(target.remote.engine_id, target.rank, target.remote.incarnation)
+    return SideChannelClient(context, target.remote.host, target.port, to, DEAD_TIMEOUT_S), True
 
 
 def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Context) -> None:
@@ -42,7 +49,10 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
             arrived.set()
         return {"results": ["ok"] * len(message["items"])}
 
-    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": record, "release": record})
+    handlers = {"heartbeat": record, "release": record}
+    server = SideChannelServer(
+        context, "127.0.0.1", 0, handlers, lambda: Destination("p-live", 0, 1)
+    )
     # Listening sockets that never answer: a request waits out its whole timeout.
     silent = [socket.socket() for _ in range(DEAD_ADDRESSES)]
     for sock in silent:
@@ -52,7 +62,7 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
     dead = [endpoint(f"dead-{i}", s.getsockname()[1]) for i, s in enumerate(silent)]
     failures: list[str] = []
     notifier = LeaseClient(
-        lambda t: (SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S), True),
+        lambda t: client(context, t),
         lambda t: t.remote.engine_id == "p-live",  # only the live peer completed a handshake
         lambda remote: {0: 1},  # equal TP: rank 0 of P, read by this rank alone
         heartbeat_s=0.01,
@@ -91,13 +101,14 @@ def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.C
         beat.set()
         return {"results": [True] * len(message["items"])}
 
-    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": record})
+    live_rank = Destination("p-live", 0, 1)
+    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": record}, lambda: live_rank)
     stalled = socket.socket()
     stalled.bind(("127.0.0.1", 0))
     stalled.listen()
     live, stuck = endpoint("p-live", server.port), endpoint("p-stalled", stalled.getsockname()[1])
     notifier = LeaseClient(
-        lambda t: (SideChannelClient(context, t.remote.host, t.port, DEAD_TIMEOUT_S), True),
+        lambda t: client(context, t),
         lambda t: True,  # both completed a handshake earlier
         lambda remote: {0: 1},
         heartbeat_s=0.01,

@@ -9,7 +9,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,6 +19,14 @@ from hixl_connector.connector.lease_messages import LeaseNotice, Notification
 from hixl_connector.connector.lease_server import LeaseServer, LeaseTable
 from hixl_connector.connector.lease_words import CLEARED, LeaseWords, words_path
 from hixl_connector.connector.metadata import SendSpec
+from hixl_connector.connector.side_channel import SideChannelServer
+from hixl_connector.connector.side_channel_envelope import (
+    REPLAY_WINDOW_S,
+    Destination,
+    seal_request,
+)
+
+TOKEN = "lease-server-test-token-0123456789abcdef"
 
 
 def finished(table: LeaseTable) -> set[str]:
@@ -197,3 +207,51 @@ def test_server_refuses_a_malformed_notice(words: LeaseWords) -> None:
     for bad in ({"type": "done", "items": [["r", -1, 1, 0]]}, {"type": "done"}, []):
         with pytest.raises(ValueError):
             server.handlers()["done"](bad)  # type: ignore[arg-type]
+
+
+def test_a_heartbeat_replayed_while_its_send_time_passes_is_refused(words: LeaseWords) -> None:
+    """D's clock runs 20 s ahead of P's. Its heartbeat is accepted once; the same bytes,
+    replayed when P's clock has moved on by the window and a second (the send time still
+    passes: it is 11 s old), are refused, and the lease ends ``lease_s`` after the genuine
+    heartbeat, not after the replay."""
+    lease_s = 1.0
+    counters = Counters()
+    leases = LeaseServer(lease_s, words, counters.record, counters.wake)
+    me = Destination("p", 0, 0xA1)
+    p_clock_ahead_by = {"s": 0.0}
+    context = zmq.Context()
+    channel = SideChannelServer(
+        context,
+        "127.0.0.1",
+        0,
+        leases.handlers(),
+        lambda: me,
+        TOKEN,
+        clock=lambda: time.time() + p_clock_ahead_by["s"],
+    )
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{channel.port}")
+
+    def send(frame: bytes) -> dict[str, Any]:
+        dealer.send_multipart([b"", frame])
+        assert dealer.poll(5000), "no reply"
+        return msgpack.unpackb(dealer.recv_multipart()[-1], raw=False)
+
+    try:
+        words.publish(3, 0xEF)
+        leases.start([SendSpec("r3", 11, 3, 0xEF)], time.monotonic())
+        beat = Notification("heartbeat", (LeaseNotice("r3", 11),)).to_dict()
+        captured = msgpack.packb(seal_request(beat, 1, me, TOKEN, time.time() + 20.0)[0])
+        assert send(captured)["results"] == [True]
+        answered_at = time.monotonic()
+        time.sleep(0.3)
+        p_clock_ahead_by["s"] = REPLAY_WINDOW_S + 1.0
+        replay = send(captured)
+        assert not replay["ok"] and "replayed request" in replay["error"], replay
+        assert leases.finished(answered_at + lease_s + 0.01) == {"r3"}
+        assert counters.counts == {"expired_leases": 1} and words[3] == CLEARED
+    finally:
+        dealer.close(linger=0)
+        channel.close()
+        context.term()

@@ -15,7 +15,8 @@ from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
 from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers import PeerError, PeerRegistry
-from hixl_connector.connector.side_channel import SideChannelServer
+from hixl_connector.connector.side_channel import SideChannelError, SideChannelServer
+from hixl_connector.connector.side_channel_envelope import Destination
 from hixl_connector.datadist.config import LLMClusterInfo
 from hixl_connector.datadist.status import LLMStatusCode
 
@@ -72,7 +73,8 @@ def prefill_rank_one() -> Iterator[int]:
     """A side channel serving the handshake of P's rank 1; yields its port."""
     context = zmq.Context()
     answer = {"payload": payload("prefill", 1, P_RANK_ONE_CLUSTER).to_dict()}
-    server = SideChannelServer(context, "127.0.0.1", 0, {"handshake": lambda _: answer})
+    me = Destination("prefill", 1, 0)
+    server = SideChannelServer(context, "127.0.0.1", 0, {"handshake": lambda _: answer}, lambda: me)
     try:
         yield server.port
     finally:
@@ -116,7 +118,9 @@ def test_a_restarted_prefill_is_another_peer_and_params_of_its_last_start_are_re
     context = zmq.Context()
     before = dataclasses.replace(payload("prefill", 1, P_RANK_ONE_CLUSTER), incarnation=0xA)
     answer = {"payload": before.to_dict()}
-    server = SideChannelServer(context, "127.0.0.1", 0, {"handshake": lambda _: answer})
+    serving = {"now": Destination("prefill", 1, 0xA)}
+    handlers = {"handshake": lambda _: answer}
+    server = SideChannelServer(context, "127.0.0.1", 0, handlers, lambda: serving["now"])
     datadist = LinkRecorder()
     api: Any = SimpleNamespace(LLMClusterInfo=LLMClusterInfo, LLMStatusCode=LLMStatusCode)
     config = HixlConfig.from_dict({"handshake_timeout_s": 2.0}, "decode")
@@ -129,8 +133,10 @@ def test_a_restarted_prefill_is_another_peer_and_params_of_its_last_start_are_re
     try:
         first = peers.get(old.rank(1))
         answer["payload"] = dataclasses.replace(before, incarnation=0xB).to_dict()
+        serving["now"] = Destination("prefill", 1, 0xB)
         peers.mark_broken(first)  # a read over the old link failed: P is gone
-        with pytest.raises(PeerError, match="restarted: it runs incarnation b, .* incarnation a"):
+        refused = "for engine prefill rank 1 incarnation a, this is .* incarnation b .*restarted"
+        with pytest.raises(SideChannelError, match=refused):
             peers.get(old.rank(1))
         assert peers.linked(new.rank(1)) is None  # not linked until a read asks for it
         assert peers.get(new.rank(1)).payload.incarnation == 0xB

@@ -19,10 +19,12 @@ from hixl_connector.connector.side_channel import (
     SideChannelError,
     SideChannelServer,
 )
+from hixl_connector.connector.side_channel_envelope import Destination, seal_request, signature
 
 # Both as long as a real token must be, so the refusal comes from the HMAC, not the length.
 TOKEN = "side-channel-test-token-0123456789abcdef"
 WRONG_TOKEN = "side-channel-wrong-token-0123456789abcdef"
+ME = Destination("p", 0, 0xA1)  # the prefill rank the servers here play
 
 
 @pytest.fixture
@@ -37,12 +39,12 @@ def _echo(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _serve(context: zmq.Context, token: str = "") -> SideChannelServer:
-    return SideChannelServer(context, "127.0.0.1", 0, {"echo": _echo}, token)
+    return SideChannelServer(context, "127.0.0.1", 0, {"echo": _echo}, lambda: ME, token)
 
 
 def test_request_reply_and_handler_errors(context: zmq.Context) -> None:
     server = _serve(context)
-    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    client = SideChannelClient(context, "127.0.0.1", server.port, ME, timeout_s=2)
     try:
         assert client.request({"type": "echo", "value": [1, "a"]})["echo"] == [1, "a"]
         with pytest.raises(SideChannelError, match="unknown type 'nope'"):
@@ -59,7 +61,7 @@ def test_a_closed_client_raises_and_opens_no_socket(context: zmq.Context) -> Non
     """A client someone closed (a peer replaced while a lane held it) sends nothing again;
     before, it made a socket no one owned, and Context.term() then waited forever."""
     server = _serve(context)
-    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    client = SideChannelClient(context, "127.0.0.1", server.port, ME, timeout_s=2)
     try:
         assert client.request({"type": "echo", "value": 1})["echo"] == 1
         client.close()
@@ -79,7 +81,7 @@ def test_timeout_is_bounded_and_client_recovers(context: zmq.Context) -> None:
     silent.bind(("127.0.0.1", 0))
     silent.listen()
     port = silent.getsockname()[1]
-    client = SideChannelClient(context, "127.0.0.1", port, timeout_s=0.2)
+    client = SideChannelClient(context, "127.0.0.1", port, ME, timeout_s=0.2)
     try:
         with pytest.raises(SideChannelError, match="no reply"):
             client.request({"type": "echo", "value": 1})
@@ -93,7 +95,7 @@ def test_hostile_frames_are_answered_and_server_keeps_serving(context: zmq.Conte
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(f"tcp://127.0.0.1:{server.port}")
-    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    client = SideChannelClient(context, "127.0.0.1", server.port, ME, timeout_s=2)
     try:
         bad_frames = [
             [b"", b"\xc1\xff garbage"],
@@ -116,9 +118,11 @@ def test_hostile_frames_are_answered_and_server_keeps_serving(context: zmq.Conte
 
 def test_auth_token_required(context: zmq.Context) -> None:
     server = _serve(context, token=TOKEN)
-    good = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token=TOKEN)
-    bad = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2, auth_token=WRONG_TOKEN)
-    none = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=2)
+    good = SideChannelClient(context, "127.0.0.1", server.port, ME, timeout_s=2, auth_token=TOKEN)
+    bad = SideChannelClient(
+        context, "127.0.0.1", server.port, ME, timeout_s=2, auth_token=WRONG_TOKEN
+    )
+    none = SideChannelClient(context, "127.0.0.1", server.port, ME, timeout_s=2)
     try:
         assert good.request({"type": "echo", "value": 1})["echo"] == 1
         for client in (bad, none):
@@ -134,7 +138,7 @@ def test_bind_failure_names_the_address(context: zmq.Context) -> None:
     server = _serve(context)
     try:
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{server.port}"):
-            SideChannelServer(context, "127.0.0.1", server.port, {})
+            SideChannelServer(context, "127.0.0.1", server.port, {}, lambda: ME)
     finally:
         server.close()
 
@@ -143,11 +147,11 @@ def test_a_failing_message_does_not_end_the_channel(
     context: zmq.Context, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = _serve(context)
-    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=0.5)
+    client = SideChannelClient(context, "127.0.0.1", server.port, ME, timeout_s=0.5)
     calls = {"n": 0}
     answer = server._answer
 
-    def fail_once(frame: bytes) -> dict[str, Any]:
+    def fail_once(frame: bytes) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected outside the handler guard")
@@ -168,7 +172,7 @@ def test_a_dead_serving_thread_is_reported_and_shutdown_stays_bounded(
     context: zmq.Context, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = _serve(context)
-    client = SideChannelClient(context, "127.0.0.1", server.port, timeout_s=0.5)
+    client = SideChannelClient(context, "127.0.0.1", server.port, ME, timeout_s=0.5)
 
     def die(frame: bytes) -> dict[str, Any]:
         raise SystemExit("injected: the serving thread ends")
@@ -202,10 +206,9 @@ def _raw_request(context: zmq.Context, port: int, frame: bytes) -> dict[str, Any
 
 
 def _signed(body: dict[str, Any], **changes: Any) -> bytes:
-    from hixl_connector.connector.side_channel import _signature
-
-    body = {**body, **changes}
-    body["auth"] = _signature(TOKEN, body)
+    """``body`` as a client for ``ME`` sends it, with ``changes`` signed over it."""
+    body = {**body, "wire": 2, "to": ME.to_wire(), **changes}
+    body["auth"] = signature(TOKEN, body)
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -216,7 +219,7 @@ def test_a_captured_signed_request_is_not_accepted_twice(context: zmq.Context) -
         served.append(message["value"])
         return {}
 
-    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": count}, TOKEN)
+    server = SideChannelServer(context, "127.0.0.1", 0, {"heartbeat": count}, lambda: ME, TOKEN)
     body = {"type": "heartbeat", "value": 1, "seq": 1, "nonce": b"n" * 16}
     try:
         captured = _signed(body, sent_at=time.time())
@@ -233,29 +236,32 @@ def test_a_captured_signed_request_is_not_accepted_twice(context: zmq.Context) -
 
 
 def test_a_reply_not_signed_for_this_request_is_refused(context: zmq.Context) -> None:
-    """A peer without the token (or a replayed old reply) cannot answer for the server."""
+    """A peer without the token (or a replayed old reply) cannot answer for the server, and
+    one speaking an older wire version is named as such."""
     fake = context.socket(zmq.ROUTER)
     fake.setsockopt(zmq.LINGER, 0)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
-    client = SideChannelClient(context, "127.0.0.1", port, timeout_s=2, auth_token=TOKEN)
-    from hixl_connector.connector.side_channel import _signature
+    client = SideChannelClient(context, "127.0.0.1", port, ME, timeout_s=2, auth_token=TOKEN)
 
     def answer(reply: dict[str, Any]) -> None:
         frames = fake.recv_multipart()
         request = msgpack.unpackb(frames[-1], raw=False)
-        fake.send_multipart([frames[0], b"", msgpack.packb({"seq": request["seq"], **reply})])
+        body = {"seq": request["seq"], "wire": 2, **reply}
+        fake.send_multipart([frames[0], b"", msgpack.packb(body)])
 
+    held = {"ok": True, "results": ["held"]}
     try:
-        for reply in (
-            {"ok": True, "results": ["held"]},  # unsigned
-            {"ok": True, "results": ["held"], "auth": b"x" * 32},  # forged
+        for reply, error in (
+            (held, "unauthenticated reply"),  # unsigned
+            ({**held, "auth": b"x" * 32}, "unauthenticated reply"),  # forged
             # signed with the token, but for another request's nonce
-            {"ok": True, "results": ["held"], "auth": _signature(TOKEN, {"ok": True}, b"o" * 16)},
+            ({**held, "auth": signature(TOKEN, {**held, "wire": 2}, b"o" * 16)}, "unauth"),
+            ({**held, "wire": None}, "speaks side-channel wire version None, this engine 2"),
         ):
             with ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(client.request, {"type": "done", "items": []})
                 answer(reply)
-                with pytest.raises(SideChannelError, match="unauthenticated reply"):
+                with pytest.raises(SideChannelError, match=error):
                     pending.result(timeout=5)
     finally:
         client.close()
@@ -273,8 +279,8 @@ def test_a_reply_not_signed_for_this_request_is_refused(context: zmq.Context) ->
     ],
 )
 def test_ipv6_and_host_names_serve_and_connect(context: zmq.Context, host: str) -> None:
-    server = SideChannelServer(context, host, 0, {"echo": _echo}, TOKEN)
-    client = SideChannelClient(context, host, server.port, timeout_s=2, auth_token=TOKEN)
+    server = SideChannelServer(context, host, 0, {"echo": _echo}, lambda: ME, TOKEN)
+    client = SideChannelClient(context, host, server.port, ME, timeout_s=2, auth_token=TOKEN)
     try:
         assert client.request({"type": "echo", "value": host})["echo"] == host
     finally:
@@ -286,4 +292,55 @@ def test_unbindable_host_names_the_keys(context: zmq.Context) -> None:
     with pytest.raises(
         RuntimeError, match="cannot bind no-such-host.invalid:0.*'side_channel_host'"
     ):
-        SideChannelServer(context, "no-such-host.invalid", 0, {"echo": _echo})
+        SideChannelServer(context, "no-such-host.invalid", 0, {"echo": _echo}, lambda: ME)
+
+
+@pytest.mark.parametrize("token", ["", TOKEN])
+def test_a_request_for_another_rank_or_incarnation_is_refused(
+    context: zmq.Context, token: str
+) -> None:
+    """Two ranks of one P share the token: a request captured on its way to rank 0 is
+    refused by rank 1, and one for P's last start by the P running now; so are requests of
+    an older wire version, and every request while P has no incarnation yet."""
+    served: list[Destination] = []
+    rank_one = Destination(ME.engine_id, 1, ME.incarnation)
+    identities = {0: ME, 1: rank_one}
+
+    def server(rank: int) -> SideChannelServer:
+        def note(message: dict[str, Any]) -> dict[str, Any]:
+            served.append(identities[rank])
+            return {}
+
+        return SideChannelServer(
+            context, "127.0.0.1", 0, {"heartbeat": note}, lambda: identities[rank], token
+        )
+
+    servers = [server(0), server(1)]
+    heartbeat = {"type": "heartbeat", "items": []}
+    try:
+        captured = msgpack.packb(seal_request(heartbeat, 1, ME, token, time.time())[0])
+        assert _raw_request(context, servers[0].port, captured)["ok"]
+        replay = _raw_request(context, servers[1].port, captured)
+        assert not replay["ok"]
+        assert "is for engine p rank 0 incarnation a1, this is engine p rank 1" in replay["error"]
+        restarted = Destination(ME.engine_id, 0, 0xB2)
+        stale = msgpack.packb(seal_request(heartbeat, 2, restarted, token, time.time())[0])
+        refused = _raw_request(context, servers[0].port, stale)["error"]
+        assert "is for engine p rank 0 incarnation b2, this is engine p rank 0 incarnation a1" in (
+            refused
+        )
+        old_wire = msgpack.unpackb(captured, raw=False)
+        del old_wire["wire"]
+        old = _raw_request(context, servers[0].port, msgpack.packb(old_wire))["error"]
+        assert "wire version 1, this engine speaks 2" in old
+        identities[1] = Destination(ME.engine_id, 1, 0)  # its scheduler has not written it
+        client = SideChannelClient(
+            context, "127.0.0.1", servers[1].port, rank_one, 2.0, auth_token=token
+        )
+        with pytest.raises(SideChannelError, match="still starting"):
+            client.request(heartbeat)
+        client.close()
+        assert served == [ME]
+    finally:
+        for each in servers:
+            each.close()

@@ -6,9 +6,10 @@
   (the control, for hetero TP and block sizes at once);
 - ``d_kv4``: a TP-1 decode server of the same model with 4 KV heads instead of 2 (refused);
 - ``pd64``: a TP-1 server with 64-token blocks (the others have 32), both prefill and decode.
-Routers are started per test from these (they are cheap); everything stops at the end of the
-package. No server is pinned to a core: a TP-2 server binds its workers' OpenMP threads to
-both cores, and a TP-1 server pinned beside one of them was starved for tens of seconds.
+Every server of the fleet requires the auth token ``AUTH_TOKEN``. Routers are started per
+test from these (they are cheap); everything stops at the end of the package. No server is
+pinned to a core: a TP-2 server binds its workers' OpenMP threads to both cores, and a TP-1
+server pinned beside one of them was starved for tens of seconds.
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hixl_connector.tools.demo.servers import VllmServer
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
-from ..harness import BLOCK_SIZE, PDLauncher, ProcessRegistry, hixl_connector_config
+from ..harness import BLOCK_SIZE, PDLauncher, ProcessRegistry
+from ..harness import hixl_connector_config as plain_config
+
+AUTH_TOKEN = "shapes-fleet-token-0123456789abcdef0123456"
+
+
+def hixl_connector_config(role: str, ranks: int = 1, **extra: Any) -> dict[str, Any]:
+    return plain_config(role, ranks, auth_token=AUTH_TOKEN, **extra)
 
 
 @dataclass

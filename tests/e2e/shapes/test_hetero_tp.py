@@ -8,11 +8,16 @@ P's one rank, and P frees only after both D ranks said done.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
-from hixl_connector.tools.demo.client import Generation, chat, complete
+from hixl_connector.connector.side_channel import SideChannelClient
+from hixl_connector.connector.side_channel_envelope import Destination, seal_request
+from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS, Generation, chat, complete
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 
 from ..harness import (
@@ -29,7 +34,7 @@ from ..harness import (
     wait_for_pulls,
     wait_kv_idle,
 )
-from .conftest import Fleet
+from .conftest import AUTH_TOKEN, Fleet
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
@@ -71,3 +76,51 @@ def test_corrupted_kv_from_two_prefill_ranks_changes_the_output(
         out = complete(router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
         assert out.token_ids != plain_outputs[n].token_ids, f"{n}: corruption had no effect"
     assert wait_for_pulls(fleet.d1_corrupt, len(lengths))[0] == len(lengths)
+
+
+def test_a_notice_signed_for_one_prefill_rank_is_refused_by_the_other(fleet: Fleet) -> None:
+    """P's two ranks share the auth token: a heartbeat captured on its way to rank 0 is
+    refused by rank 1 (and by rank 0 the second time). The lease is then released on both
+    ranks the way D does it, and P holds no KV afterwards."""
+    leg = complete(
+        fleet.p2.url,
+        PROMPTS[64],
+        model=SERVED_MODEL_NAME,
+        max_tokens=1,
+        extra={"kv_transfer_params": dict(PREFILL_LEG_PARAMS)},
+    )
+    params = leg.kv_transfer_params
+    assert params is not None
+    ranks = [
+        Destination(params["remote_engine_id"], r, params["remote_incarnation"]) for r in (0, 1)
+    ]
+    ports = [params["remote_port"] + r for r in (0, 1)]
+    lease = [params["remote_request_id"], params["remote_lease_id"]]
+    context = zmq.Context()
+    try:
+        beat = {"type": "heartbeat", "items": [lease]}
+        captured = msgpack.packb(seal_request(beat, 1, ranks[0], AUTH_TOKEN, time.time())[0])
+        assert _send(context, ports[0], captured)["ok"]
+        to_rank_one = _send(context, ports[1], captured)
+        assert not to_rank_one["ok"]
+        assert f"is for {ranks[0]}, this is {ranks[1]}" in to_rank_one["error"]
+        assert "replayed request" in _send(context, ports[0], captured)["error"]
+        for rank, port in zip(ranks, ports, strict=True):
+            client = SideChannelClient(context, "127.0.0.1", port, rank, 5.0, AUTH_TOKEN)
+            client.request({"type": "release", "items": [[*lease, 1, 0]]})
+            client.close()
+    finally:
+        context.term()
+    wait_kv_idle(fleet.p2)
+
+
+def _send(context: zmq.Context, port: int, frame: bytes) -> dict[str, Any]:
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart([b"", frame])
+        assert dealer.poll(5000), f"no reply from 127.0.0.1:{port}"
+        return msgpack.unpackb(dealer.recv_multipart()[-1], raw=False)
+    finally:
+        dealer.close(linger=0)
