@@ -1,17 +1,18 @@
 """The vLLM KV connector: what runs inside vLLM's processes.
 
 - ``facade``: ``HixlConnector``, the class vLLM instantiates; it forwards to one half.
-- Scheduler half (EngineCore, pure bookkeeping; imports no torch, zmq or vLLM):
-  ``scheduler``, ``metadata`` (its per-step metadata and ``kv_transfer_params``),
-  ``config``, ``rank_addresses`` (each rank's ports and cluster id), ``limits``, ``blocks``,
-  ``block_slices``, ``lease_words``.
-- Worker half (every worker): ``worker`` (registration, per-step hooks),
-  ``receiver`` (D's reads), ``read_plans`` (what it reads of each P shape), ``peers``
-  (handshake and link per P rank), ``handshake`` (the payload and the compatibility
-  check), ``engine_setup`` (the only module that configures
-  the datadist back-end), ``kv_layout`` / ``kv_probe`` / ``tp_mapping`` (what bytes go
-  where), the lease protocol (``lease_server`` on P, ``lease_client`` on D,
-  ``lease_messages`` between them, over ``side_channel``), ``stats``.
+  ``vllm_interface`` holds what differs between the vLLM versions it supports.
+- Shared by both halves: ``config`` (``kv_connector_extra_config``, validated), ``metadata``
+  (the per-step metadata and ``kv_transfer_params``), ``link_reports`` (what workers tell
+  the scheduler about links), ``stats``, ``limits``.
+- ``scheduler/``: the scheduler half (EngineCore, pure bookkeeping; imports no torch, zmq,
+  vLLM runtime, engine or ``datadist``).
+- ``worker/``: the worker half (registration, D's reads, P's serving side); ``engine_setup``
+  is the only module that configures the ``datadist`` back-end.
+- ``leases/``: the lease server (P), client (D), their messages, and the lease words.
+- ``mapping/``: pure planning of which blocks, heads and slices go where.
+- ``peers/``: the side channel and its envelope, the handshake, the registry of links, and
+  each rank's addresses.
 
 The connector talks to transfer engines only through ``hixl_connector.datadist``.
 ``HixlConnector`` loads (and with it vLLM) on first access, so importing this package stays

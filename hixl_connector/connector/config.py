@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, is_int
-from hixl_connector.connector.rank_addresses import CLUSTER_ID_STEP
-from hixl_connector.datadist.native import AUTH_TOKEN_ENV
+from hixl_connector.connector.peers.rank_addresses import CLUSTER_ID_STEP
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,6 +27,9 @@ if TYPE_CHECKING:
 # A short token lets anyone who sniffs one HMAC challenge and its answer guess it offline;
 # 32 characters of secrets.token_hex carry 128 bits. The native engine applies the same rule.
 MIN_AUTH_TOKEN_CHARS = 32
+# Read by the native engine too (hixl_connector.datadist.native.AUTH_TOKEN_ENV), repeated here
+# because the scheduler half must not import the engine's package.
+AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
 # The native engine's limit (hixl_connector.datadist.config.MAX_TCP_CONNECTIONS), repeated
 # here because the scheduler half must not import the engine's package.
 MAX_TCP_CONNECTIONS = 16

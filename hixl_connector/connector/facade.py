@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hixl_connector.connector import vllm_interface
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.kv_groups import check_movable
 from hixl_connector.connector.link_reports import LinkReport
+from hixl_connector.connector.mapping.kv_groups import check_movable
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 
 KVConnectorMetadata.register(HixlConnectorMetadata)
@@ -53,9 +53,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from hixl_connector.connector.scheduler import HixlScheduler
+    from hixl_connector.connector.scheduler.half import HixlScheduler
     from hixl_connector.connector.stats import HixlKVConnectorStats, HixlPromMetrics
-    from hixl_connector.connector.worker import HixlWorker
+    from hixl_connector.connector.worker.half import HixlWorker
 
 
 class HixlConnector(KVConnectorBase_V1, SupportsHMA):
@@ -77,11 +77,11 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: HixlScheduler | None = None
         self._worker: HixlWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from hixl_connector.connector.scheduler import HixlScheduler
+            from hixl_connector.connector.scheduler.half import HixlScheduler
 
             self._scheduler = HixlScheduler(vllm_config, config, engine_id, kv_cache_config)
         else:
-            from hixl_connector.connector.worker import HixlWorker
+            from hixl_connector.connector.worker.half import HixlWorker
 
             self._worker = HixlWorker(vllm_config, config, engine_id, kv_cache_config)
 

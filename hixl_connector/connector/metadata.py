@@ -3,8 +3,8 @@
 - scheduler -> worker: the per-step ``HixlConnectorMetadata`` (pickled by vLLM);
 - P -> router -> D: ``kv_transfer_params`` (NixlConnector pull fields plus HIXL fields).
 
-The worker <-> worker messages live beside it: the handshake in ``handshake``, the
-done/heartbeat/release notices in ``lease_messages``. Params that arrive from another
+The worker <-> worker messages live beside it: the handshake in ``peers.handshake``, the
+done/heartbeat/release notices in ``leases.messages``. Params that arrive from another
 process are validated here, and bad ones raise ``InvalidTransferParams`` naming the field.
 """
 
@@ -24,7 +24,7 @@ from hixl_connector.connector.limits import (
     check_field,
     is_int,
 )
-from hixl_connector.connector.rank_addresses import CLUSTER_ID_STEP, cluster_id_at, port_at
+from hixl_connector.connector.peers.rank_addresses import CLUSTER_ID_STEP, cluster_id_at, port_at
 
 # A prefill engine's ranks share one window of ports and cluster ids (rank_addresses).
 MAX_TP_SIZE = CLUSTER_ID_STEP

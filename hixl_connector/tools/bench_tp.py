@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hixl_connector.connector.tp_mapping import plan_rank, unit_ids
+from hixl_connector.connector.mapping.tp_mapping import plan_rank, unit_ids
 from hixl_connector.datadist import BlocksPull, load_backend
 from hixl_connector.tools.bench_common import (
     LAYERS,

@@ -24,9 +24,9 @@ def main() -> None:
     from worker_harness import P_INCARNATION, kv_caches, tp_group, vllm_config
 
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
+    from hixl_connector.connector.leases.words import LeaseWords, lease_word, words_path
     from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec
-    from hixl_connector.connector.worker import HixlWorker
+    from hixl_connector.connector.worker.half import HixlWorker
 
     config = vllm_config(Path(spec["model_dir"]), "kv_producer", spec["engine_id"], spec["extra"])
     with tp_group(config, spec["tp_port"]):

@@ -37,14 +37,14 @@ from engine.wire_client import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hixl_connector.connector.handshake import SCHEMA_VERSION
-from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError
-from hixl_connector.connector.side_channel_envelope import (
+from hixl_connector.connector.peers.envelope import (
     NONCE_BYTES,
     WIRE_VERSION,
     Destination,
     signature,
 )
+from hixl_connector.connector.peers.handshake import SCHEMA_VERSION
+from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelError
 
 from .deployments import AUTH_TOKEN
 from .fault_harness import Servers, plain, prefill_leg, run_decode, token_prompt

@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hixl_connector.connector.engine_setup import GuardedPull
 from hixl_connector.connector.facade import HixlConnector
 from hixl_connector.connector.metadata import PeerRank, RecvSpec
-from hixl_connector.connector.peers import Peer
-from hixl_connector.connector.receiver import Receiver
+from hixl_connector.connector.peers.registry import Peer
+from hixl_connector.connector.worker.engine_setup import GuardedPull
+from hixl_connector.connector.worker.receiver import Receiver
 
 CONTROLS = ("test_corrupt_received_kv", "test_pull_delay_s")
 MODULE = "hixl_test_connector"

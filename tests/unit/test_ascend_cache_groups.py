@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.engine_setup import cache_groups, open_engine
-from hixl_connector.connector.kv_layout import describe_kv_caches
-from hixl_connector.connector.rank_addresses import rank_address
+from hixl_connector.connector.peers.rank_addresses import rank_address
+from hixl_connector.connector.worker.engine_setup import cache_groups, open_engine
+from hixl_connector.connector.worker.kv_layout import describe_kv_caches
 
 NUM_BLOCKS = 8
 

@@ -28,7 +28,7 @@ from standin_client import (  # noqa: E402
 )
 from standin_peer import NUM_TENSORS, block_value  # noqa: E402
 
-from hixl_connector.connector.blocks import chunk_pairs  # noqa: E402
+from hixl_connector.connector.mapping.blocks import chunk_pairs  # noqa: E402
 from hixl_connector.datadist import ascend, load_backend  # noqa: E402
 
 sys.path.remove(str(STANDIN_DIR))

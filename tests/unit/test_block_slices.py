@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.block_slices import (
+from hixl_connector.connector.mapping.block_slices import (
     SLICE_ELEMENTS,
     BlockSizeMismatch,
     SliceRun,
@@ -17,7 +17,7 @@ from hixl_connector.connector.block_slices import (
     merge_runs,
     slice_ids,
 )
-from hixl_connector.connector.blocks import NULL_BLOCK_ID, remote_at_positions
+from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID, remote_at_positions
 
 Key = tuple[int, int, int]  # (0 key / 1 value, token within the block, dimension)
 Layout = Callable[[int, int], list[Key]]  # (block size, head size) -> keys in memory order

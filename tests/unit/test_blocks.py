@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.blocks import (
+from hixl_connector.connector.mapping.blocks import (
     blocks_for_tokens,
     chunk_pairs,
     group_runs,

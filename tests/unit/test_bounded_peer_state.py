@@ -46,7 +46,7 @@ def closed_ports(n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir: Path) -> Iterator[Any]:
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.worker import HixlWorker
+    from hixl_connector.connector.worker.half import HixlWorker
 
     extra = {
         "backend": "native",

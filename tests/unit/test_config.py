@@ -14,7 +14,7 @@ from hixl_connector.connector.config import (
     HixlConfig,
     derived_cluster_id_base,
 )
-from hixl_connector.connector.rank_addresses import CLUSTER_ID_STEP, rank_address
+from hixl_connector.connector.peers.rank_addresses import CLUSTER_ID_STEP, rank_address
 
 ENV_TOKEN = "env-token-0123456789abcdef0123456789"
 KEY_TOKEN = "key-token-0123456789abcdef0123456789"
@@ -198,6 +198,13 @@ def test_connection_limit_matches_the_engines() -> None:
 
     assert MAX_TCP_CONNECTIONS == ENGINE_LIMIT
     HixlConfig.from_dict({"tcp_connections": ENGINE_LIMIT}, "e")
+
+
+def test_the_auth_token_variable_is_the_engines() -> None:
+    from hixl_connector.connector.config import AUTH_TOKEN_ENV
+    from hixl_connector.datadist.native import AUTH_TOKEN_ENV as ENGINE_VARIABLE
+
+    assert AUTH_TOKEN_ENV == ENGINE_VARIABLE
 
 
 def connector_vllm_config(role: str, engine_id: str) -> Any:

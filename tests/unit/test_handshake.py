@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from hixl_connector.connector.handshake import (
+from hixl_connector.connector.peers.handshake import (
     SCHEMA_VERSION,
     HandshakePayload,
     compatibility_hash,

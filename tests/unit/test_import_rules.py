@@ -19,9 +19,51 @@ def loaded_after(statement: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_scheduler_half_imports_no_torch_zmq_vllm_or_engine() -> None:
-    modules = loaded_after("import hixl_connector.connector.scheduler")
-    assert [m for m in HEAVY if m in modules] == []
+def test_the_scheduler_half_imports_no_torch_zmq_vllm_engine_or_datadist() -> None:
+    modules = loaded_after("import hixl_connector.connector.scheduler.half")
+    assert [m for m in (*HEAVY, "hixl_connector.datadist") if m in modules] == []
+
+
+def test_the_planning_room_is_pure() -> None:
+    rooms = PACKAGE / "connector" / "mapping"
+    names = [f"hixl_connector.connector.mapping.{path.stem}" for path in rooms.glob("[!_]*.py")]
+    modules = loaded_after("; ".join(f"import {name}" for name in names))
+    assert [m for m in (*HEAVY, "hixl_connector.datadist") if m in modules] == []
+
+
+CONNECTOR = "hixl_connector.connector"
+# Room of the connector -> the rooms it must not import: the scheduler half reaches neither
+# the worker half nor the network, planning reaches nothing that does I/O, and the shared
+# modules beside the facade reach no room but the planning one.
+FORBIDDEN = {
+    "scheduler": (
+        "worker",
+        "peers.side_channel",
+        "peers.registry",
+        "leases.client",
+        "leases.server",
+    ),
+    "mapping": ("scheduler", "worker", "peers", "leases"),
+    "leases": ("scheduler", "worker"),
+    "peers": ("scheduler", "worker", "leases"),
+    "": ("scheduler", "worker", "leases", "peers.side_channel", "peers.registry"),
+}
+
+
+def test_each_room_of_the_connector_keeps_to_its_side() -> None:
+    breaches = []
+    for room, forbidden in FORBIDDEN.items():
+        folder = PACKAGE / "connector" / room
+        paths = sorted(folder.glob("*.py"))
+        if room == "":
+            paths = [path for path in paths if path.stem not in ("facade", "__init__")]
+        for path in paths:
+            for module in imported_modules(path):
+                if any(module.startswith(f"{CONNECTOR}.{name}") for name in forbidden):
+                    breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
+                if room in ("scheduler", "mapping") and layer_of(module) == "datadist":
+                    breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert breaches == []
 
 
 def test_importing_the_package_loads_nothing_but_itself() -> None:

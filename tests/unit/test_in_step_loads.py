@@ -14,8 +14,8 @@ from vllm_harness import (
     BLOCK_SIZE,
     P_INCARNATION,
     block_ids,
+    decode_side,
     finished_outputs,
-    hixl,
     make_request,
     make_scheduler,
     metadata,
@@ -25,9 +25,9 @@ from vllm_harness import (
     step,
 )
 
-from hixl_connector.connector.in_step_loads import InStepLoads
 from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport, LinkReporter
 from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
+from hixl_connector.connector.scheduler.in_step_loads import InStepLoads
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 # The harness's blocks: 16 tokens x 2 KV heads x 16 x fp32, K and V, two layers.
@@ -73,7 +73,7 @@ def warm(scheduler: Scheduler) -> None:
     assert not spec.in_step
     finish_step(scheduler, output)
     step(scheduler, finished_recving={"first"}, link_report=in_place())
-    assert hixl(scheduler)._loads.in_place_engines() == 1
+    assert decode_side(scheduler).loads.in_place_engines() == 1
 
 
 def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the_step(
@@ -96,7 +96,7 @@ def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the
     # Computed in this very step: the last prompt token, for the first output token.
     assert finish_step(scheduler, output)["small"] == 1
     assert request.num_output_tokens == 1
-    assert "small" not in hixl(scheduler)._receiving
+    assert "small" not in decode_side(scheduler).receiving
 
     large, _ = admit(scheduler, "large", SMALL_BLOCKS + 1, seed=3)
     assert not large.in_step
@@ -110,7 +110,7 @@ def test_reads_over_the_network_never_go_in_the_step(tiny_model_dir: Path) -> No
     first, output = admit(scheduler, "first", 2, seed=1)
     finish_step(scheduler, output)
     step(scheduler, finished_recving={"first"}, link_report=in_place(ok=False))
-    assert hixl(scheduler)._loads.in_place_engines() == 0
+    assert decode_side(scheduler).loads.in_place_engines() == 0
     assert not admit(scheduler, "small", 1, seed=2)[0].in_step
 
 
@@ -134,7 +134,7 @@ def test_a_lost_link_turns_its_engine_asynchronous(tiny_model_dir: Path) -> None
     other = RemoteEndpoint("other-engine", "10.0.0.9", 7200, 1, 16384)
     step(scheduler, link_report=in_place(other))
     step(scheduler, link_report=in_place(ok=False))
-    assert hixl(scheduler)._loads.in_place_engines() == 1  # the other engine's link stands
+    assert decode_side(scheduler).loads.in_place_engines() == 1  # the other engine's link stands
     assert not admit(scheduler, "after", 2, seed=8)[0].in_step
 
 

@@ -71,7 +71,7 @@ def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.worker import HixlWorker
+    from hixl_connector.connector.worker.half import HixlWorker
 
     extra = {"backend": "native", "cluster_id_base": D_BASE, "transport": "auto"}
     config = vllm_config(tiny_model_dir, "kv_consumer", "d-in-step", extra)
@@ -89,7 +89,7 @@ def recv_spec(
     side_port: int, lease: int, local_block: int, in_step: bool = False, copy: int = 0
 ) -> Any:
     """D's read of lease ``lease`` into ``local_block`` (``copy``: which of its reads)."""
-    from hixl_connector.connector.lease_words import lease_word
+    from hixl_connector.connector.leases.words import lease_word
     from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
 
     request, lease_id, blocks = LEASES[lease]

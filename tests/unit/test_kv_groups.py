@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.kv_groups import (
+from hixl_connector.connector.mapping.kv_groups import (
     blocks_to_fill,
     check_every_layer_registered,
     check_movable,

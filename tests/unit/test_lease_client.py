@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import zmq
 
-from hixl_connector.connector.lease_client import LeaseClient, Outgoing, PeerLanes
-from hixl_connector.connector.lease_messages import LeaseNotice
+from hixl_connector.connector.leases.client import LeaseClient, Outgoing, PeerLanes
+from hixl_connector.connector.leases.messages import LeaseNotice
 from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
-from hixl_connector.connector.side_channel import SideChannelClient, SideChannelServer
-from hixl_connector.connector.side_channel_envelope import Destination
+from hixl_connector.connector.peers.envelope import Destination
+from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelServer
 
 DEAD_TIMEOUT_S = 2.0  # each notice to a dead address waits this long for its reply
 DEAD_ADDRESSES = 4

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.lease_client import HeartbeatSchedule
-from hixl_connector.connector.lease_messages import LeaseNotice
+from hixl_connector.connector.leases.client import HeartbeatSchedule
+from hixl_connector.connector.leases.messages import LeaseNotice
 from hixl_connector.connector.metadata import PeerRank, RemoteEndpoint
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.lease_messages import ITEM_FIELDS, LeaseNotice, Notification
+from hixl_connector.connector.leases.messages import ITEM_FIELDS, LeaseNotice, Notification
 
 
 def wire(message: dict[str, Any]) -> Any:

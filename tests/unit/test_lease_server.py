@@ -15,16 +15,16 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.lease_messages import LeaseNotice, Notification
-from hixl_connector.connector.lease_server import LeaseServer, LeaseTable
-from hixl_connector.connector.lease_words import CLEARED, LeaseWords, words_path
+from hixl_connector.connector.leases.messages import LeaseNotice, Notification
+from hixl_connector.connector.leases.server import LeaseServer, LeaseTable
+from hixl_connector.connector.leases.words import CLEARED, LeaseWords, words_path
 from hixl_connector.connector.metadata import SendSpec
-from hixl_connector.connector.side_channel import SideChannelServer
-from hixl_connector.connector.side_channel_envelope import (
+from hixl_connector.connector.peers.envelope import (
     REPLAY_WINDOW_S,
     Destination,
     seal_request,
 )
+from hixl_connector.connector.peers.side_channel import SideChannelServer
 
 TOKEN = "lease-server-test-token-0123456789abcdef"
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.lease_words import CLEARED, LeaseWords, lease_word, words_path
+from hixl_connector.connector.leases.words import CLEARED, LeaseWords, lease_word, words_path
 
 
 @pytest.fixture

@@ -12,11 +12,15 @@ import pytest
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
 from hixl_connector.connector.metadata import RemoteEndpoint
-from hixl_connector.connector.peers import PeerError, PeerRegistry
-from hixl_connector.connector.side_channel import SideChannelError, SideChannelServer
-from hixl_connector.connector.side_channel_envelope import Destination
+from hixl_connector.connector.peers.envelope import Destination
+from hixl_connector.connector.peers.handshake import (
+    SCHEMA_VERSION,
+    HandshakePayload,
+    compatibility_hash,
+)
+from hixl_connector.connector.peers.registry import PeerError, PeerRegistry
+from hixl_connector.connector.peers.side_channel import SideChannelError, SideChannelServer
 from hixl_connector.datadist.config import LLMClusterInfo
 from hixl_connector.datadist.status import LLMStatusCode
 

@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload
 from hixl_connector.connector.metadata import RemoteEndpoint
-from hixl_connector.connector.peers import PeerError, PeerRegistry
+from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
+from hixl_connector.connector.peers.registry import PeerError, PeerRegistry
 
 TIMEOUT_S = 1.0
 QUEUED = 10

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT
 from hixl_connector.connector.metadata import RemoteEndpoint
-from hixl_connector.connector.rank_addresses import (
+from hixl_connector.connector.peers.rank_addresses import (
     CLUSTER_ID_STEP,
     cluster_id_at,
     port_at,

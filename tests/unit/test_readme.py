@@ -13,7 +13,7 @@ from hixl_connector.connector.metadata import (
     RemoteEndpoint,
     build_remote_decode_params,
 )
-from hixl_connector.connector.misconfig import KINDS
+from hixl_connector.connector.scheduler.misconfig import KINDS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
@@ -52,3 +52,27 @@ def test_every_misconfiguration_kind_is_in_the_table() -> None:
     start = text.index("| kind | what happened")
     table = text[start : text.index("\n\n", start)]
     assert sorted(re.findall(r"^\| `([a-z_]+)` \|", table, re.M)) == sorted(KINDS)
+
+
+def test_the_layout_lists_every_module_of_the_connector() -> None:
+    """Each room's modules are listed under their folder, each once."""
+    readme = README.read_text()
+    block = readme[readme.index("## Layout of the code") :]
+    block = block[: block.index("  datadist/")]
+    listed: list[str] = []
+    room = ""
+    for line in block.splitlines():
+        name = line.strip().split(" ")[0] if line.strip() else ""
+        if line.startswith("    ") and not line.startswith("      ") and name.endswith("/"):
+            room = name
+        elif line.startswith("    ") and not line.startswith("      "):
+            room = ""
+        if name.endswith(".py"):
+            listed.append(room + name)
+    package = Path(__file__).resolve().parents[2] / "hixl_connector" / "connector"
+    modules = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "__init__.py"
+    )
+    assert sorted(listed) == modules

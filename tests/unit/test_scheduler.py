@@ -17,6 +17,7 @@ from vllm_harness import (
     EXTRA_CONFIG,
     P_INCARNATION,
     block_ids,
+    decode_side,
     finished_outputs,
     free_blocks,
     hixl,
@@ -24,15 +25,16 @@ from vllm_harness import (
     make_scheduler,
     metadata,
     prefill_params,
+    prefill_side,
     runner_output,
     served_locally,
     step,
 )
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.lease_words import LeaseWords, lease_word, words_path
+from hixl_connector.connector.leases.words import LeaseWords, lease_word, words_path
 from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
-from hixl_connector.connector.rank_addresses import rank_address
+from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
@@ -86,7 +88,7 @@ def test_remote_prefill_lifecycle(tiny_model_dir: Path) -> None:
     finished = run_until_finished(scheduler, "d1")
     assert finished.finish_reason == FinishReason.LENGTH
     assert free_blocks(scheduler) == idle
-    assert hixl(scheduler).num_waiting == 0
+    assert len(decode_side(scheduler).waiting) == 0
 
 
 def test_prefix_hit_pulls_only_the_suffix(tiny_model_dir: Path) -> None:
@@ -282,7 +284,7 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
         "remote_cluster_id": rank_address(config, 0, 0, 1).cluster_id,
         "remote_lease_id": leases["p1"],
         "remote_lease_slot": 0,
-        "remote_incarnation": hixl(scheduler)._incarnation,
+        "remote_incarnation": prefill_side(scheduler).incarnation,
     }
     assert finished["p2"].kv_transfer_params["remote_lease_slot"] == 1
     assert rank_address(config, 0, 0, 1).cluster_id == 4096
@@ -294,16 +296,16 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
             rid,
             leases[rid],
             slot,
-            lease_word(leases[rid], [blocks[rid]], hixl(scheduler)._incarnation),
+            lease_word(leases[rid], [blocks[rid]], prefill_side(scheduler).incarnation),
         )
         for slot, rid in enumerate(("p1", "p2"))
     ]
-    assert hixl(scheduler).num_leased == 2
+    assert len(prefill_side(scheduler).leased) == 2
     step(scheduler, finished_sending={"p1"})
     assert free_blocks(scheduler) == idle - 3
     step(scheduler, finished_sending={"p2"})
     assert free_blocks(scheduler) == idle
-    assert scheduler.requests == {} and hixl(scheduler).num_leased == 0
+    assert scheduler.requests == {} and len(prefill_side(scheduler).leased) == 0
     assert metadata(scheduler.schedule()).to_send == []
 
 
@@ -388,7 +390,7 @@ def test_misconfigured_requests_are_counted_by_kind_and_said_once(
     by kind in the connector's stats, and each kind said once with its cause."""
     import logging
 
-    logger = logging.getLogger("hixl_connector.connector.misconfig")
+    logger = logging.getLogger("hixl_connector.connector.scheduler.misconfig")
     logger.addHandler(caplog.handler)
 
     def said(kind: str) -> list[str]:

@@ -14,12 +14,12 @@ import pytest
 import zmq
 from loopback import has_ipv6_loopback
 
-from hixl_connector.connector.side_channel import (
+from hixl_connector.connector.peers.envelope import Destination, seal_request, signature
+from hixl_connector.connector.peers.side_channel import (
     SideChannelClient,
     SideChannelError,
     SideChannelServer,
 )
-from hixl_connector.connector.side_channel_envelope import Destination, seal_request, signature
 
 # Both as long as a real token must be, so the refusal comes from the HMAC, not the length.
 TOKEN = "side-channel-test-token-0123456789abcdef"

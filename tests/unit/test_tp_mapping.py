@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.tp_mapping import (
+from hixl_connector.connector.mapping.tp_mapping import (
     HeadRead,
     TPMismatch,
     check_shardable,

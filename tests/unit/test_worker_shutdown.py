@@ -57,7 +57,7 @@ def test_shutdown_under_load_is_bounded_and_leaves_nothing(
 ) -> None:
     from hixl_connector.connector.config import HixlConfig
     from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
-    from hixl_connector.connector.worker import HixlWorker
+    from hixl_connector.connector.worker.half import HixlWorker
 
     extra = {"backend": "native", "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
     config = vllm_config(tiny_model_dir, "kv_consumer", "d-shutdown", extra)

@@ -29,10 +29,12 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from hixl_connector.connector.facade import HixlConnector
-from hixl_connector.connector.lease_words import LeaseWords, words_path
+from hixl_connector.connector.leases.words import LeaseWords, words_path
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
-from hixl_connector.connector.scheduler import HixlScheduler
+from hixl_connector.connector.scheduler.decode_side import DecodeSide
+from hixl_connector.connector.scheduler.half import HixlScheduler
+from hixl_connector.connector.scheduler.prefill_side import PrefillSide
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
@@ -107,6 +109,18 @@ def hixl(scheduler: Scheduler) -> HixlScheduler:
     connector: Any = scheduler.connector
     assert isinstance(connector, HixlConnector) and connector._scheduler is not None
     return connector._scheduler
+
+
+def decode_side(scheduler: Scheduler) -> DecodeSide:
+    side = hixl(scheduler).decode
+    assert side is not None, "not a kv_consumer"
+    return side
+
+
+def prefill_side(scheduler: Scheduler) -> PrefillSide:
+    side = hixl(scheduler).prefill
+    assert side is not None, "not a kv_producer"
+    return side
 
 
 def free_blocks(scheduler: Scheduler) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hixl_connector.connector.blocks import group_runs
+from hixl_connector.connector.mapping.blocks import group_runs
 from hixl_connector.datadist import (
     BlocksCacheKey,
     Cache,

@@ -15,8 +15,8 @@ import msgpack
 import pytest
 import zmq
 
-from hixl_connector.connector.side_channel import SideChannelClient
-from hixl_connector.connector.side_channel_envelope import Destination, seal_request
+from hixl_connector.connector.peers.envelope import Destination, seal_request
+from hixl_connector.connector.peers.side_channel import SideChannelClient
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS, Generation, chat, complete
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 

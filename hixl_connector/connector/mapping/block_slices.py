@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hixl_connector.connector.blocks import NULL_BLOCK_ID
+from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 
 # vLLM's CPU kernels take block sizes in multiples of 32 tokens and move whole 32-element
 # rows, so a slice of 32 elements never straddles two prefill blocks.

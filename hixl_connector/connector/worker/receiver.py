@@ -2,7 +2,7 @@
 needing this process's Python while the bytes move.
 
 `start` (on the step thread) plans the read and hands it to the engine as one batch: P's lease
-word for the request, the blocks, and the lease word again (`lease_words`). A request whose P
+word for the request, the blocks, and the lease word again (`leases.words`). A request whose P
 ranks are not linked yet first handshakes and links on a small pool, then does the same.
 `collect` (on the step thread too) ends the batches that finished: the read is good only if
 the word vouched for exactly these blocks before and after, so no round trip to P's Python is
@@ -37,25 +37,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.engine_setup import (
+from hixl_connector.connector.leases.client import LeaseClient
+from hixl_connector.connector.link_reports import LinkReporter
+from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
+from hixl_connector.connector.mapping.tp_mapping import TPMismatch
+from hixl_connector.connector.metadata import PeerRank, RecvSpec, ReleaseSpec
+from hixl_connector.connector.peers.registry import Peer, PeerRegistry
+from hixl_connector.connector.worker.engine_setup import (
     IN_FLIGHT_READS,
     IN_STEP_ROWS,
     Engine,
     GuardedPull,
 )
-from hixl_connector.connector.kv_layout import KVLayout
-from hixl_connector.connector.lease_client import LeaseClient
-from hixl_connector.connector.link_reports import LinkReporter
-from hixl_connector.connector.metadata import PeerRank, RecvSpec, ReleaseSpec
-from hixl_connector.connector.peers import Peer, PeerRegistry
-from hixl_connector.connector.read_plans import ReadPlans, UnreadableRequest
-from hixl_connector.connector.read_units import (
+from hixl_connector.connector.worker.kv_layout import KVLayout
+from hixl_connector.connector.worker.read_units import (
     LeaseError,
     check_block_ids,
     check_block_sizes,
     peer_units,
 )
-from hixl_connector.connector.tp_mapping import TPMismatch
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hixl_connector.connector.block_slices import blocks_per_block
-from hixl_connector.connector.blocks import blocks_for_tokens, remote_at_positions
+from hixl_connector.connector.mapping.block_slices import blocks_per_block
+from hixl_connector.connector.mapping.blocks import blocks_for_tokens, remote_at_positions
 from hixl_connector.connector.metadata import RemotePrefill
 
 # (positions, block ids) of one group's blocks to fill; a position is the block's index

@@ -30,13 +30,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hixl_connector.connector.lease_messages import (
+from hixl_connector.connector.leases.messages import (
     MAX_NOTIFICATION_ITEMS,
     LeaseNotice,
     Notification,
 )
 from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
-from hixl_connector.connector.side_channel import SideChannelClient, SideChannelError
+from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelError
 
 logger = logging.getLogger(__name__)
 

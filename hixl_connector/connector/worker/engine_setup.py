@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.blocks import chunk_pairs
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.kv_layout import KVLayout
-from hixl_connector.connector.rank_addresses import RankAddress
+from hixl_connector.connector.mapping.blocks import chunk_pairs
+from hixl_connector.connector.peers.rank_addresses import RankAddress
+from hixl_connector.connector.worker.kv_layout import KVLayout
 from hixl_connector.datadist import (
     Backend,
     BlocksPull,

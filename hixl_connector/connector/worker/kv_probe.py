@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hixl_connector.connector.block_slices import SliceRun, merge_runs
+from hixl_connector.connector.mapping.block_slices import SliceRun, merge_runs
 
 # Digits small enough for every unquantized KV dtype to hold exactly (bf16: up to 256).
 _BASE = 64

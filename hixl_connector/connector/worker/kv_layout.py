@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.block_slices import SLICE_ELEMENTS
+from hixl_connector.connector.mapping.block_slices import SLICE_ELEMENTS
 
 
 @dataclass(frozen=True)

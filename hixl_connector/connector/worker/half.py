@@ -6,9 +6,8 @@ ones on the step thread. Every rank reports its results there. The exception is 
 step (in_step_loads): small, from a P this worker reads in place (a same-host copy, which
 waits on no peer; `take_link_report` tells the scheduler which), it lands before the forward
 that needs it, and a failure is reported as its blocks (`take_load_errors`).
-P: a side-channel server answers handshakes, and `lease_server.LeaseServer` turns D's
-"done"/"release" notices and lease expiry into `finished_sending`, so vLLM frees the blocks
-exactly once.
+P: `prefill_serving` answers handshakes and turns D's "done"/"release" notices and lease
+expiry into `finished_sending`, so vLLM frees the blocks exactly once.
 """
 
 from __future__ import annotations
@@ -22,24 +21,26 @@ from typing import Any
 
 import zmq
 
-from hixl_connector.connector.block_slices import SliceRun
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.engine_setup import Engine, open_engine
-from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, compatibility_hash
-from hixl_connector.connector.kv_groups import check_every_layer_registered, group_block_sizes
-from hixl_connector.connector.kv_layout import KVLayout, describe_kv_caches
-from hixl_connector.connector.lease_client import LeaseClient
-from hixl_connector.connector.lease_server import LeaseServer
-from hixl_connector.connector.lease_words import LeaseWords, words_path
+from hixl_connector.connector.leases.client import LeaseClient
+from hixl_connector.connector.leases.words import LeaseWords, words_path
 from hixl_connector.connector.link_reports import LinkReport, LinkReporter
+from hixl_connector.connector.mapping.block_slices import SliceRun
+from hixl_connector.connector.mapping.kv_groups import (
+    check_every_layer_registered,
+    group_block_sizes,
+)
+from hixl_connector.connector.mapping.read_plans import ReadPlans
 from hixl_connector.connector.metadata import HixlConnectorMetadata
-from hixl_connector.connector.peers import PeerRegistry
-from hixl_connector.connector.rank_addresses import rank_address
-from hixl_connector.connector.read_plans import ReadPlans
-from hixl_connector.connector.receiver import Receiver
-from hixl_connector.connector.side_channel import SideChannelServer
-from hixl_connector.connector.side_channel_envelope import Destination
+from hixl_connector.connector.peers.handshake import HandshakePayload
+from hixl_connector.connector.peers.rank_addresses import rank_address
+from hixl_connector.connector.peers.registry import PeerRegistry
 from hixl_connector.connector.stats import HixlKVConnectorStats
+from hixl_connector.connector.worker.announcement import describe_groups, handshake_payload
+from hixl_connector.connector.worker.engine_setup import Engine, open_engine
+from hixl_connector.connector.worker.kv_layout import KVLayout, describe_kv_caches
+from hixl_connector.connector.worker.prefill_serving import PrefillServing
+from hixl_connector.connector.worker.receiver import Receiver
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,8 @@ class HixlWorker:
         # The index, not the rank: vLLM resets data_parallel_rank to 0 for dense models.
         self._dp_rank = int(parallel.data_parallel_index)
         self._address = rank_address(config, self._dp_rank, self._tp_rank, self._tp_size)
-        model = vllm_config.model_config
-        self._num_kv_heads = int(model.get_total_num_kv_heads())
-        self._mla = bool(getattr(model, "use_mla", False))
+        self._mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         self._kv_cache_config = kv_cache_config
-        self._kv_cache_groups = _describe_groups(kv_cache_config)
         self._block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._load_errors: set[int] = set()  # blocks of failed in-step reads, not yet told
@@ -117,9 +115,7 @@ class HixlWorker:
         self._peers: PeerRegistry | None = None
         self._notices: LeaseClient | None = None
         self._receiver: Receiver | None = None
-        self._words: LeaseWords | None = None  # P: this rank's lease words
-        self._leases: LeaseServer | None = None  # P: their leases
-        self._server: SideChannelServer | None = None
+        self._serving: PrefillServing | None = None  # P
 
     # -- registration -------------------------------------------------------------------
 
@@ -135,22 +131,32 @@ class HixlWorker:
             kv_caches,
             num_blocks,
             int(heads) if head_major else 0,
-            groups_share_buffers=len(self._kv_cache_groups) > 1,
+            groups_share_buffers=len(describe_groups(self._kv_cache_config)) > 1,
         )
+        lease_words = None
         if self._is_producer:  # one slot per lease, and a lease holds a block at least
             path = words_path(self._engine_id, self._dp_rank, self._tp_rank)
-            self._words = LeaseWords.create(path, num_blocks)
-        words = (self._words.address, self._words.slots) if self._words else None
+            lease_words = LeaseWords.create(path, num_blocks)
+        words = (lease_words.address, lease_words.slots) if lease_words else None
         try:
             engine = open_engine(
                 self._config, layout, self._address, self._is_producer, self._is_consumer, words
             )
         except Exception:
-            if self._words is not None:
-                self._words.unlink()
+            if lease_words is not None:
+                lease_words.unlink()
             raise
         self._engine, self._layout = engine, layout
-        self._payload = self._handshake_payload(layout, engine.listen_port)
+        self._payload = handshake_payload(
+            self._vllm_config,
+            layout,
+            self._engine_id,
+            (self._tp_rank, self._tp_size),
+            self._address.cluster_id,
+            (self._config.engine_host, engine.listen_port),
+            self._block_sizes,
+            self._kv_cache_config,
+        )
         self._peers = PeerRegistry(
             engine.api,
             engine.datadist,
@@ -186,17 +192,15 @@ class HixlWorker:
             self._finish,
             self._invalidate,
         )
-        if self._words is not None:
-            self._leases = LeaseServer(
-                self._config.lease_s, self._words, self._record, self._wake.set
-            )
-            self._server = SideChannelServer(
+        if lease_words is not None:
+            self._serving = PrefillServing(
                 self._context,
-                self._config.side_channel_host,
+                self._config,
                 self._address.side_channel_port,
-                {"handshake": self._on_handshake, **self._leases.handlers()},
-                self._identity,
-                self._config.auth_token,
+                self._payload,
+                lease_words,
+                self._record,
+                self._wake.set,
             )
         logger.info(
             "hixl: registered %d KV tensors x %d blocks of %d bytes (cluster %d, rank %d)",
@@ -207,48 +211,13 @@ class HixlWorker:
             self._tp_rank,
         )
 
-    def _kv_split(self, layout: KVLayout) -> str:
-        if self._mla:
-            return "replicated"
-        return "heads" if layout.head_major else "none"
-
-    def _handshake_payload(self, layout: KVLayout, engine_port: int) -> HandshakePayload:
-        model = self._vllm_config.model_config
-        block_size = int(self._vllm_config.cache_config.block_size)
-        fields = {
-            "model": str(model.model),
-            "kv_layout": _kv_layout_name(layout, block_size),
-            "kv_split": self._kv_split(layout),
-            "num_kv_heads": self._num_kv_heads,
-            "head_size": int(model.get_head_size()),
-            "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
-            "kv_cache_groups": self._kv_cache_groups,
-            **layout.compatibility_fields(block_size),
-        }
-        return HandshakePayload(
-            schema_version=SCHEMA_VERSION,
-            compatibility_hash=compatibility_hash(fields),
-            compatibility=fields,
-            engine_id=self._engine_id,
-            tp_rank=self._tp_rank,
-            tp_size=self._tp_size,
-            cluster_id=self._address.cluster_id,
-            engine_host=self._config.engine_host,
-            engine_port=engine_port,
-            num_blocks=layout.num_blocks,
-            units_per_block=layout.units_per_block,
-            block_sizes=list(self._block_sizes),
-            slice_bytes=layout.slice_bytes,
-            incarnation=0,  # this start's nonce, announced once P's scheduler wrote it
-        )
-
     # -- per step -----------------------------------------------------------------------
 
     def start_load_kv(self, metadata: HixlConnectorMetadata) -> None:
         self._idle_step = metadata.idle
         now = time.monotonic()
-        if self._leases is not None:
-            self._leases.start(metadata.to_send, now)
+        if self._serving is not None:
+            self._serving.hold(metadata.to_send)
         pooled = False
         for recv in metadata.to_recv:
             assert self._receiver is not None, "a pull before register_kv_caches"
@@ -287,7 +256,7 @@ class HixlWorker:
             if not outcome.ok:
                 failed.add(outcome.request_id)
                 failed_blocks.update(outcome.block_ids)
-        finished = set() if self._leases is None else self._leases.finished(time.monotonic())
+        finished = set() if self._serving is None else self._serving.finished()
         return TransferResults(finished, recving, failed, failed_blocks)
 
     def take_load_errors(self) -> set[int]:
@@ -326,7 +295,7 @@ class HixlWorker:
 
     def _probe_slices(self, p_block_size: int) -> tuple[SliceRun, ...]:
         """Where P's blocks land in this rank's larger ones, from the CPU kernels."""
-        from hixl_connector.connector.kv_probe import cpu_slice_runs
+        from hixl_connector.connector.worker.kv_probe import cpu_slice_runs
 
         assert self._layout is not None
         cache = self._vllm_config.cache_config
@@ -346,64 +315,16 @@ class HixlWorker:
             logger.warning("hixl: a handshake still under way at shutdown is abandoned")
         if self._notices is not None:
             self._notices.shutdown()
-        if self._server is not None:
-            self._server.close()
+        if self._serving is not None:
+            self._serving.close()
         if self._peers is not None:
             self._peers.close()
         if self._engine is not None:
             self._engine.datadist.finalize()
             self._engine = None
-        if self._words is not None:
-            self._words.unlink()  # normally gone already: the scheduler unlinks it
         # A socket a thread still holds (an abandoned handshake) would make term() wait for
         # it: term in the background, and go on after a bound.
         term = threading.Thread(target=self._context.term, name="hixl-zmq-term", daemon=True)
         term.start()
         term.join(SHUTDOWN_WAIT_S)
         logger.info("hixl: worker shut down in %.2f s", time.monotonic() - began)
-
-    # -- P side handlers (side-channel thread) ------------------------------------------
-
-    def _on_handshake(self, message: dict[str, Any]) -> dict[str, Any]:
-        assert self._payload is not None
-        if message.get("schema") != SCHEMA_VERSION:
-            raise ValueError(
-                f"peer speaks schema {message.get('schema')!r}, this engine {SCHEMA_VERSION}"
-            )
-        # The side channel served it only if it names this rank and incarnation.
-        return {"payload": {**self._payload.to_dict(), "incarnation": self._identity().incarnation}}
-
-    def _identity(self) -> Destination:
-        """What a request to this P rank's side channel must name (incarnation 0 until P's
-        scheduler wrote it: then every request is refused as too early)."""
-        assert self._words is not None
-        return Destination(self._engine_id, self._tp_rank, self._words.incarnation)
-
-
-def _describe_groups(kv_cache_config: Any) -> list[str]:
-    """Each KV-cache group as "<spec>:<sliding window>:<layers>": both sides must agree,
-    since a group's block ids index the same layers' bytes on both (block sizes travel
-    apart: P's may be smaller)."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return [
-        f"{type(group.kv_cache_spec).__name__}:"
-        f"{getattr(group.kv_cache_spec, 'sliding_window', None)}:{len(group.layer_names)}"
-        for group in groups
-    ]
-
-
-def _kv_layout_name(layout: KVLayout, block_size: int) -> str:
-    """Names what decides the bytes inside a block: the platform, its kernels, the shape of
-    a unit with its token dimension as "B" (block sizes may differ)."""
-    import torch
-    from vllm.platforms import current_platform
-
-    kernels = current_platform.device_type
-    if kernels == "cpu":  # the CPU attention kernels pack blocks per ISA
-        kernels += ":" + torch.backends.cpu.get_cpu_capability()
-    # The shape of one registered unit: a KV head of a block where heads split.
-    unit_shape = list(layout.block_shape[1:] if layout.head_major else layout.block_shape)
-    dims = [str(d) for d in unit_shape]
-    if block_size in unit_shape:
-        dims[unit_shape.index(block_size)] = "B"
-    return f"{kernels}/{layout.tensors_per_layer}x[{'x'.join(dims)}]"

@@ -4,7 +4,7 @@ It carries the handshake (P's layout and engine address), "done"/"release" notif
 and lease heartbeats. Nothing received is trusted: frames are size-capped by ZMQ, decoded
 with msgpack limits, type-checked, and answered with {"ok": False, "error": ...} when bad.
 What a message carries around its body (wire version, destination, nonce, send time, HMAC)
-and the checks of it are in ``side_channel_envelope``.
+and the checks of it are in ``peers.envelope``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from hixl_connector.connector.side_channel_envelope import (
+from hixl_connector.connector.peers.envelope import (
     MAX_MESSAGE_BYTES,
     Destination,
     RequestGate,

@@ -23,13 +23,17 @@ from typing import Any
 
 import zmq
 
-from hixl_connector.connector.block_slices import BlockSizeMismatch, blocks_per_block
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.handshake import SCHEMA_VERSION, HandshakePayload, describe_mismatch
+from hixl_connector.connector.mapping.block_slices import BlockSizeMismatch, blocks_per_block
+from hixl_connector.connector.mapping.tp_mapping import heads_per_rank
 from hixl_connector.connector.metadata import PeerRank
-from hixl_connector.connector.side_channel import SideChannelClient
-from hixl_connector.connector.side_channel_envelope import Destination
-from hixl_connector.connector.tp_mapping import heads_per_rank
+from hixl_connector.connector.peers.envelope import Destination
+from hixl_connector.connector.peers.handshake import (
+    SCHEMA_VERSION,
+    HandshakePayload,
+    describe_mismatch,
+)
+from hixl_connector.connector.peers.side_channel import SideChannelClient
 from hixl_connector.datadist import Backend, DataDist
 
 logger = logging.getLogger(__name__)

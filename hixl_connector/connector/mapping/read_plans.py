@@ -7,15 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hixl_connector.connector.block_slices import SliceRun
-from hixl_connector.connector.metadata import RemoteEndpoint
-from hixl_connector.connector.tp_mapping import (
+from hixl_connector.connector.mapping.block_slices import SliceRun
+from hixl_connector.connector.mapping.tp_mapping import (
     HeadRead,
     RankPlan,
     TPMismatch,
     check_shardable,
     plan_rank,
 )
+from hixl_connector.connector.metadata import RemoteEndpoint
 
 
 class UnreadableRequest(ValueError):

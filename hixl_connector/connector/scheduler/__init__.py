@@ -1,0 +1,3 @@
+"""The scheduler half (EngineCore): pure request bookkeeping. Imports no torch, zmq,
+vLLM runtime, engine or ``datadist``.
+"""

@@ -1,0 +1,214 @@
+"""D's side of the scheduler half: asks vLLM for a request's remote tokens, asynchronously or,
+for a small read every worker reads in place, in the step that computes the first token
+(``in_step_loads``, fed by the workers' link reports); turns each allocation into one
+``RecvSpec`` (or a ``ReleaseSpec`` when there is nothing to pull), and lists the remote
+requests still waiting so the workers renew P's leases.
+
+Protocol errors (params that cannot drive a pull, or P offering fewer blocks than D
+allocated) are never turned into a silent local recompute: the request still parks in
+WAITING_FOR_REMOTE_KVS and gets a ``RecvSpec`` with ``error`` set and no remote blocks, which
+the worker reports as failed, so vLLM's ``kv_load_failure_policy`` decides.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hixl_connector.connector.leases.words import lease_word
+from hixl_connector.connector.link_reports import LinkReport
+from hixl_connector.connector.mapping.kv_groups import blocks_to_fill, remote_blocks_to_read
+from hixl_connector.connector.metadata import (
+    OWN_PARAMS,
+    UNKNOWN_ENDPOINT,
+    InvalidTransferParams,
+    RecvSpec,
+    ReleaseSpec,
+    RemoteEndpoint,
+    RemotePrefill,
+    parse_remote_prefill,
+)
+from hixl_connector.connector.scheduler.in_step_loads import InStepLoads
+from hixl_connector.connector.scheduler.misconfig import Misconfigurations
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeStep:
+    """What D's side hands the workers for one step."""
+
+    to_recv: list[RecvSpec]
+    to_release: list[ReleaseSpec]
+    to_cancel: list[str]
+    heartbeats: list[tuple[RemoteEndpoint, str, int]]
+
+
+class DecodeSide:
+    def __init__(
+        self,
+        loads: InStepLoads,
+        group_block_sizes: Sequence[int],
+        misconfigured: Misconfigurations,
+    ) -> None:
+        self.loads = loads  # which reads go in the step that computes the first token
+        self._group_block_sizes = tuple(group_block_sizes)
+        self._misconfigured = misconfigured
+        # Requests whose RecvSpec went out and whose KV has not been reported yet.
+        self.receiving: set[str] = set()
+        # request_id -> heartbeat entry, from on_new_request until its KV arrived.
+        self.waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
+        self._to_recv: list[RecvSpec] = []
+        self._to_release: list[ReleaseSpec] = []
+        self._to_cancel: list[str] = []
+
+    def on_new_request(self, request_id: str, params: dict[str, Any]) -> None:
+        """A request that asks for remote prefill: its lease is renewed while it waits."""
+        try:
+            prefill = parse_remote_prefill(params)
+        except InvalidTransferParams as exc:
+            # The request fails when it is allocated (RecvSpec with an error), not here:
+            # the scheduler cannot fail a request on its own.
+            logger.error("request %s: %s", request_id, exc)
+            if not any(key in params for key in OWN_PARAMS):
+                self._misconfigured.note("foreign_params", request_id, ", ".join(OWN_PARAMS))
+            return
+        self.waiting[request_id] = (prefill.remote, prefill.remote_request_id, prefill.lease_id)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        count = request.num_prompt_tokens - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        waiting = self.waiting.get(request.request_id)
+        remote = waiting[0] if waiting is not None else None
+        if self.loads.choose(
+            request.request_id, remote, num_computed_tokens, request.num_prompt_tokens
+        ):
+            # Read before this step's forward, which computes the last prompt token itself
+            # (for its logits) and so the first output token.
+            return count - 1, False
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, params: dict[str, Any], blocks: KVCacheBlocks, external: int
+    ) -> None:
+        # One transfer per request: a second call (after the load) must not pull again.
+        params["do_remote_prefill"] = False
+        request_id = request.request_id
+        local_hit = self.loads.allocated(request_id)
+        in_step = local_hit is not None
+        unfilled = blocks_to_fill(blocks.blocks, local_hit, self._group_block_sizes[0])
+        local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
+        try:
+            prefill = parse_remote_prefill(params)
+        except InvalidTransferParams as exc:
+            self.waiting.pop(request_id, None)
+            if external > 0:
+                self._fail_later(request_id, None, local, str(exc), in_step)
+            else:
+                logger.error("request %s: nothing to pull, P not notified: %s", request_id, exc)
+            return
+        if external <= 0:
+            self._release(request_id, prefill)
+            return
+        try:
+            remote, ratio = remote_blocks_to_read(
+                prefill, request.num_prompt_tokens, unfilled, self._group_block_sizes
+            )
+        except ValueError as exc:
+            self._fail_later(request_id, prefill, local, f"request {request_id}: {exc}", in_step)
+            return
+        if in_step:  # its KV is there once this step's forward starts: no lease to renew
+            self.waiting.pop(request_id, None)
+        else:
+            self.receiving.add(request_id)
+        self._to_recv.append(
+            RecvSpec(
+                request_id=request_id,
+                remote_request_id=prefill.remote_request_id,
+                lease_id=prefill.lease_id,
+                remote=prefill.remote,
+                local_block_ids=local,
+                remote_block_ids=remote,
+                blocks_per_block=ratio,
+                lease_slot=prefill.lease_slot,
+                lease_word=lease_word(
+                    prefill.lease_id, prefill.block_ids, prefill.remote.incarnation
+                ),
+                in_step=in_step,
+            )
+        )
+
+    def report(self, links: LinkReport) -> None:
+        self.loads.report(links)
+
+    def finished_recving(self, request_id: str) -> None:
+        self.waiting.pop(request_id, None)
+        self.receiving.discard(request_id)
+
+    def request_finished(self, request: Request) -> bool:
+        """Ends what D holds for the request; True when it was still to read remote KV
+        (then P is told to free its blocks, and P's side has nothing to do)."""
+        request_id = request.request_id
+        self.waiting.pop(request_id, None)
+        self.loads.forget(request_id)
+        if request_id in self.receiving:
+            # Aborted while its KV is on the way: the worker skips the read if it has not
+            # started and tells P now. vLLM keeps the blocks until the worker reports it.
+            self._to_cancel.append(request_id)
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return False
+        # Finished before its blocks were allocated (e.g. aborted): P still leases the
+        # blocks, so tell it to free them now rather than at lease expiry.
+        params["do_remote_prefill"] = False
+        try:
+            self._release(request_id, parse_remote_prefill(params))
+        except InvalidTransferParams as exc:
+            logger.error("request %s: cannot release its remote blocks: %s", request_id, exc)
+        return True
+
+    def take_step(self) -> DecodeStep:
+        step = DecodeStep(
+            self._to_recv, self._to_release, self._to_cancel, list(self.waiting.values())
+        )
+        self._to_recv, self._to_release, self._to_cancel = [], [], []
+        return step
+
+    def _release(self, request_id: str, prefill: RemotePrefill) -> None:
+        self.waiting.pop(request_id, None)
+        self._to_release.append(
+            ReleaseSpec(request_id, prefill.remote_request_id, prefill.lease_id, prefill.remote)
+        )
+
+    def _fail_later(
+        self,
+        request_id: str,
+        prefill: RemotePrefill | None,
+        local: tuple[int, ...],
+        error: str,
+        in_step: bool,
+    ) -> None:
+        """Hands the request to the workers to fail: vLLM applies kv_load_failure_policy."""
+        logger.error("refusing the remote prefill of request %s: %s", request_id, error)
+        self.waiting.pop(request_id, None)
+        self._to_recv.append(
+            RecvSpec(
+                request_id=request_id,
+                remote_request_id=prefill.remote_request_id if prefill else "",
+                lease_id=prefill.lease_id if prefill else 0,
+                remote=prefill.remote if prefill else UNKNOWN_ENDPOINT,
+                local_block_ids=local,
+                remote_block_ids=(),
+                error=error,
+                in_step=in_step,
+            )
+        )

@@ -1,0 +1,70 @@
+"""P's serving side of a worker rank: the side channel that answers D's handshakes and lease
+notices, and the leases it holds on this rank (their words and their expiry)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.leases.server import LeaseServer
+from hixl_connector.connector.leases.words import LeaseWords
+from hixl_connector.connector.metadata import SendSpec
+from hixl_connector.connector.peers.envelope import Destination
+from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
+from hixl_connector.connector.peers.side_channel import SideChannelServer
+
+
+class PrefillServing:
+    """Serves from construction until ``close()``; ``words`` are this rank's lease words,
+    whose incarnation P's scheduler writes after the workers start."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        config: HixlConfig,
+        side_channel_port: int,
+        payload: HandshakePayload,
+        words: LeaseWords,
+        record: Callable[[str, int], None],
+        wake: Callable[[], None],
+    ) -> None:
+        self._payload = payload
+        self._words = words
+        self._leases = LeaseServer(config.lease_s, words, record, wake)
+        self._server = SideChannelServer(
+            context,
+            config.side_channel_host,
+            side_channel_port,
+            {"handshake": self._on_handshake, **self._leases.handlers()},
+            self._identity,
+            config.auth_token,
+        )
+
+    def hold(self, sends: Iterable[SendSpec]) -> None:
+        """Starts the leases the scheduler took this step."""
+        self._leases.start(sends, time.monotonic())
+
+    def finished(self) -> set[str]:
+        """The requests whose leases ended since the last call: their blocks may go."""
+        return self._leases.finished(time.monotonic())
+
+    def close(self) -> None:
+        self._server.close()
+        self._words.unlink()  # normally gone already: the scheduler unlinks it
+
+    def _on_handshake(self, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("schema") != SCHEMA_VERSION:
+            raise ValueError(
+                f"peer speaks schema {message.get('schema')!r}, this engine {SCHEMA_VERSION}"
+            )
+        # The side channel served it only if it names this rank and incarnation.
+        return {"payload": {**self._payload.to_dict(), "incarnation": self._words.incarnation}}
+
+    def _identity(self) -> Destination:
+        """What a request to this rank must name (incarnation 0 until P's scheduler wrote
+        it: until then every request is refused as too early)."""
+        return Destination(self._payload.engine_id, self._payload.tp_rank, self._words.incarnation)
