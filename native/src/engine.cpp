@@ -2,7 +2,6 @@
 #include "hixl/engine.h"
 
 #include <atomic>
-#include <set>
 #include <stdexcept>
 #include <system_error>
 
@@ -10,7 +9,7 @@
 #include "auth.h"
 #include "cache_table.h"
 #include "handshake.h"
-#include "link.h"
+#include "links.h"
 #include "planner.h"
 #include "server.h"
 #include "stats.h"
@@ -26,8 +25,6 @@ constexpr int kMaxTransferThreads = 64;
 // A same-host batch under this many bytes is copied on the caller's thread (copies_here):
 // under ~100 us at a host's memory bandwidth.
 constexpr uint64_t kCopyHereBytes = 1u << 20;
-
-std::string cluster_name(int64_t id) { return "cluster " + std::to_string(id); }
 
 void validate(const EngineOptions& o) {
   if (o.transport != "auto" && o.transport != "cma" && o.transport != "tcp") {
@@ -66,6 +63,13 @@ class Engine::Impl {
     }
     identity = local_identity(o.cluster_id, probe,
                               reinterpret_cast<uint64_t>(table.unregistrations_address()));
+    LinkOptions mine;
+    mine.my_cluster = o.cluster_id;
+    mine.token = o.auth_token;
+    mine.transport = o.transport;
+    mine.tcp_connections = o.tcp_connections;
+    mine.transfer_threads = o.transfer_threads;
+    links = std::make_unique<LinkSet>(mine, identity, *pool, meter, stats);
     if (o.listen_port >= 0) {
       server = std::make_unique<Server>(o.listen_host, o.listen_port, identity, o.auth_token,
                                         table, stats, meter);
@@ -111,7 +115,7 @@ class Engine::Impl {
     ResolvedRange dst_range;
     Status s = check_local(r, *dst, &dst_range);
     if (!s.ok()) return s;
-    std::shared_ptr<Link> link = find_link(r.remote_cluster_id);
+    std::shared_ptr<Link> link = links->find(r.remote_cluster_id);
     if (!link) {
       return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(r.remote_cluster_id));
     }
@@ -197,70 +201,13 @@ class Engine::Impl {
                          cluster_name(r.remote_cluster_id) + " has " + what);
   }
 
-  std::shared_ptr<Link> find_link(int64_t cluster) const {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = links.find(cluster);
-    return it == links.end() ? nullptr : it->second;
-  }
-
-  Status link(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {
-    if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
-    if (timeout_ms <= 0 || port <= 0 || port > 65535 || host.empty()) {
-      return Status::Error(status::kParamInvalid, "link to " + cluster_name(remote) +
-                                                      ": bad host/port/timeout " + host + ":" +
-                                                      std::to_string(port));
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (links.count(remote) != 0 || linking.count(remote) != 0) {
-        return Status::Error(status::kAlreadyLink, "already linked to " + cluster_name(remote));
-      }
-      linking.insert(remote);
-    }
-    LinkOptions lo{opts.cluster_id, remote, host, port, opts.auth_token,
-                   opts.transport, opts.tcp_connections, opts.transfer_threads};
-    std::unique_ptr<Link> opened;
-    Status s = Link::open(lo, deadline_after_ms(timeout_ms), identity, *pool, meter, &opened);
-    std::lock_guard<std::mutex> lock(mu);
-    linking.erase(remote);
-    if (s.ok() && closed.load()) s = Status::Error(status::kEngineFinalized, "engine is closed");
-    if (!s.ok()) return s;
-    links[remote] = std::shared_ptr<Link>(std::move(opened));
-    stats.links++;
-    return Status::Ok();
-  }
-
-  Status unlink(int64_t remote, int64_t timeout_ms, bool force) {
-    std::shared_ptr<Link> link;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = links.find(remote);
-      if (it == links.end()) {
-        return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote));
-      }
-      link = std::move(it->second);
-      links.erase(it);
-    }
-    const Deadline deadline = deadline_after_ms(std::max<int64_t>(timeout_ms, 1));
-    if (!link->close_and_drain(deadline)) {
-      return Status::Error(status::kUnlinkFailed, "pulls on the link to " + cluster_name(remote) +
-                                                      " did not finish within " +
-                                                      std::to_string(timeout_ms) + " ms");
-    }
-    if (!force) {
-      std::string e = link->say_goodbye(deadline);
-      if (!e.empty()) {
-        return Status::Error(status::kUnlinkFailed,
-                             "unlinked locally but could not notify " + cluster_name(remote) +
-                                 " (" + e + "); use force=True for a dead peer");
-      }
-    }
-    return Status::Ok();
-  }
-
-  // The requests in order; the first failure stops the rest, its message naming its place.
+  // The requests in order, each complete before the next begins; the first failure stops
+  // the rest, its message naming its place. A batch may be a guarded read (lease word,
+  // blocks, word again: leases/guarded_read.py), so a full fence parts the pulls: no load of
+  // one is performed after a load of the next, also where the CPU reorders loads (arm64).
   Status pull_batch(const std::vector<PullRequest>& requests) {
     for (size_t i = 0; i < requests.size(); ++i) {
+      if (i > 0) std::atomic_thread_fence(std::memory_order_seq_cst);
       Status s = pull(requests[i]);
       if (!s.ok()) {
         if (requests.size() > 1) {
@@ -292,7 +239,7 @@ class Engine::Impl {
   bool copies_here(const std::vector<PullRequest>& batch) const {
     uint64_t bytes = 0;
     for (const PullRequest& r : batch) {
-      std::shared_ptr<Link> link = find_link(r.remote_cluster_id);
+      std::shared_ptr<Link> link = links->find(r.remote_cluster_id);
       if (!link || std::string(link->transport_name()) != "cma") return false;
       const CacheTable::Pin dst = table.pin_by_id(r.dst_cache_id);
       if (!dst) return false;
@@ -310,16 +257,10 @@ class Engine::Impl {
   }
 
   void close() {
-    std::map<int64_t, std::shared_ptr<Link>> doomed;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (closed.exchange(true)) return;
-      doomed.swap(links);
-    }
+    if (closed.exchange(true)) return;
     if (server) server->stop();
-    for (auto& kv : doomed) kv.second->close_and_drain(deadline_after_ms(5000));
+    links->close_all();
     pool->shutdown();  // queued pulls run now and fail fast with ENGINE_FINALIZED
-    doomed.clear();
   }
 
   const EngineOptions opts;
@@ -330,10 +271,8 @@ class Engine::Impl {
   Identity identity;
   std::unique_ptr<ThreadPool> pool;
   std::unique_ptr<Server> server;
+  std::unique_ptr<LinkSet> links;
   std::atomic<bool> closed{false};
-  mutable std::mutex mu;
-  std::map<int64_t, std::shared_ptr<Link>> links;
-  std::set<int64_t> linking;
   AsyncPulls async;
 };
 
@@ -354,15 +293,16 @@ Status Engine::unregister_cache(int64_t cache_id) {
 }
 
 Status Engine::link(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {
-  return impl_->link(remote, host, port, timeout_ms);
+  if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+  return impl_->links->open(remote, host, port, timeout_ms);
 }
 
 Status Engine::unlink(int64_t remote, int64_t timeout_ms, bool force) {
-  return impl_->unlink(remote, timeout_ms, force);
+  return impl_->links->close(remote, timeout_ms, force);
 }
 
 std::string Engine::peer_transport(int64_t remote) const {
-  std::shared_ptr<Link> link = impl_->find_link(remote);
+  std::shared_ptr<Link> link = impl_->links->find(remote);
   return link ? link->transport_name() : "";
 }
 

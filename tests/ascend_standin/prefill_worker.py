@@ -24,7 +24,7 @@ def main() -> None:
     from worker_harness import P_INCARNATION, kv_caches, tp_group, vllm_config
 
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.leases.words import LeaseWords, lease_word, words_path
+    from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
     from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec
     from hixl_connector.connector.worker.half import HixlWorker
 

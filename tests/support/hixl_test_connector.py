@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hixl_connector.connector.facade import HixlConnector
+from hixl_connector.connector.leases.guarded_read import GuardedPull
 from hixl_connector.connector.metadata import PeerRank, RecvSpec
 from hixl_connector.connector.peers.registry import Peer
-from hixl_connector.connector.worker.engine_setup import GuardedPull
 from hixl_connector.connector.worker.receiver import Receiver
 
 CONTROLS = ("test_corrupt_received_kv", "test_pull_delay_s")
@@ -48,7 +48,7 @@ class ControlledReceiver(Receiver):
         # A delayed read waits on the pool, never on the step thread.
         return None if self.delay_s else super()._peers_now(spec, lookup)
 
-    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> tuple[Any, float]:
+    def _submit(self, spec: RecvSpec, pull: GuardedPull[Any]) -> tuple[Any, float]:
         if not self.delay_s:
             return super()._submit(spec, pull)
         # The one batch split where the delay goes: what lands is the same, in the same

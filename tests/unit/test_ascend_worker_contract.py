@@ -124,7 +124,7 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
 
 
 def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local: list[int]) -> bool:
-    from hixl_connector.connector.leases.words import lease_word
+    from hixl_connector.connector.leases.guarded_read import lease_word
     from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
 
     request, lease_id, remote_blocks = LEASES[lease]

@@ -89,7 +89,7 @@ def recv_spec(
     side_port: int, lease: int, local_block: int, in_step: bool = False, copy: int = 0
 ) -> Any:
     """D's read of lease ``lease`` into ``local_block`` (``copy``: which of its reads)."""
-    from hixl_connector.connector.leases.words import lease_word
+    from hixl_connector.connector.leases.guarded_read import lease_word
     from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
 
     request, lease_id, blocks = LEASES[lease]

@@ -15,9 +15,9 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hixl_connector.connector.leases.guarded_read import CLEARED, LeaseWords, words_path
 from hixl_connector.connector.leases.messages import LeaseNotice, Notification
 from hixl_connector.connector.leases.server import LeaseServer, LeaseTable
-from hixl_connector.connector.leases.words import CLEARED, LeaseWords, words_path
 from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.envelope import (
     REPLAY_WINDOW_S,

@@ -32,7 +32,7 @@ from vllm_harness import (
 )
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.leases.words import LeaseWords, lease_word, words_path
+from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
 from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
 from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS

@@ -29,7 +29,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from hixl_connector.connector.facade import HixlConnector
-from hixl_connector.connector.leases.words import LeaseWords, words_path
+from hixl_connector.connector.leases.guarded_read import LeaseWords, words_path
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler.decode_side import DecodeSide

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.leases.messages import LeaseNotice, Notification
-from hixl_connector.connector.leases.words import LeaseWords
 from hixl_connector.connector.metadata import SendSpec
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hixl_connector.connector.leases.words import lease_word
+from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.mapping.kv_groups import blocks_to_fill, remote_blocks_to_read
 from hixl_connector.connector.metadata import (

@@ -17,6 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.leases.guarded_read import (
+    SCRATCH_WORDS,
+    WORD_BYTES,
+    GuardedPull,
+    guarded_batch,
+    words_read,
+)
 from hixl_connector.connector.mapping.blocks import chunk_pairs
 from hixl_connector.connector.peers.rank_addresses import RankAddress
 from hixl_connector.connector.worker.kv_layout import KVLayout
@@ -34,18 +41,9 @@ from hixl_connector.datadist import (
 BLOCKS_MODEL_ID = 0
 # The same memory registered again in slices (block_slices), for peers of another block size.
 SLICES_MODEL_ID = 1024
-# P's lease words (lease_words), and the words D reads them into: one row per read in
-# flight (IN_FLIGHT_READS), of MAX_LEASE_READERS words read before the blocks and as many after.
+# P's lease words, and the scratch words D reads them into (leases.guarded_read).
 LEASE_WORDS_MODEL_ID = 2048
 SCRATCH_WORDS_MODEL_ID = 2049
-WORD_BYTES = 8
-# Most prefill ranks one decode rank reads from (prefill TP / decode TP).
-MAX_LEASE_READERS = 64
-# Most reads a decode rank has in flight at once; more wait for one to end.
-IN_FLIGHT_READS = 64
-# Rows of the step thread's in-step reads, after those: such reads never wait for a row an
-# asynchronous read holds (more in one step settle the earlier ones first).
-IN_STEP_ROWS = 8
 ONE_TENSOR = {"tensor_num_per_layer": 1}
 
 
@@ -84,34 +82,22 @@ class Engine:
         reads: Sequence[tuple[int, Sequence[int], Sequence[int]]],
         sliced: bool,
         row: int,
-    ) -> GuardedPull:
-        """One batch: lease word ``slot`` of each ``(remote_cluster_id, slot)`` in ``words``,
-        then for each ``(remote_cluster_id, src, dst)`` of ``reads`` unit ``src[i]`` of that
-        peer into unit ``dst[i]`` here, for every registered cache (a unit: one KV head of a
-        block where heads split, else a whole block; with ``sliced``, a slice of one), then
-        the words again. The words land in scratch row ``row`` (one per concurrent reader).
-        Each pull stays under the back-end's request-size limit."""
+    ) -> GuardedPull[BlocksPull]:
+        """The guarded batch (leases.guarded_read) of this engine's pulls: for each
+        ``(remote_cluster_id, src, dst)`` of ``reads``, unit ``src[i]`` of that peer into unit
+        ``dst[i]`` here, for every registered cache (a unit: one KV head of a block where
+        heads split, else a whole block; with ``sliced``, a slice of one), between the lease
+        words of ``words``. Each pull stays under the back-end's request-size limit."""
         if self.scratch is None:
             raise ValueError("this engine registered no scratch words: it does not decode")
         if sliced and self.slices is None:
             raise ValueError("this engine registered no slices of its KV caches")
-        if len(words) > MAX_LEASE_READERS:
-            raise ValueError(
-                f"{len(words)} prefill ranks per decode rank: at most {MAX_LEASE_READERS}"
-            )
-        first = first_word(row)
-        scratch = self.scratch
-        guards = []
-        for i, (remote_cluster_id, slot) in enumerate(words):
+        scratch = self.scratch.cache
+
+        def word_pull(remote_cluster_id: int, slot: int, index: int) -> BlocksPull:
             key = self.api.BlocksCacheKey(remote_cluster_id, LEASE_WORDS_MODEL_ID)
-            for index in (first + i, first + MAX_LEASE_READERS + i):
-                self.scratch_words[index] = 0
-            guards.append((key, slot, first + i))
-        before = [BlocksPull(k, scratch.cache, [s], [i], ONE_TENSOR) for k, s, i in guards]
-        after = [
-            BlocksPull(k, scratch.cache, [s], [i + MAX_LEASE_READERS], ONE_TENSOR)
-            for k, s, i in guards
-        ]
+            return BlocksPull(key, scratch, [slot], [index], ONE_TENSOR)
+
         targets = (self.slices,) if sliced and self.slices is not None else self.caches
         blocks = []
         for remote_cluster_id, src, dst in reads:
@@ -124,7 +110,7 @@ class Engine:
                 key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
                 kwargs = {"tensor_num_per_layer": part.tensors_per_layer}
                 blocks += [BlocksPull(key, part.cache, list(s), list(d), kwargs) for s, d in chunks]
-        return GuardedPull(before + blocks + after, len(words), row)
+        return guarded_batch(words, blocks, row, word_pull, self.scratch_words)
 
     def submit(self, pulls: Sequence[BlocksPull]) -> PullHandle | ThreadPullHandle:
         """The pulls in order, as one job of the engine's: the handle's ``poll``/``wait`` raise
@@ -137,33 +123,9 @@ class Engine:
         memory, which end whatever the peer does (the back-end's profile says)."""
         return self.api.PROFILE.reads_in_place(self.datadist, remote_cluster_id)
 
-    def words_read(self, pull: GuardedPull) -> tuple[list[int], list[int]]:
+    def words_read(self, pull: GuardedPull[BlocksPull]) -> tuple[list[int], list[int]]:
         """The lease words as ``pull`` read them before and after the blocks."""
-        first, count = pull.first_word, pull.words
-        words = self.scratch_words
-        before = [int(words[first + i]) for i in range(count)]
-        after = [int(words[first + MAX_LEASE_READERS + i]) for i in range(count)]
-        return before, after
-
-
-@dataclass(frozen=True)
-class GuardedPull:
-    """``words`` lease-word pulls, the block pulls, and the ``words`` pulls again; the words
-    land in scratch row ``row``: from ``first_word`` on (before) and ``first_word +
-    MAX_LEASE_READERS`` on (after)."""
-
-    pulls: list[BlocksPull]
-    words: int
-    row: int
-
-    @property
-    def first_word(self) -> int:
-        return first_word(self.row)
-
-
-def first_word(row: int) -> int:
-    """The first scratch word of row ``row``: words before the blocks, then those after."""
-    return row * 2 * MAX_LEASE_READERS
+        return words_read(self.scratch_words, pull)
 
 
 def cache_groups(layout: KVLayout) -> list[CacheGroup]:
@@ -261,8 +223,7 @@ def open_engine(
     datadist = api.LLMDataDist(role, cluster_id)
     datadist.init(llm_config.generate_options())
     host = api.Placement.HOST
-    scratch_count = (IN_FLIGHT_READS + IN_STEP_ROWS) * 2 * MAX_LEASE_READERS
-    scratch_words = (ctypes.c_uint64 * scratch_count)() if consumer else None
+    scratch_words = (ctypes.c_uint64 * SCRATCH_WORDS)() if consumer else None
     try:
         caches = tuple(_register(api, datadist, cluster_id, group, placement) for group in groups)
         slices = None

@@ -23,7 +23,7 @@ import zmq
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.client import LeaseClient
-from hixl_connector.connector.leases.words import LeaseWords, words_path
+from hixl_connector.connector.leases.guarded_read import LeaseWords, words_path
 from hixl_connector.connector.link_reports import LinkReport, LinkReporter
 from hixl_connector.connector.mapping.block_slices import SliceRun
 from hixl_connector.connector.mapping.kv_groups import (

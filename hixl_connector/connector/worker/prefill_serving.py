@@ -10,8 +10,8 @@ from typing import Any
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.leases.server import LeaseServer
-from hixl_connector.connector.leases.words import LeaseWords
 from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.envelope import Destination
 from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload

@@ -1,12 +1,12 @@
 """D side: reads the KV of each RecvSpec without holding up vLLM's forward pass, and without
 needing this process's Python while the bytes move.
 
-`start` (on the step thread) plans the read and hands it to the engine as one batch: P's lease
-word for the request, the blocks, and the lease word again (`leases.words`). A request whose P
-ranks are not linked yet first handshakes and links on a small pool, then does the same.
-`collect` (on the step thread too) ends the batches that finished: the read is good only if
-the word vouched for exactly these blocks before and after, so no round trip to P's Python is
-on the way, and no thread of this process must win the interpreter lock to report the read.
+`start` (on the step thread) plans the read and hands it to the engine as one guarded batch
+(`leases.guarded_read`: P's lease word, the blocks, the word again). A request whose P ranks
+are not linked yet first handshakes and links on a small pool, then does the same. `collect`
+(on the step thread too) ends the batches that finished: the read is good only if the
+guarded read's verdict vouches for it, so no round trip to P's Python is on the way, and no
+thread of this process must win the interpreter lock to report the read.
 "done" then goes to P on the notice lanes.
 
 A read in the step (``RecvSpec.in_step``, see in_step_loads) feeds the forward of this very
@@ -38,17 +38,18 @@ from typing import Any
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.client import LeaseClient
+from hixl_connector.connector.leases.guarded_read import (
+    IN_FLIGHT_READS,
+    IN_STEP_ROWS,
+    GuardedPull,
+    verdict,
+)
 from hixl_connector.connector.link_reports import LinkReporter
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
 from hixl_connector.connector.mapping.tp_mapping import TPMismatch
 from hixl_connector.connector.metadata import PeerRank, RecvSpec, ReleaseSpec
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
-from hixl_connector.connector.worker.engine_setup import (
-    IN_FLIGHT_READS,
-    IN_STEP_ROWS,
-    Engine,
-    GuardedPull,
-)
+from hixl_connector.connector.worker.engine_setup import Engine
 from hixl_connector.connector.worker.kv_layout import KVLayout
 from hixl_connector.connector.worker.read_units import (
     LeaseError,
@@ -76,7 +77,7 @@ class _InFlight:
     spec: RecvSpec
     peers: dict[int, Peer]
     readers: list[Peer]
-    pull: GuardedPull
+    pull: GuardedPull[Any]
     handle: Any  # the engine's handle: poll(), wait(timeout), finished_at
     nbytes: int
     queued_at: float
@@ -317,7 +318,7 @@ class Receiver:
         with self._lock:
             self._in_flight.append(flight)
 
-    def _submit(self, spec: RecvSpec, pull: GuardedPull) -> tuple[Any, float]:
+    def _submit(self, spec: RecvSpec, pull: GuardedPull[Any]) -> tuple[Any, float]:
         """Hands the words and blocks to the engine as one batch, unless the request was
         aborted since it was queued; returns the handle and when the batch was handed over."""
         self._check_cancelled(spec)
@@ -334,22 +335,19 @@ class Receiver:
             self._record("network_reads_async")
 
     def _vouch(self, flight: _InFlight) -> None:
-        """Raises LeaseError unless P's words vouched for the blocks before and after."""
+        """Raises LeaseError unless P's words vouched for the blocks before and after (the
+        verdict of leases.guarded_read: anything else read alongside is discarded)."""
         spec = flight.spec
-        before, after = self._engine.words_read(flight.pull)
-        # P publishes a word before the blocks leave its engine and clears it before it
-        # reuses them, never publishing it again: found before and after, the blocks were
-        # this request's throughout. Anything else read alongside is discarded.
-        vouched = zip(flight.readers, before, strict=True)
-        refusing = [peer for peer, word in vouched if word != spec.lease_word]
-        if refusing:
+        outcome, reader = verdict(spec.lease_word, *self._engine.words_read(flight.pull))
+        if outcome == "refused":
+            peer = flight.readers[reader]
             self._record("refused_pulls")
             raise LeaseError(
-                f"prefill engine {refusing[0].engine_id} rank {refusing[0].payload.tp_rank} "
-                f"does not lease these blocks to request {spec.remote_request_id} under "
-                f"lease {spec.lease_id}: unknown or ended lease, or blocks outside it"
+                f"prefill engine {peer.engine_id} rank {peer.payload.tp_rank} does not lease "
+                f"these blocks to request {spec.remote_request_id} under lease "
+                f"{spec.lease_id}: unknown or ended lease, or blocks outside it"
             )
-        if any(word != spec.lease_word for word in after):
+        if outcome == "stale":
             self._record("stale_pulls")
             raise LeaseError(
                 f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "

@@ -1,0 +1,83 @@
+// The engine's links by remote cluster id.
+#include "links.h"
+
+#include <algorithm>
+
+namespace hixl {
+
+std::string cluster_name(int64_t id) { return "cluster " + std::to_string(id); }
+
+Status LinkSet::open(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {
+  if (timeout_ms <= 0 || port <= 0 || port > 65535 || host.empty()) {
+    return Status::Error(status::kParamInvalid, "link to " + cluster_name(remote) +
+                                                    ": bad host/port/timeout " + host + ":" +
+                                                    std::to_string(port));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::Error(status::kEngineFinalized, "engine is closed");
+    if (links_.count(remote) != 0 || linking_.count(remote) != 0) {
+      return Status::Error(status::kAlreadyLink, "already linked to " + cluster_name(remote));
+    }
+    linking_.insert(remote);
+  }
+  LinkOptions options = base_;
+  options.remote_cluster = remote;
+  options.host = host;
+  options.port = port;
+  std::unique_ptr<Link> opened;
+  Status s = Link::open(options, deadline_after_ms(timeout_ms), me_, pool_, meter_, &opened);
+  std::lock_guard<std::mutex> lock(mu_);
+  linking_.erase(remote);
+  if (s.ok() && closed_) s = Status::Error(status::kEngineFinalized, "engine is closed");
+  if (!s.ok()) return s;
+  links_[remote] = std::shared_ptr<Link>(std::move(opened));
+  stats_.links++;
+  return Status::Ok();
+}
+
+Status LinkSet::close(int64_t remote, int64_t timeout_ms, bool force) {
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(remote);
+    if (it == links_.end()) {
+      return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote));
+    }
+    link = std::move(it->second);
+    links_.erase(it);
+  }
+  const Deadline deadline = deadline_after_ms(std::max<int64_t>(timeout_ms, 1));
+  if (!link->close_and_drain(deadline)) {
+    return Status::Error(status::kUnlinkFailed, "pulls on the link to " + cluster_name(remote) +
+                                                    " did not finish within " +
+                                                    std::to_string(timeout_ms) + " ms");
+  }
+  if (!force) {
+    std::string e = link->say_goodbye(deadline);
+    if (!e.empty()) {
+      return Status::Error(status::kUnlinkFailed,
+                           "unlinked locally but could not notify " + cluster_name(remote) +
+                               " (" + e + "); use force=True for a dead peer");
+    }
+  }
+  return Status::Ok();
+}
+
+std::shared_ptr<Link> LinkSet::find(int64_t remote) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = links_.find(remote);
+  return it == links_.end() ? nullptr : it->second;
+}
+
+void LinkSet::close_all() {
+  std::map<int64_t, std::shared_ptr<Link>> doomed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    doomed.swap(links_);
+  }
+  for (auto& kv : doomed) kv.second->close_and_drain(deadline_after_ms(5000));
+}
+
+}  // namespace hixl
