@@ -3,10 +3,9 @@
 The only module that imports ``llm_datadist`` and ``torch_npu``. Everything the API offers is
 CANN's, except project adaptations: ``LLMConfig``, ``LLMDataDist`` and its ``cache_manager``
 carry the project's checks where CANN silently accepts a mistake (``ascend_checks.py``;
-``init`` also drops the native engine's ``hixl.*`` option keys), ``pull_blocks_async`` is
-emulated by running ``pull_blocks`` on a thread (CANN has no asynchronous pull), and
-``pull_blocks_batch_async`` by calling ``pull_blocks`` for each pull in turn on a thread (CANN
-has no batch).
+``init`` also drops the native engine's ``hixl.*`` option keys), and
+``pull_blocks_batch_async`` is emulated by calling ``pull_blocks`` for each pull in turn on a
+thread (CANN has neither a batch nor an asynchronous pull).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
 ``hixl_connector.connector.worker.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``,
@@ -136,10 +135,6 @@ ASCEND_PROFILE = BackendProfile(
 )
 
 
-def pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> ThreadPullHandle:
-    return ThreadPullHandle(cache_manager.pull_blocks, *args, **kwargs)
-
-
 def pull_blocks_batch_async(cache_manager: Any, pulls: Sequence[BlocksPull]) -> ThreadPullHandle:
     def run() -> None:
         for pull in pulls:
@@ -156,7 +151,6 @@ def load() -> Backend:
     return Backend(
         BACKEND_NAME="ascend",
         PROFILE=ASCEND_PROFILE,
-        pull_blocks_async=pull_blocks_async,
         pull_blocks_batch_async=pull_blocks_batch_async,
         **{**names, **checked_classes(cann)},
     )

@@ -6,8 +6,7 @@
   an NPU (``kv_device="npu"``; without a device, importability alone decides), else native.
 
 Each returns a ``Backend`` (profile.py): the same API names plus
-``pull_blocks_async(cache_manager, ...)``, ``pull_blocks_batch_async(cache_manager, pulls)``,
-``BACKEND_NAME`` and ``PROFILE`` (a
+``pull_blocks_batch_async(cache_manager, pulls)``, ``BACKEND_NAME`` and ``PROFILE`` (a
 ``BackendProfile``). Loading "native" does not import the engine; ``LLMDataDist.init`` does.
 """
 
@@ -45,10 +44,6 @@ def _ascend_cache_manager_conforms(manager: CheckedCacheManager) -> BlocksCacheM
     return manager
 
 
-def _native_pull_blocks_async(cache_manager: Any, *args: Any, **kwargs: Any) -> Any:
-    return cache_manager.pull_blocks_async(*args, **kwargs)
-
-
 def _native_pull_blocks_batch_async(cache_manager: Any, pulls: Sequence[BlocksPull]) -> Any:
     return cache_manager.pull_blocks_batch_async(pulls)
 
@@ -58,7 +53,6 @@ def _load_native() -> Backend:
     return Backend(
         BACKEND_NAME="native",
         PROFILE=NATIVE_PROFILE,
-        pull_blocks_async=_native_pull_blocks_async,
         pull_blocks_batch_async=_native_pull_blocks_batch_async,
         **{name: getattr(api, name) for name in API_NAMES},
     )

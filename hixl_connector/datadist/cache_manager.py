@@ -209,21 +209,16 @@ class CacheManager:
         status, message = self._engine.pull(*args.native_args(self._timeout_ms))
         check_status(status, "[pull_blocks]", f"src_cache_key = {src_cache_key}: {message}")
 
-    def pull_blocks_batch(self, pulls: Sequence[BlocksPull]) -> None:
-        """Project extension: the pulls one after another, in one engine call (the GIL
-        released throughout), the first failure stopping the rest and raised as
-        ``pull_blocks`` raises it. Every pull's arguments are checked before any moves.
-
-        What it is for: a guard word, blocks and the guard word again, read back to back."""
-        status, message = self._engine.pull_batch(self._batch_args(pulls))
-        check_status(status, "[pull_blocks_batch]", message)
-
     def pull_blocks_batch_async(self, pulls: Sequence[BlocksPull]) -> PullHandle:
-        """Project extension: ``pull_blocks_batch`` queued on the engine's transfer pool; a
-        same-host batch under 1 MiB is copied on this thread instead, before this returns.
+        """Project extension: the pulls one after another, each complete before the next
+        begins, as one job on the engine's transfer pool (a same-host batch under 1 MiB is
+        copied on this thread instead, before this returns), the first failure stopping the
+        rest. What it is for: a guard word, blocks and the guard word again, read back to back
+        without Python in between.
 
-        Arguments are checked (and bad ones raised) before this returns; transfer failures
-        surface from the handle's ``wait``/``poll``, which need no Python thread to finish."""
+        Every pull's arguments are checked (and bad ones raised) before this returns;
+        transfer failures surface from the handle's ``wait``/``poll`` as ``pull_blocks``
+        raises them, and need no Python thread to finish."""
         status, handle, message = self._engine.submit_pull_batch(self._batch_args(pulls))
         check_status(status, "[pull_blocks_batch_async]", message)
         return PullHandle(
@@ -238,26 +233,6 @@ class CacheManager:
             for p in pulls
         ]
         return [a.native_args(self._timeout_ms) for a in args]
-
-    def pull_blocks_async(
-        self,
-        src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
-        dst_cache: Cache,
-        src_blocks: list[int] | tuple[int, ...] | None = (),
-        dst_blocks: list[int] | tuple[int, ...] = (),
-        **kwargs: Any,
-    ) -> PullHandle:
-        """Project extension: ``pull_blocks`` queued on the engine's transfer pool (copied on
-        this thread instead when it reads a same-host peer and lands under 1 MiB).
-
-        Arguments are checked (and bad ones raised) before this returns; transfer failures
-        surface from the handle's ``wait``/``poll``."""
-        args = self._validated_pull(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
-        status, handle, message = self._engine.submit_pull(*args.native_args(self._timeout_ms))
-        check_status(status, "[pull_blocks_async]", f"src_cache_key = {src_cache_key}: {message}")
-        return PullHandle(
-            self._engine, handle, "pull_blocks_async", f"src_cache_key = {src_cache_key}"
-        )
 
     def pull_cache(
         self,

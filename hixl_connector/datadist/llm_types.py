@@ -1,6 +1,6 @@
 """Descriptors and keys of the LLM-DataDist v2 API: DataType, Placement, CacheDesc, Cache and the
 three cache keys. Constructors check their arguments the way CANN llm_datadist does. Also
-``BlocksPull``, one ``pull_blocks`` call as data (for the project's ``pull_blocks_batch``)."""
+``BlocksPull``, one ``pull_blocks`` call as data (for the project's ``pull_blocks_batch_async``)."""
 
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ class CacheKeyByIdAndIndex:
 
 
 class BlocksPull(NamedTuple):
-    """The arguments of one ``pull_blocks`` call (project extension: ``pull_blocks_batch``)."""
+    """The arguments of one ``pull_blocks`` call, for ``pull_blocks_batch_async``."""
 
     src_cache_key: Any
     dst_cache: Any

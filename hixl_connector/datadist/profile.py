@@ -38,9 +38,8 @@ def _never_in_place(datadist: Any, remote_cluster_id: int) -> bool:
 class BlocksCacheManager(Protocol):
     """What the connector calls on ``DataDist.cache_manager``, under CANN's names and
     parameters. Descriptors, keys and caches are each back-end's own classes, hence ``Any``.
-    Batched and asynchronous pulls are not part of it: CANN's cache manager has neither, so
-    the connector reaches them through ``Backend.pull_blocks_batch`` and
-    ``Backend.pull_blocks_async``."""
+    Batched asynchronous pulls are not part of it: CANN's cache manager has none, so the
+    connector reaches them through ``Backend.pull_blocks_batch_async``."""
 
     def register_blocks_cache(
         self,
@@ -120,14 +119,12 @@ NATIVE_PROFILE = BackendProfile(
 class Backend:
     """One implementation of the LLM-DataDist v2 API: its classes and constants under CANN's
     names (None where that implementation lacks one), and what drives it beyond CANN's API:
-    ``pull_blocks_async(cache_manager, key, cache, src, dst, **kwargs)`` returning a handle
-    with ``wait()``, ``pull_blocks_batch_async(cache_manager, pulls)`` running ``BlocksPull``s
-    in order (the first failure stopping the rest) and returning a handle with ``poll()``,
-    ``wait()`` and ``finished_at``, the back-end's name and its profile."""
+    ``pull_blocks_batch_async(cache_manager, pulls)`` running ``BlocksPull``s in order (the
+    first failure stopping the rest) and returning a handle with ``poll()``, ``wait()`` and
+    ``finished_at``, the back-end's name and its profile."""
 
     BACKEND_NAME: str
     PROFILE: BackendProfile
-    pull_blocks_async: Callable[..., Any]
     pull_blocks_batch_async: Callable[[Any, Sequence[BlocksPull]], PullHandle | ThreadPullHandle]
     # LLMDataDist(role, cluster_id), the role being the back-end's LLMRole.
     LLMDataDist: Callable[[Any, int], DataDist]

@@ -1,8 +1,7 @@
-"""PullHandle: the result of ``CacheManager.pull_blocks_async`` and ``pull_blocks_batch_async``
-(project extensions).
+"""PullHandle: the result of ``CacheManager.pull_blocks_batch_async`` (a project extension).
 
 The native backend wraps an engine handle; the ascend backend, whose CANN API has no async pull,
-runs ``pull_blocks`` on a thread (see ``ThreadPullHandle``). Both behave the same way:
+runs the pulls on a thread (see ``ThreadPullHandle``). Both behave the same way:
 ``poll()`` and ``wait(timeout)`` return True once the pull has landed, False while it runs, and
 raise the pull's LLMException when it failed (again on every later call); ``finished_at`` is
 when it ended, on ``time.monotonic``'s clock.
@@ -93,14 +92,14 @@ class PullHandle:
 
 
 class ThreadPullHandle:
-    """``pull_blocks`` run on a daemon thread, for backends without an async pull."""
+    """Pulls run on a daemon thread, for backends without an async pull."""
 
     def __init__(self, pull: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._finished_at: float | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(pull, args, kwargs), name="pull_blocks_async", daemon=True
+            target=self._run, args=(pull, args, kwargs), name="pull_blocks_batch_async", daemon=True
         )
         self._thread.start()
 

@@ -24,7 +24,7 @@ namespace {
 Result to_result(const hixl::Status& s) { return {s.code, s.message}; }
 
 // One pull's arguments as Python passes them, in PULL_ARGS order: the parameter list of the
-// pull bindings and the element type of pull_batch.
+// pull binding and the element type of submit_pull_batch.
 using PullArgs = std::tuple<int64_t, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                             nb::handle, nb::handle, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
@@ -94,7 +94,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 2;  // 2: pull_batch, submit_pull_batch, timed wait and poll
+  m.attr("ABI_VERSION") = 3;  // 3: one asynchronous batch call (no pull_batch, submit_pull)
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -179,14 +179,6 @@ NB_MODULE(_native, m) {
            pull_binding([](hixl::Engine& e, hixl::PullRequest r) { return to_result(e.pull(r)); }),
            PULL_ARGS)
       .def(
-          "pull_batch",
-          [](hixl::Engine& e, const std::vector<nb::tuple>& pulls) {
-            std::vector<hixl::PullRequest> requests = batch_of(pulls);
-            nb::gil_scoped_release release;
-            return to_result(e.pull_batch(requests));
-          },
-          nb::arg("pulls"))
-      .def(
           "submit_pull_batch",
           [](hixl::Engine& e, const std::vector<nb::tuple>& pulls) {
             std::vector<hixl::PullRequest> requests = batch_of(pulls);
@@ -196,13 +188,6 @@ NB_MODULE(_native, m) {
             return std::tuple<int64_t, uint64_t, std::string>(s.code, handle, s.message);
           },
           nb::arg("pulls"))
-      .def("submit_pull",
-           pull_binding([](hixl::Engine& e, hixl::PullRequest r) {
-             uint64_t handle = 0;
-             hixl::Status s = e.submit_pull(std::move(r), &handle);
-             return std::tuple<int64_t, uint64_t, std::string>(s.code, handle, s.message);
-           }),
-           PULL_ARGS)
       .def(
           "wait",
           [](hixl::Engine& e, uint64_t handle, int64_t timeout_ms, bool timed) {

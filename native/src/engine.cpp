@@ -307,14 +307,6 @@ std::string Engine::peer_transport(int64_t remote) const {
 }
 
 Status Engine::pull(const PullRequest& request) { return impl_->pull(request); }
-Status Engine::pull_batch(const std::vector<PullRequest>& requests) {
-  return impl_->pull_batch(requests);
-}
-Status Engine::submit_pull(PullRequest request, uint64_t* handle) {
-  std::vector<PullRequest> batch;
-  batch.push_back(std::move(request));
-  return impl_->submit(std::move(batch), handle);
-}
 Status Engine::submit_pull_batch(std::vector<PullRequest> requests, uint64_t* handle) {
   return impl_->submit(std::move(requests), handle);
 }

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hixl_connector.datadist import BlocksPull
+
 from . import datadist_peer as layout
 from .datadist_harness import Client, Peer
 
@@ -215,10 +217,12 @@ def test_failed_pull_leaves_link_usable(env: Env) -> None:
 
 
 def test_async_pull_failure_surfaces_from_the_handle(env: Env) -> None:
-    handle = env.api.pull_blocks_async(env.cm, env.key, env.cache, [NB], [1])
+    pull = BlocksPull(env.key, env.cache, [NB], [1])
+    handle = env.api.pull_blocks_batch_async(env.cm, [pull])
     for call in (lambda: handle.wait(10.0), handle.poll):  # kept for every later call
         with pytest.raises(env.api.LLMException) as info:
             call()
         assert info.value.status_code == codes(env).LLM_PARAM_INVALID
+    bogus = BlocksPull(env.key, env.cache, [1], [1], {"bogus": 1})
     with pytest.raises(TypeError):  # argument errors raise before a handle exists
-        env.api.pull_blocks_async(env.cm, env.key, env.cache, [1], [1], bogus=1)
+        env.api.pull_blocks_batch_async(env.cm, [bogus])

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from hixl_connector.datadist import BlocksPull
+
 from .datadist_harness import Client, Peer, wait_until
 
 TOKEN = "datadist-link-token-0123456789abcdef"
@@ -190,7 +192,8 @@ def test_unlink_during_a_pull_fails_the_pull_fast(
     stop_process(peer.pid)  # the pull cannot finish while the peer is stopped
     try:
         key = api.BlocksCacheKey(peer.cluster_id)
-        handle = api.pull_blocks_async(client.dd.cache_manager, key, cache, [1], [2])
+        pull = BlocksPull(key, cache, [1], [2])
+        handle = api.pull_blocks_batch_async(client.dd.cache_manager, [pull])
         assert handle.wait(0.3) is False
         start = time.monotonic()
         assert client.unlink(peer, force=True, timeout=3000)[0] == codes.LLM_SUCCESS

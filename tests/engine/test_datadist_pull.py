@@ -156,12 +156,11 @@ def test_cache_key_by_id_and_index_into_blocks(setup: Setup) -> None:
         assert np.array_equal(setup.dst[t][: 8 * BB], row)
 
 
-def test_async_pull_extension(setup: Setup) -> None:
-    pull_async = setup.api.pull_blocks_async
+def test_a_batch_of_one_is_an_asynchronous_pull(setup: Setup) -> None:
     setup.reset()
     pairs = [(1, 60), (2, 61), (50, 0)]
-    handle = pull_async(
-        setup.client.dd.cache_manager, setup.key, setup.cache, [1, 2, 50], [60, 61, 0]
+    handle = setup.api.pull_blocks_batch_async(
+        setup.client.dd.cache_manager, [BlocksPull(setup.key, setup.cache, [1, 2, 50], [60, 61, 0])]
     )
     assert handle.wait(10.0) is True
     assert handle.poll() is True  # the result is kept
@@ -169,13 +168,10 @@ def test_async_pull_extension(setup: Setup) -> None:
     setup.expect(pairs, everything, everything)
 
 
-def _batch(setup: Setup, pairs: list[tuple[Any, int]], asynchronously: bool = False) -> None:
+def _batch(setup: Setup, pairs: list[tuple[Any, int]]) -> None:
     setup.reset()
     pulls = [BlocksPull(setup.key, setup.cache, [s], [d]) for s, d in pairs]
     manager = setup.client.dd.cache_manager
-    if not asynchronously:
-        manager.pull_blocks_batch(pulls)
-        return
     before = time.monotonic()
     handle = setup.api.pull_blocks_batch_async(manager, pulls)
     try:
@@ -184,27 +180,22 @@ def _batch(setup: Setup, pairs: list[tuple[Any, int]], asynchronously: bool = Fa
         assert handle.finished_at is not None and before < handle.finished_at < time.monotonic()
 
 
-@pytest.mark.parametrize("asynchronously", [False, True])
-def test_batch_extension_pulls_in_order(setup: Setup, asynchronously: bool) -> None:
-    _batch(setup, [(1, 60), (2, 61), (5, 60)], asynchronously)  # the last into 60 lands last
+def test_batch_extension_pulls_in_order(setup: Setup) -> None:
+    _batch(setup, [(1, 60), (2, 61), (5, 60)])  # the last into 60 lands last
     everything = range(layout.NUM_TENSORS)
     setup.expect([(5, 60), (2, 61)], everything, everything)
 
 
-@pytest.mark.parametrize("asynchronously", [False, True])
-def test_batch_extension_stops_at_the_first_failure(setup: Setup, asynchronously: bool) -> None:
+def test_batch_extension_stops_at_the_first_failure(setup: Setup) -> None:
     with pytest.raises(setup.api.LLMException) as info:
-        _batch(setup, [(1, 60), (NB, 61), (3, 62)], asynchronously)  # the 2nd reads beyond P's
+        _batch(setup, [(1, 60), (NB, 61), (3, 62)])  # the 2nd reads beyond P's
     assert info.value.status_code == setup.api.LLMStatusCode.LLM_PARAM_INVALID
     everything = range(layout.NUM_TENSORS)
     setup.expect([(1, 60)], everything, everything)  # the third never ran
 
 
-@pytest.mark.parametrize("asynchronously", [False, True])
-def test_batch_extension_checks_every_pull_before_any_moves(
-    setup: Setup, asynchronously: bool
-) -> None:
+def test_batch_extension_checks_every_pull_before_any_moves(setup: Setup) -> None:
     with pytest.raises(TypeError):
-        _batch(setup, [(1, 60), ("x", 61)], asynchronously)
+        _batch(setup, [(1, 60), ("x", 61)])
     everything = range(layout.NUM_TENSORS)
     setup.expect([], everything, everything)

@@ -77,8 +77,9 @@ class Puller:
             timeout_ms=TIMEOUT_MS,
         )
         args.update(kw)
-        submit = args.pop("submit", False)
-        return (self.engine.submit_pull if submit else self.engine.pull)(**args)
+        if args.pop("submit", False):  # as a batch of one: the engine's asynchronous call
+            return self.engine.submit_pull_batch([tuple(args.values())])
+        return self.engine.pull(**args)
 
 
 def pull_ok(puller: Puller, cluster: int, src: list[int], dst: list[int]) -> None:

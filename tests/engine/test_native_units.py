@@ -12,8 +12,11 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hixl_connector import _native, _native_bench
+from hixl_connector.connector.mapping.runs import runs_of
 
 
 def test_plan_runs() -> None:
@@ -25,6 +28,15 @@ def test_plan_runs() -> None:
     ]
     assert _native_bench.plan_runs([], []) == []
     assert _native_bench.time_plan(list(range(128)), list(range(128)), 64, 3) > 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60))
+def test_the_native_planner_merges_runs_by_the_connectors_rule(
+    pairs: list[tuple[int, int]],
+) -> None:
+    src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+    python = [(s, d, n) for _, s, d, n in runs_of((0, s, d) for s, d in pairs)]
+    assert _native_bench.plan_runs(src, dst) == python
 
 
 def test_engine_options_and_bind_errors() -> None:

@@ -73,7 +73,7 @@ def test_backend_is_the_standin_without_native_extensions(api: Any, client: Any)
     assert api.BACKEND_NAME == "ascend" and api.PROFILE.name == "ascend"
     assert sys.modules["llm_datadist"].STANDIN
     assert not hasattr(client, "listen_port") and not hasattr(client, "engine_stats")
-    assert not hasattr(client.cache_manager, "pull_blocks_async")
+    assert not hasattr(client.cache_manager, "pull_blocks_batch_async")
 
 
 def test_second_llmdatadist_raises_llm_failed(api: Any, client: Any) -> None:

@@ -11,9 +11,15 @@ from hypothesis import strategies as st
 from hixl_connector.connector.mapping.blocks import (
     blocks_for_tokens,
     chunk_pairs,
-    group_runs,
     remote_at_positions,
 )
+from hixl_connector.connector.mapping.runs import runs_of
+
+
+def group_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The runs of block pairs (one key), as the native planner's plan_runs gives them."""
+    return [(s, d, n) for _, s, d, n in runs_of((0, s, d) for s, d in zip(src, dst, strict=True))]
+
 
 block_ids = st.lists(st.integers(min_value=0, max_value=200), max_size=60)
 # Blocks P offers: never vLLM's null block (0), which marks a position a group no longer holds.
@@ -147,7 +153,6 @@ def test_blocks_for_tokens_is_the_ceiling(num_tokens: int, block_size: int) -> N
     ("call", "message"),
     [
         (lambda: pair_blocks([1, 2], [3]), "differ in length"),
-        (lambda: group_runs([1], []), "differ in length"),
         (lambda: chunk_pairs([1], [2], 0), "max_pairs"),
         (lambda: chunk_pairs([1, 2], [2], 4), "differ in length"),
         (lambda: blocks_for_tokens(5, 0), "block_size"),
@@ -163,3 +168,13 @@ def test_empty_inputs() -> None:
     assert group_runs([], []) == []
     assert chunk_pairs([], [], 3) == []
     assert pair_blocks([], []) == []
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.integers(0, 9)), max_size=40))
+def test_runs_of_keyed_steps_expand_to_the_steps_and_are_maximal(
+    steps: list[tuple[int, int, int]],
+) -> None:
+    runs = runs_of(steps)
+    assert [(k, s + i, d + i) for k, s, d, n in runs for i in range(n)] == steps
+    for (k1, s1, d1, n1), (k2, s2, d2, _) in zip(runs, runs[1:], strict=False):
+        assert not (k1 == k2 and s2 == s1 + n1 and d2 == d1 + n1)

@@ -67,8 +67,9 @@ def worker(tiny_model_dir: Path) -> Iterator[Any]:
 
 def per_peer_state_sizes(worker: Any) -> tuple[int, int, int]:
     """(linked peers, address locks, heartbeat peers): client-named, so kept bounded."""
-    linked, locks = worker._peers.tracked_addresses() if worker._peers else (0, 0)
-    return linked, locks, worker._notices.tracked_peers() if worker._notices else 0
+    peers, notices = worker._peers, worker._notices
+    linked, locks = (len(peers._peers), len(peers._locks)) if peers else (0, 0)
+    return linked, locks, notices._heartbeats.tracked_peers() if notices else 0
 
 
 def _specs(round_: int, ports: list[int]) -> tuple[list[Any], list[Any]]:

@@ -186,7 +186,7 @@ def test_server_clears_the_word_before_it_reports_a_lease_done(words: LeaseWords
     assert counters.wakes == 1
     assert words[2] == 0xAB  # still published until the step thread reports the lease
     assert server.finished(time.monotonic()) == {"r1"}
-    assert words[2] == CLEARED and server.active() == 0
+    assert words[2] == CLEARED and len(server._table) == 0
     assert server.finished(time.monotonic()) == set()  # reported exactly once
 
 

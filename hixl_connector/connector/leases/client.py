@@ -90,12 +90,6 @@ class LeaseClient:
             finished = functools.partial(self._heartbeats.finished, due.key)
             self._post(Outgoing(due.target, "heartbeat", due.items, finished))
 
-    def tracked_peers(self) -> int:
-        return self._heartbeats.tracked_peers()
-
-    def lanes(self) -> int:
-        return len(self._lanes)
-
     def shutdown(self) -> None:
         self._lanes.shutdown()
 

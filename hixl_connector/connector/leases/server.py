@@ -189,10 +189,6 @@ class LeaseServer:
         """The side channel's handlers of D's notices."""
         return {"done": self._on_done, "release": self._on_done, "heartbeat": self._on_heartbeat}
 
-    def active(self) -> int:
-        """How many leases are held now."""
-        return len(self._table)
-
     def _on_done(self, message: dict[str, Any]) -> dict[str, Any]:
         answer = _answer_each(
             message,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
+from hixl_connector.connector.mapping.runs import runs_of
 
 # vLLM's CPU kernels take block sizes in multiples of 32 tokens and move whole 32-element
 # rows, so a slice of 32 elements never straddles two prefill blocks.
@@ -74,7 +75,7 @@ def merge_runs(
         0 <= part < ratio and 0 <= offset < src_unit_elements for part, offset in origins
     ):
         raise ValueError("the decode block layout is not a rearrangement of prefill blocks")
-    runs: list[SliceRun] = []
+    steps: list[tuple[int, int, int]] = []  # (part, its slice, the decode slice)
     for dst in range(len(origins) // SLICE_ELEMENTS):
         first = dst * SLICE_ELEMENTS
         part, offset = origins[first]
@@ -86,13 +87,8 @@ def merge_runs(
                 f"decode elements {first}..{first + SLICE_ELEMENTS - 1} do not come from one "
                 f"aligned {SLICE_ELEMENTS}-element slice of a prefill block"
             )
-        src = offset // SLICE_ELEMENTS
-        last = runs[-1] if runs else None
-        if last and last.part == part and last.src + last.count == src:
-            runs[-1] = SliceRun(part, last.src, last.dst, last.count + 1)
-        else:
-            runs.append(SliceRun(part, src, dst, 1))
-    return tuple(runs)
+        steps.append((part, offset // SLICE_ELEMENTS, dst))
+    return tuple(SliceRun(*run) for run in runs_of(steps))
 
 
 def slice_ids(

@@ -1,4 +1,4 @@
-"""Pure block-id mapping: prefix-hit trimming, contiguous runs, chunking.
+"""Pure block-id mapping: prefix-hit trimming and chunking.
 
 Nothing here knows about vLLM, tensors or transports; every function takes and returns plain
 ints so it can be checked exhaustively.
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# (src_start, dst_start, length): ``length`` blocks that are consecutive on both sides.
-Run = tuple[int, int, int]
 BlockIds = tuple[int, ...]
 # vLLM's null block: stands at the positions a KV-cache group does not hold (a sliding-window
 # group's blocks that fell out of the window); never a block of any request.
@@ -52,26 +50,6 @@ def remote_at_positions(
             "longer holds (out of its sliding window): the two sides' windows differ"
         )
     return tuple(remote[s] if s < len(remote) else NULL_BLOCK_ID for s in slots)
-
-
-def group_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
-    """Maximal runs: a pair extends the current run iff src and dst both equal previous+1.
-
-    This is the native engine's planning rule, so the Python view and the C++ plan agree.
-    """
-    _check_same_length(src, dst)
-    runs: list[Run] = []
-    if not src:
-        return runs
-    run_src, run_dst, length = src[0], dst[0], 1
-    for s, d in zip(src[1:], dst[1:], strict=True):
-        if s == run_src + length and d == run_dst + length:
-            length += 1
-            continue
-        runs.append((run_src, run_dst, length))
-        run_src, run_dst, length = s, d, 1
-    runs.append((run_src, run_dst, length))
-    return runs
 
 
 def chunk_pairs(

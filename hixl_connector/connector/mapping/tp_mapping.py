@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hixl_connector.connector.mapping.runs import runs_of
+
 
 @dataclass(frozen=True)
 class HeadRead:
@@ -128,20 +130,15 @@ def _reads(
     p_heads = heads_per_rank(num_kv_heads, p_tp)
     p_replicas = max(1, p_tp // num_kv_heads)
     d_replicas = max(1, d_tp // num_kv_heads)
-    reads: list[HeadRead] = []
+    steps: list[tuple[int, int, int]] = []  # (P rank, its head, this rank's head)
     for offset in range(heads_per_rank(num_kv_heads, d_tp)):
         head = d_first + offset
         if p_tp <= num_kv_heads:
             p_rank = head // p_heads
         else:  # replicas of this head sit on p_replicas consecutive P ranks
             p_rank = head * p_replicas + (d_rank % d_replicas) % p_replicas
-        src = head - first_head(num_kv_heads, p_tp, p_rank)
-        last = reads[-1] if reads else None
-        if last and last.p_rank == p_rank and last.src_head + last.count == src:
-            reads[-1] = HeadRead(p_rank, last.src_head, last.dst_head, last.count + 1)
-        else:
-            reads.append(HeadRead(p_rank, src, offset, 1))
-    return tuple(reads)
+        steps.append((p_rank, head - first_head(num_kv_heads, p_tp, p_rank), offset))
+    return tuple(HeadRead(*run) for run in runs_of(steps))
 
 
 def unit_ids(

@@ -129,11 +129,6 @@ class PeerRegistry:
                 f"ago ({failure[1]}); not retried for {window:g} s (handshake_timeout_s)"
             )
 
-    def tracked_addresses(self) -> tuple[int, int]:
-        """(linked peers, address locks in use): what this registry holds per address."""
-        with self._guard:
-            return len(self._peers), len(self._locks)
-
     def is_linked(self, target: PeerRank) -> bool:
         """True iff a handshake with this engine rank succeeded and still holds."""
         return self.linked(target) is not None

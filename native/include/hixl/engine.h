@@ -102,13 +102,11 @@ class Engine {
   std::string peer_transport(int64_t remote_cluster_id) const;
 
   Status pull(const PullRequest& request);
-  // The requests in order, as one call: the first failure stops the rest and is returned,
-  // its message naming its place. Lets a caller read a guard word, blocks and the guard word
-  // again without returning to Python (and its lock) in between.
-  Status pull_batch(const std::vector<PullRequest>& requests);
-  // Asynchronous pull / pull_batch on the transfer pool; wait or poll for the result, which
-  // also gives when the last byte landed (steady clock, nanoseconds).
-  Status submit_pull(PullRequest request, uint64_t* handle);
+  // The requests in order, each complete before the next begins, on the transfer pool (or
+  // the caller's thread for a small same-host batch): the first failure stops the rest, its
+  // message naming its place. Lets a caller read a guard word, blocks and the guard word
+  // again without returning to Python (and its lock) in between. Wait or poll for the
+  // result, which also gives when the last byte landed (steady clock, nanoseconds).
   Status submit_pull_batch(std::vector<PullRequest> requests, uint64_t* handle);
   Status wait(uint64_t handle, int64_t timeout_ms, int64_t* finished_ns = nullptr);
   Status poll(uint64_t handle, int64_t* finished_ns = nullptr);

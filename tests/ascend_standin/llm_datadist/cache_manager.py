@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hixl_connector.connector.mapping.blocks import group_runs
 from hixl_connector.datadist import (
     BlocksCacheKey,
     Cache,
@@ -169,7 +168,7 @@ class CacheManager:
         """CANN's row 22 (for equal, non-empty lists; the engine rejects the others)."""
         if len(src) != len(dst) or not src:
             return
-        runs = len(group_runs(src, dst))
+        runs = _runs(src, dst)
         size = REQUEST_HEADER_BYTES + REQUEST_ENTRY_BYTES * (
             dst_cache.cache_desc.num_tensors + 2 * runs
         )
@@ -195,3 +194,10 @@ class CacheManager:
 
     def remap_registered_memory(self, *args: Any, **kwargs: Any) -> None:
         raise _not_emulated("remap_registered_memory")
+
+
+def _runs(src: Any, dst: Any) -> int:
+    """How many runs of pairs consecutive on both sides CANN sizes a request by."""
+    return sum(
+        1 for i in range(len(src)) if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1
+    )
