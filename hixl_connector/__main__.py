@@ -38,7 +38,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:10s} {text}")
         return 0 if args and args[0] in ("-h", "--help") else 2
-    module = importlib.import_module(COMMANDS[args[0]][0])
+    try:
+        module = importlib.import_module(COMMANDS[args[0]][0])
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("hixl_connector.tools"):
+            raise
+        print(
+            f"python -m hixl_connector {args[0]}: the tools are not part of this install of "
+            "hixl-connector (the runtime alone); install it with HIXL_TOOLS=1 set, as "
+            "bash .ci/setup does",
+            file=sys.stderr,
+        )
+        return 2
     return int(module.main(args[1:]))
 
 

@@ -241,8 +241,8 @@ def load_references() -> Any:
     except ImportError as exc:
         raise ImportError(
             "the benchmark module hixl_connector._native_bench is not built; install the "
-            "package with `pip install --no-build-isolation -e .` (needs a C++17 compiler, "
-            "CMake and the OpenSSL headers)"
+            "package with HIXL_TOOLS=1 set (bash .ci/setup does; a C++17 compiler, CMake and "
+            "the OpenSSL headers are needed)"
         ) from exc
     return _native_bench
 

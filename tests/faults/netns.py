@@ -155,6 +155,15 @@ class NetnsBed:
                        "numgen", "random", "mod", "100", "<", "2", "counter", "drop")  # fmt: skip
         return "tbf 4 Mbit/s with a 24 KiB queue, and 2 % random loss (nftables; no sch_netem)"
 
+    def throttle(self, rate: str) -> None:
+        """Slows what P sends over the data link to ``rate`` (a token bucket with a queue
+        deep enough that nothing is dropped): a read of P's blocks takes seconds, with no
+        hook in either engine. ``restore`` lifts it."""
+        self.in_ns(
+            self.ns_p, "tc", "qdisc", "add", "dev", self.data_p, "root",
+            "tbf", "rate", rate, "burst", "4kb", "limit", "4mb",
+        )  # fmt: skip
+
     def dropped_packets(self) -> int:
         """Packets the impairment dropped: qdisc drops plus the random-loss rule's count."""
         total = 0

@@ -14,6 +14,16 @@ if importlib.util.find_spec("hixl_connector") is None:  # not pip-installed: use
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(params=[False, True], ids=["sync-scheduling", "async-scheduling"])
+def scheduling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """vLLM's scheduler, synchronous and asynchronous (0.32's default), for the tests that
+    drive it (``pytestmark = pytest.mark.usefixtures("scheduling")``)."""
+    import vllm_harness
+
+    monkeypatch.setattr(vllm_harness, "ASYNC_SCHEDULING", request.param)
+    return bool(request.param)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import build_tiny_llama

@@ -10,7 +10,7 @@ import torch
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.peers.rank_addresses import rank_address
-from hixl_connector.connector.worker.engine_setup import cache_groups, open_engine
+from hixl_connector.connector.worker.engine_setup import open_engine, registrations
 from hixl_connector.connector.worker.kv_layout import describe_kv_caches
 
 NUM_BLOCKS = 8
@@ -34,7 +34,7 @@ def _mla() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def test_mha_is_one_blocks_cache_in_k_v_order() -> None:
     kv = _mha()
-    (group,) = cache_groups(describe_kv_caches(kv, NUM_BLOCKS))
+    (group,) = registrations(describe_kv_caches(kv, NUM_BLOCKS))
     assert (group.model_id, group.tensors_per_layer, group.unit_bytes) == (0, 2, 16 * 2 * 32 * 4)
     expected = [t.data_ptr() for layer in kv.values() for t in layer]  # K0, V0, K1, V1, ...
     assert list(group.addrs) == expected
@@ -44,7 +44,7 @@ def test_mla_parts_are_separate_caches_with_their_own_model_ids() -> None:
     kv = _mla()
     layout = describe_kv_caches(kv, NUM_BLOCKS)
     assert layout.part_block_bytes == (16 * 64 * 2, 16 * 16 * 2)
-    latent, rope = cache_groups(layout)
+    latent, rope = registrations(layout)
     assert (latent.model_id, rope.model_id) == (0, 1)
     assert (latent.tensors_per_layer, rope.tensors_per_layer) == (1, 1)
     assert list(latent.addrs) == [layer[0].data_ptr() for layer in kv.values()]

@@ -4,6 +4,7 @@ before and after."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +15,12 @@ from hypothesis import strategies as st
 
 from hixl_connector.connector.leases.guarded_read import (
     CLEARED,
+    IN_FLIGHT_READS,
+    IN_STEP_ROWS,
     MAX_LEASE_READERS,
     SCRATCH_WORDS,
     LeaseWords,
+    ScratchRows,
     first_word,
     guarded_batch,
     lease_word,
@@ -156,3 +160,25 @@ def test_only_a_read_vouched_for_before_and_after_by_every_reader_passes(
         assert (outcome, reader) == ("stale", [w != WORD for w in after].index(True))
     else:
         assert (outcome, reader) == ("vouched", -1)
+
+
+def test_scratch_rows_are_never_shared_and_the_steps_rows_are_its_own() -> None:
+    rows = ScratchRows()
+    held = [rows.take_now() for _ in range(IN_FLIGHT_READS)]
+    assert sorted(r for r in held if r is not None) == list(range(IN_FLIGHT_READS))
+    assert rows.take_now() is None  # every asynchronous row in flight
+    step = [rows.take_for_step() for _ in range(IN_STEP_ROWS)]
+    assert sorted(r for r in step if r is not None) == list(
+        range(IN_FLIGHT_READS, IN_FLIGHT_READS + IN_STEP_ROWS)
+    )
+    assert rows.take_for_step() is None
+    closing = threading.Event()
+    closing.set()
+    assert rows.take(closing) is None  # a waiting read gives up at shutdown
+    rows.give_back(step[0] or 0)
+    rows.give_back(held[3] or 0)
+    assert rows.take_now() == held[3] and rows.take_for_step() == step[0]
+    assert all(
+        first_word(r) + 2 * MAX_LEASE_READERS <= SCRATCH_WORDS
+        for r in range(IN_FLIGHT_READS + IN_STEP_ROWS)
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -28,6 +29,8 @@ from vllm_harness import (
 from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport, LinkReporter
 from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
 from hixl_connector.connector.scheduler.in_step_loads import InStepLoads
+
+pytestmark = pytest.mark.usefixtures("scheduling")
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 # The harness's blocks: 16 tokens x 2 KV heads x 16 x fp32, K and V, two layers.
@@ -125,7 +128,9 @@ def test_an_in_step_failure_recomputes(tiny_model_dir: Path) -> None:
     assert request.num_output_tokens == 0
     assert request.num_computed_tokens == 0
     output, _ = step(scheduler)
-    assert output.num_scheduled_tokens["bad"] == request.num_prompt_tokens
+    # The whole prompt (an asynchronous scheduler also schedules the placeholder of the
+    # token it expected from the failed step).
+    assert output.num_scheduled_tokens["bad"] >= request.num_prompt_tokens
 
 
 def test_a_lost_link_turns_its_engine_asynchronous(tiny_model_dir: Path) -> None:

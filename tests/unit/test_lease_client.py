@@ -72,12 +72,12 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
     try:
         start = time.monotonic()
         for i, remote in enumerate(dead):  # queued first, each stalls DEAD_TIMEOUT_S
-            notifier.release_later(ReleaseSpec(f"r{i}", f"remote-r{i}", i, remote))
+            notifier.notify("release", ReleaseSpec(f"r{i}", f"remote-r{i}", i, remote))
         beats = [(remote, f"remote-w{i}", 100 + i) for i, remote in enumerate(dead)]
         waiting = [*beats, (live, "remote-live", 7)]
         notifier.heartbeats(waiting, start)  # first seen: nothing due yet
         notifier.heartbeats(waiting, start + 0.02)  # waited past heartbeat_s: due
-        notifier.release_later(ReleaseSpec("done", "remote-done", 8, live))
+        notifier.notify("release", ReleaseSpec("done", "remote-done", 8, live))
         assert arrived.wait(DEAD_TIMEOUT_S * (2 * DEAD_ADDRESSES + 1))
         # Both reached the live peer while the dead addresses still held their own thread.
         assert max(delivered.values()) - start < DEAD_TIMEOUT_S, delivered
@@ -118,7 +118,7 @@ def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.C
     try:
         start = time.monotonic()
         for i in range(3):  # each waits out DEAD_TIMEOUT_S on the stalled peer's lane
-            notifier.release_later(ReleaseSpec(f"r{i}", f"remote-r{i}", i, stuck))
+            notifier.notify("release", ReleaseSpec(f"r{i}", f"remote-r{i}", i, stuck))
         notifier.heartbeats([(live, "remote-live", 7)], start)
         notifier.heartbeats([(live, "remote-live", 7)], start + 0.02)
         assert beat.wait(DEAD_TIMEOUT_S), "the live peer's heartbeat waited behind the stalled"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
@@ -20,6 +21,7 @@ from vllm_harness import (
     decode_side,
     finished_outputs,
     free_blocks,
+    group_block_ids,
     hixl,
     make_request,
     make_scheduler,
@@ -33,9 +35,12 @@ from vllm_harness import (
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
+from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
 from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
+
+pytestmark = pytest.mark.usefixtures("scheduling")
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 
@@ -108,6 +113,37 @@ def test_prefix_hit_pulls_only_the_suffix(tiny_model_dir: Path) -> None:
     step(scheduler, finished_recving={"d2"})
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"d2": 1}
+
+
+def test_a_hybrid_model_with_a_local_prefix_hit_reads_each_groups_missing_blocks(
+    tiny_model_dir: Path,
+) -> None:
+    """vLLM's hybrid KV-cache manager (full attention and a sliding window), D holding the
+    prompt's first blocks in its own prefix cache: the read fills, group by group, the blocks
+    vLLM allocated past the hit, from P's blocks at the same positions; the sliding-window
+    positions vLLM left null (behind the window) are not read."""
+    scheduler = make_scheduler(
+        tiny_model_dir, "kv_consumer", sliding_window=2 * BLOCK_SIZE, num_blocks=128
+    )
+    shared = prompt(4 * BLOCK_SIZE)
+    warm_blocks = served_locally(scheduler, "warm", shared + prompt(8, seed=1))
+    full, window = list(range(100, 108)), [0, 0, 0, *range(203, 208)]  # P's window dropped 0-2
+    params = prefill_params(8, remote_block_ids=[full, window])
+    scheduler.add_request(
+        make_request("hma", shared + prompt(4 * BLOCK_SIZE - 4, 2), params=params)
+    )
+    output, _ = step(scheduler)
+    (spec,) = metadata(output).to_recv
+    full_blocks, window_blocks = group_block_ids(scheduler, "hma")
+    assert full_blocks[:4] == warm_blocks[:4]  # the local prefix-cache hit
+    read = [p for p in range(4, 8) if window_blocks[p] != NULL_BLOCK_ID]
+    assert read and read != list(range(4, 8))  # the window left some positions null
+    assert spec.local_block_ids == (*full_blocks[4:], *(window_blocks[p] for p in read))
+    assert spec.remote_block_ids == (*full[4:], *(window[p] for p in read))
+
+    step(scheduler, finished_recving={"hma"})
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"hma": 1}
 
 
 def test_no_external_tokens_releases_without_pull(tiny_model_dir: Path) -> None:

@@ -21,9 +21,15 @@ from vllm.config import (
 )
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -41,6 +47,10 @@ MAX_MODEL_LEN = 512
 P_INCARNATION = 0xC0FFEE  # the start nonce of the P that prefill_params come from
 EXTRA_CONFIG = {"side_channel_host": "10.0.0.7", "side_channel_port": 6100, "cluster_id_base": 4096}
 
+# vLLM 0.32 schedules asynchronously by default (AsyncScheduler); the tests that drive the
+# real scheduler run both ways (the ``scheduling`` fixture sets this).
+ASYNC_SCHEDULING = False
+
 init_none_hash(sha256)
 _block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
@@ -53,7 +63,11 @@ def make_scheduler(
     num_blocks: int = 64,
     engine_id: str = "engine-under-test",
     extra: dict[str, Any] | None = None,
+    sliding_window: int = 0,
 ) -> Scheduler:
+    """vLLM's scheduler with the connector; with ``sliding_window``, a hybrid model (layer 0
+    full attention, layer 1 sliding window, a KV-cache group each) under vLLM's hybrid
+    KV-cache manager."""
     kv_transfer = KVTransferConfig(
         kv_connector="HixlConnector",
         kv_connector_module_path="hixl_connector.connector.facade",
@@ -77,7 +91,8 @@ def make_scheduler(
             max_num_batched_tokens=MAX_MODEL_LEN,
             max_model_len=MAX_MODEL_LEN,
             is_encoder_decoder=False,
-            async_scheduling=False,
+            async_scheduling=ASYNC_SCHEDULING,
+            disable_hybrid_kv_cache_manager=not sliding_window,
         ),
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
@@ -86,16 +101,25 @@ def make_scheduler(
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
     )
+    groups = [KVCacheGroupSpec(["layers.0", "layers.1"], spec)]
+    if sliding_window:
+        window = SlidingWindowSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=2,
+            head_size=16,
+            dtype=torch.float32,
+            sliding_window=sliding_window,
+        )
+        groups = [KVCacheGroupSpec(["layers.0"], spec), KVCacheGroupSpec(["layers.1"], window)]
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layers.0", "layers.1"], spec)],
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
     if kv_role != "kv_consumer" and not words_path(engine_id, 0, 0).exists():
         # What P's worker does when it registers its KV caches, before vLLM builds the
         # scheduler (which maps the words, then unlinks the file).
         LeaseWords.create(words_path(engine_id, 0, 0), num_blocks).close()
-    return Scheduler(
+    scheduler_class = AsyncScheduler if ASYNC_SCHEDULING else Scheduler
+    return scheduler_class(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -130,6 +154,12 @@ def free_blocks(scheduler: Scheduler) -> int:
 def block_ids(scheduler: Scheduler, request_id: str) -> list[int]:
     (group,) = scheduler.kv_cache_manager.get_block_ids(request_id)
     return list(group)
+
+
+def group_block_ids(scheduler: Scheduler, request_id: str) -> list[list[int]]:
+    """The request's blocks in each KV-cache group (vLLM's null block where a group holds
+    none)."""
+    return [list(group) for group in scheduler.kv_cache_manager.get_block_ids(request_id)]
 
 
 def make_request(
@@ -217,7 +247,7 @@ def served_locally(scheduler: Scheduler, request_id: str, prompt_ids: list[int])
     the local prefix cache; returns the block ids it had."""
     scheduler.add_request(make_request(request_id, prompt_ids, max_tokens=1))
     output = scheduler.schedule()
-    blocks = block_ids(scheduler, request_id)
+    blocks = group_block_ids(scheduler, request_id)[0]
     scheduler.update_from_output(output, runner_output(output))
     return blocks
 

@@ -70,10 +70,10 @@ class LeaseClient:
         self._heartbeats = HeartbeatSchedule(heartbeat_s)
         self._lanes = PeerLanes(self._send, lane_idle_s)
 
-    def release_later(self, spec: ReleaseSpec, kind: str = "release") -> None:
-        """Queues a notice to every P rank this D rank answers for: "done" after a good read,
-        "release" when nothing was or will be read (nothing to pull, aborted first, failed).
-        P frees on either."""
+    def notify(self, kind: str, spec: ReleaseSpec) -> None:
+        """Queues a ``kind`` notice to every P rank this D rank answers for: "done" after a
+        good read, "release" when nothing was or will be read (nothing to pull, aborted first,
+        failed). P frees on either; the notice goes out on that rank's lane, never here."""
         for target, consumers in self._ranks(spec.remote):
             notice = LeaseNotice(spec.remote_request_id, spec.lease_id, consumers, self._rank)
             self._post(Outgoing(target, kind, (notice,)))

@@ -49,7 +49,9 @@ import hashlib
 import json
 import mmap
 import os
+import queue
 import re
+import threading
 from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,13 +129,14 @@ class LeaseWords:
     def incarnation(self, nonce: int) -> None:
         self._words[self.slots] = nonce
 
-    def publish(self, slot: int, lease_id: int) -> None:
-        self._words[slot] = lease_id
+    def publish(self, slot: int, word: int) -> None:
+        """Vouches for a lease: ``word`` is its ``lease_word``."""
+        self._words[slot] = word
 
-    def clear(self, slot: int, lease_id: int) -> None:
-        """Ends ``lease_id`` in its slot; a slot the scheduler already gave to a newer lease
-        keeps its word."""
-        if self._words[slot] == lease_id:
+    def clear(self, slot: int, word: int) -> None:
+        """Ends the lease ``word`` vouches for; a slot the scheduler already gave to a newer
+        lease keeps that lease's word."""
+        if self._words[slot] == word:
             self._words[slot] = CLEARED
 
     def __getitem__(self, slot: int) -> int:
@@ -159,6 +162,46 @@ IN_STEP_ROWS = 8
 SCRATCH_WORDS = (IN_FLIGHT_READS + IN_STEP_ROWS) * 2 * MAX_LEASE_READERS
 
 Pull = TypeVar("Pull")
+
+
+class ScratchRows:
+    """The scratch rows one decode rank reads lease words into: ``IN_FLIGHT_READS`` for
+    asynchronous reads (any thread), then ``IN_STEP_ROWS`` of the step thread's own, so an
+    in-step read never waits for an asynchronous one. A row is held from the batch's making
+    until its verdict."""
+
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for row in range(IN_FLIGHT_READS):
+            self._free.put(row)
+        self._step = list(range(IN_FLIGHT_READS, IN_FLIGHT_READS + IN_STEP_ROWS))
+
+    def take_now(self) -> int | None:
+        """An asynchronous read's row, or None when all are in flight."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
+    def take(self, closing: threading.Event) -> int | None:
+        """An asynchronous read's row, waiting while all are in flight; None once
+        ``closing`` is set."""
+        while not closing.is_set():
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def take_for_step(self) -> int | None:
+        """One of the step thread's rows, or None when this step's reads hold them all."""
+        return self._step.pop() if self._step else None
+
+    def give_back(self, row: int) -> None:
+        if row >= IN_FLIGHT_READS:
+            self._step.append(row)
+        else:
+            self._free.put(row)
 
 
 @dataclass(frozen=True)

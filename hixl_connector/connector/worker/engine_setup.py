@@ -48,7 +48,7 @@ ONE_TENSOR = {"tensor_num_per_layer": 1}
 
 
 @dataclass(frozen=True)
-class CacheGroup:
+class Registration:
     """Tensors registered as one blocks cache under one model_id."""
 
     model_id: int
@@ -128,12 +128,12 @@ class Engine:
         return words_read(self.scratch_words, pull)
 
 
-def cache_groups(layout: KVLayout) -> list[CacheGroup]:
+def registrations(layout: KVLayout) -> list[Registration]:
     """MHA/GQA: one blocks cache of all tensors in K0,V0,K1,V1,... order. Layers of unlike
     parts (MLA: latent and rope) register one cache per part, each under its own model_id."""
     if not layout.part_block_bytes:
         return [
-            CacheGroup(
+            Registration(
                 BLOCKS_MODEL_ID,
                 layout.tensor_addrs,
                 layout.unit_bytes,
@@ -143,7 +143,7 @@ def cache_groups(layout: KVLayout) -> list[CacheGroup]:
         ]
     per_layer = len(layout.part_block_bytes)
     return [
-        CacheGroup(
+        Registration(
             BLOCKS_MODEL_ID + part,
             layout.tensor_addrs[part::per_layer],
             nbytes,
@@ -203,10 +203,10 @@ def open_engine(
             f"lives on {device}; use kv_connector_extra_config 'backend': 'ascend' on Ascend"
         )
     placement = api.Placement.DEVICE if on_device else api.Placement.HOST
-    groups = cache_groups(layout)
+    kv_parts = registrations(layout)
     if on_device and config.ascend_hccs:
-        for group in groups:
-            profile.check_device_alignment(list(group.addrs), f"cache model_id {group.model_id}")
+        for part in kv_parts:
+            profile.check_device_alignment(list(part.addrs), f"cache model_id {part.model_id}")
     role = {(True, False): api.LLMRole.PROMPT, (False, True): api.LLMRole.DECODER}.get(
         (producer, consumer), api.LLMRole.MIX
     )
@@ -225,34 +225,34 @@ def open_engine(
     host = api.Placement.HOST
     scratch_words = (ctypes.c_uint64 * SCRATCH_WORDS)() if consumer else None
     try:
-        caches = tuple(_register(api, datadist, cluster_id, group, placement) for group in groups)
+        caches = tuple(_register(api, datadist, cluster_id, p, placement) for p in kv_parts)
         slices = None
         if layout.slice_bytes:
-            group = CacheGroup(
+            registration = Registration(
                 SLICES_MODEL_ID,
                 layout.tensor_addrs,
                 layout.slice_bytes,
                 layout.tensors_per_layer,
                 layout.num_blocks * layout.block_bytes // layout.slice_bytes,
             )
-            slices = _register(api, datadist, cluster_id, group, placement)
+            slices = _register(api, datadist, cluster_id, registration, placement)
         if producer:
             if lease_words is None:
                 raise ValueError("a prefill engine needs its lease words")
             address, count = lease_words
-            group = CacheGroup(LEASE_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
-            _register(api, datadist, cluster_id, group, host)
+            registration = Registration(LEASE_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
+            _register(api, datadist, cluster_id, registration, host)
         scratch = None
         if scratch_words is not None:
             address, count = ctypes.addressof(scratch_words), len(scratch_words)
-            group = CacheGroup(SCRATCH_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
-            scratch = _register(api, datadist, cluster_id, group, host)
+            registration = Registration(SCRATCH_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
+            scratch = _register(api, datadist, cluster_id, registration, host)
     except Exception:
         datadist.finalize()
         raise
     bound = getattr(datadist, "listen_port", None)  # native extension; CANN binds `port`
     limits = [
-        profile.max_pairs_per_pull(len(g.addrs)) for g in groups if profile.max_pairs_per_pull
+        profile.max_pairs_per_pull(len(p.addrs)) for p in kv_parts if profile.max_pairs_per_pull
     ]
     return Engine(
         api,
@@ -267,18 +267,18 @@ def open_engine(
 
 
 def _register(
-    api: Backend, datadist: DataDist, cluster_id: int, group: CacheGroup, placement: Any
+    api: Backend, datadist: DataDist, cluster_id: int, registration: Registration, placement: Any
 ) -> RegisteredCache:
     desc = api.CacheDesc(
-        len(group.addrs),
-        [group.units, group.unit_bytes],
+        len(registration.addrs),
+        [registration.units, registration.unit_bytes],
         api.DataType.DT_UINT8,  # block bytes are opaque to the engine
         placement,
     )
     cache = datadist.cache_manager.register_blocks_cache(
         desc,
-        list(group.addrs),
-        api.BlocksCacheKey(cluster_id, group.model_id),
+        list(registration.addrs),
+        api.BlocksCacheKey(cluster_id, registration.model_id),
         remote_accessible=True,
     )
-    return RegisteredCache(group.model_id, cache, group.tensors_per_layer)
+    return RegisteredCache(registration.model_id, cache, registration.tensors_per_layer)

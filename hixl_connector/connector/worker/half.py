@@ -113,7 +113,7 @@ class HixlWorker:
         self._layout: KVLayout | None = None
         self._payload: HandshakePayload | None = None
         self._peers: PeerRegistry | None = None
-        self._notices: LeaseClient | None = None
+        self._lease_client: LeaseClient | None = None
         self._receiver: Receiver | None = None
         self._serving: PrefillServing | None = None  # P
 
@@ -169,7 +169,7 @@ class HixlWorker:
         plans = ReadPlans(
             self._payload.compatibility, (self._tp_rank, self._tp_size), self._probe_slices
         )
-        self._notices = LeaseClient(
+        self._lease_client = LeaseClient(
             self._peers.notice_client,
             self._peers.is_linked,
             plans.notify_targets,
@@ -184,7 +184,7 @@ class HixlWorker:
             self._block_sizes,
             plans,
             self._peers,
-            self._notices,
+            self._lease_client,
             self._links,
             self._tp_rank,
             self._record,
@@ -231,10 +231,10 @@ class HixlWorker:
             # Hands the GIL over so the pool begins its handshakes now rather than when this
             # step next blocks.
             time.sleep(0)
-        if self._notices is not None:
+        if self._lease_client is not None:
             for release in metadata.to_release:
-                self._notices.release_later(release)
-            self._notices.heartbeats(metadata.heartbeats, now)
+                self._lease_client.notify("release", release)
+            self._lease_client.heartbeats(metadata.heartbeats, now)
 
     def get_transfer_results(self) -> TransferResults:
         """What ended since the last call."""
@@ -313,8 +313,8 @@ class HixlWorker:
             self._peers.stop()  # handshakes and notices under way give up at once
         if self._receiver is not None and not self._receiver.shutdown(SHUTDOWN_WAIT_S):
             logger.warning("hixl: a handshake still under way at shutdown is abandoned")
-        if self._notices is not None:
-            self._notices.shutdown()
+        if self._lease_client is not None:
+            self._lease_client.shutdown()
         if self._serving is not None:
             self._serving.close()
         if self._peers is not None:

@@ -13,13 +13,10 @@ from hixl_connector.connector.mapping.tp_mapping import HeadRead, unit_ids
 from hixl_connector.connector.metadata import RecvSpec
 from hixl_connector.connector.peers.registry import Peer
 from hixl_connector.connector.worker.kv_layout import KVLayout
+from hixl_connector.connector.worker.read_failures import LeaseError
 
 # (peer cluster id, source ids, destination ids): one P rank's share of a request.
 Read = tuple[int, list[int], list[int]]
-
-
-class LeaseError(RuntimeError):
-    """P did not (or could no longer) vouch for the blocks of a pull."""
 
 
 def peer_units(

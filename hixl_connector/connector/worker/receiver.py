@@ -28,7 +28,6 @@ slices of which P block land where in each of this rank's blocks.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,36 +37,27 @@ from typing import Any
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.client import LeaseClient
-from hixl_connector.connector.leases.guarded_read import (
-    IN_FLIGHT_READS,
-    IN_STEP_ROWS,
-    GuardedPull,
-    verdict,
-)
+from hixl_connector.connector.leases.guarded_read import GuardedPull, ScratchRows, verdict
 from hixl_connector.connector.link_reports import LinkReporter
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
-from hixl_connector.connector.mapping.tp_mapping import TPMismatch
 from hixl_connector.connector.metadata import PeerRank, RecvSpec, ReleaseSpec
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
 from hixl_connector.connector.worker.engine_setup import Engine
 from hixl_connector.connector.worker.kv_layout import KVLayout
-from hixl_connector.connector.worker.read_units import (
+from hixl_connector.connector.worker.read_failures import (
+    HandshakeFailed,
     LeaseError,
+    PeerGone,
+    PullCancelled,
+    counter_for,
+)
+from hixl_connector.connector.worker.read_units import (
     check_block_ids,
     check_block_sizes,
     peer_units,
 )
 
 logger = logging.getLogger(__name__)
-
-
-class PullCancelled(RuntimeError):
-    """The request was aborted before its read ended."""
-
-
-class PeerGone(RuntimeError):
-    """An in-step read found no same-host link to a P rank it reads: P was replaced or is
-    gone since a worker reported the link (nothing transient is ever read in the step)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +83,7 @@ class Receiver:
         block_sizes: tuple[int, ...],
         plans: ReadPlans,
         peers: PeerRegistry,
-        notices: LeaseClient,
+        lease_client: LeaseClient,
         links: LinkReporter,
         tp_rank: int,
         record: Callable[[str], None],
@@ -107,7 +97,7 @@ class Receiver:
         self._block_sizes = block_sizes
         self._plans = plans
         self._peers = peers
-        self._notices = notices
+        self._lease_client = lease_client
         self._links = links
         self._tp_rank = tp_rank
         self._record = record
@@ -117,13 +107,8 @@ class Receiver:
         # Handshakes and links with P ranks not linked yet, off the step thread.
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
         self._pooled: set[Future[None]] = set()  # work given to the pool, until it ends
-        # One row of scratch words per read in flight: where its batch reads P's lease words.
-        # In-step reads have rows of their own (the step thread's alone), so they never
-        # wait for asynchronous ones.
-        self._rows: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for row in range(IN_FLIGHT_READS):
-            self._rows.put(row)
-        self._step_rows = list(range(IN_FLIGHT_READS, IN_FLIGHT_READS + IN_STEP_ROWS))
+        # Where each read's batch reads P's lease words (leases.guarded_read).
+        self._rows = ScratchRows()
         self._closing = threading.Event()
         self._in_flight: list[_InFlight] = []
         # Requests not yet collected, and those of them aborted since.
@@ -143,7 +128,7 @@ class Receiver:
             peers = self._peers_now(spec, self._peers.linked)
         except Exception:  # the pool's attempt reports it
             peers = None
-        row = self._free_row() if peers is not None else None
+        row = self._rows.take_now() if peers is not None else None
         if row is not None:
             self._begin(spec, queued_at, row, peers)
             return False
@@ -169,9 +154,12 @@ class Receiver:
             self._fail(spec, {}, e)
             return
         assert peers is not None  # the step thread never connects
-        if not self._step_rows:  # this step's earlier in-step reads give theirs back
+        row = self._rows.take_for_step()
+        if row is None:  # this step's earlier in-step reads give theirs back
             self.settle_in_step()
-        self._begin(spec, queued_at, self._step_rows.pop(), peers)
+            row = self._rows.take_for_step()
+        assert row is not None
+        self._begin(spec, queued_at, row, peers)
 
     def settle_in_step(self) -> None:
         """Waits for this step's in-step reads (the forward needs their KV) and ends them,
@@ -195,7 +183,7 @@ class Receiver:
                 return  # already collected (and P told)
             self._cancelled.add(request_id)
         if spec.remote.engine_id:
-            self._notices.release_later(self._release(spec))
+            self._lease_client.notify("release", self._release(spec))
 
     def in_flight(self) -> int:
         with self._lock:
@@ -222,7 +210,7 @@ class Receiver:
                 error = e
             with self._lock:
                 self._in_flight.remove(flight)
-            self._return_row(flight.pull.row)
+            self._rows.give_back(flight.pull.row)
             self._end(flight.spec)
             if error is not None:
                 self._fail(flight.spec, flight.peers, error)
@@ -241,18 +229,6 @@ class Receiver:
         self._pool.shutdown(wait=False, cancel_futures=True)
         return not wait(list(self._pooled), timeout=wait_s).not_done
 
-    def _free_row(self) -> int | None:
-        try:
-            return self._rows.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _return_row(self, row: int) -> None:
-        if row >= IN_FLIGHT_READS:
-            self._step_rows.append(row)
-        else:
-            self._rows.put(row)
-
     def _peers_now(
         self, spec: RecvSpec, lookup: Callable[[PeerRank], Peer | None]
     ) -> dict[int, Peer] | None:
@@ -269,14 +245,11 @@ class Receiver:
         return peers
 
     def _begin_pooled(self, spec: RecvSpec, queued_at: float) -> None:
-        while not self._closing.is_set():  # waits while every row is in flight
-            try:
-                row = self._rows.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._begin(spec, queued_at, row)
+        row = self._rows.take(self._closing)  # waits while every row is in flight
+        if row is None:
+            self._end(spec)
             return
-        self._end(spec)
+        self._begin(spec, queued_at, row)
 
     def _begin(
         self, spec: RecvSpec, queued_at: float, row: int, linked: dict[int, Peer] | None = None
@@ -290,8 +263,7 @@ class Receiver:
             self._check_cancelled(spec)
             plan = self._plans.rank_plan(spec.remote.tp_size)
             for p_rank in plan.notify:
-                target = spec.remote.rank(p_rank)
-                peers[p_rank] = linked[p_rank] if linked is not None else self._peers.get(target)
+                peers[p_rank] = linked[p_rank] if linked is not None else self._link(spec, p_rank)
                 check_block_sizes(peers[p_rank], spec, self._block_sizes)
             readers = [peers[p] for p in plan.notify if plan.reads_from(p)]
             try:
@@ -307,7 +279,7 @@ class Receiver:
             pull = self._engine.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
             handle, started = self._submit(spec, pull)
         except Exception as e:
-            self._return_row(row)
+            self._rows.give_back(row)
             self._end(spec)
             self._fail(spec, peers, e)
             return
@@ -317,6 +289,13 @@ class Receiver:
         flight = _InFlight(spec, peers, readers, pull, handle, nbytes, queued_at, started)
         with self._lock:
             self._in_flight.append(flight)
+
+    def _link(self, spec: RecvSpec, p_rank: int) -> Peer:
+        """P rank ``p_rank`` of the request's engine, handshaken and linked (on the pool)."""
+        try:
+            return self._peers.get(spec.remote.rank(p_rank))
+        except Exception as e:
+            raise HandshakeFailed(str(e)) from e
 
     def _submit(self, spec: RecvSpec, pull: GuardedPull[Any]) -> tuple[Any, float]:
         """Hands the words and blocks to the engine as one batch, unless the request was
@@ -371,20 +350,17 @@ class Receiver:
             self._record("in_step_loads")
         else:
             self._finish(spec.request_id, True, spec.local_block_ids)
-        self._notices.release_later(self._release(spec), "done")
+        self._lease_client.notify("done", self._release(spec))
 
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
+        counter = counter_for(spec, error)
+        if counter is not None:
+            self._record(counter)
         if isinstance(error, PullCancelled):  # P was told when it was cancelled
             logger.info("hixl: %s", error)
-            self._record("cancelled_pulls")
             self._failed(spec)
             return
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
-        if spec.error or isinstance(error, (TPMismatch, UnreadableRequest)):
-            self._record("invalid_requests")  # refused before anything was read
-        else:
-            linking = not peers and not isinstance(error, PeerGone)
-            self._record("failed_handshakes" if linking else "failed_pulls")
         if peers and self._link_suspect(error):
             for peer in peers.values():
                 self._peers.mark_broken(peer)
@@ -393,7 +369,7 @@ class Receiver:
         if spec.remote.engine_id:
             # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
             # waiting for the lease to expire.
-            self._notices.release_later(self._release(spec))
+            self._lease_client.notify("release", self._release(spec))
 
     def _failed(self, spec: RecvSpec) -> None:
         """Tells vLLM: a failed receive, or for an in-step read its blocks (vLLM's
@@ -408,8 +384,9 @@ class Receiver:
         return ReleaseSpec(spec.request_id, spec.remote_request_id, spec.lease_id, spec.remote)
 
     def _link_suspect(self, error: Exception) -> bool:
-        """Timeouts, dead peers and lost replies call for a fresh handshake and link."""
-        if isinstance(error, (LeaseError, UnreadableRequest)):
+        """Timeouts, dead peers and lost replies call for a fresh handshake and link of the
+        peers the read used (a failed handshake leaves the links it did not touch alone)."""
+        if isinstance(error, (LeaseError, UnreadableRequest, HandshakeFailed)):
             return False
         status = getattr(error, "status_code", None)
         return status != self._engine.api.LLMStatusCode.LLM_PARAM_INVALID
