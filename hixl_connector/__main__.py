@@ -12,6 +12,10 @@ import sys
 COMMANDS = {
     "bench": ("hixl_connector.tools.bench", "benchmark pull_blocks between two processes"),
     "bench-tp": ("hixl_connector.tools.bench_tp", "TP-mismatched pulls vs equal TP, same bytes"),
+    "bench-step": (
+        "hixl_connector.tools.bench_step",
+        "the connector's time per step with thousands of requests waiting for KV",
+    ),
     "bench-serve": (
         "hixl_connector.tools.bench_serve",
         "vllm bench serve: plain server vs P/D through the router",

@@ -146,6 +146,16 @@ class SendSpec:
     word: int  # the word published there
 
 
+@dataclass(frozen=True)
+class WaitingRead:
+    """D: a request waiting for its KV, under P's lease ``lease_id`` of ``remote_request_id``."""
+
+    request_id: str
+    remote: RemoteEndpoint
+    remote_request_id: str
+    lease_id: int
+
+
 @dataclass
 class HixlConnectorMetadata:
     """One step's work for the workers. A plain dataclass, so the scheduler half imports no
@@ -156,8 +166,11 @@ class HixlConnectorMetadata:
     to_send: list[SendSpec] = field(default_factory=list)
     # D: requests aborted after their RecvSpec: not read if not yet read, P told at once.
     to_cancel: list[str] = field(default_factory=list)
-    # D: (remote, remote_request_id, lease_id) of requests still waiting for their KV.
-    heartbeats: list[tuple[RemoteEndpoint, str, int]] = field(default_factory=list)
+    # D: requests that began waiting for their KV this step (their leases are renewed while
+    # they wait), and those that stopped waiting: changes only, so a step costs the same
+    # whether ten or thousands of requests wait.
+    waiting: list[WaitingRead] = field(default_factory=list)
+    done_waiting: list[str] = field(default_factory=list)
     # Nothing was scheduled this step: vLLM runs it only to collect finished transfers.
     idle: bool = False
 

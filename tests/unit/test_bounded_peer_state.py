@@ -73,13 +73,13 @@ def per_peer_state_sizes(worker: Any) -> tuple[int, int, int]:
 
 
 def _specs(round_: int, ports: list[int]) -> tuple[list[Any], list[Any]]:
-    from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
+    from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint, WaitingRead
 
     recvs, beats = [], []
     for i, port in enumerate(ports):
         remote = RemoteEndpoint(f"fake-{round_}-{i}", "127.0.0.1", port, 1, 5000 + i)
         recvs.append(RecvSpec(f"d-{round_}-{i}", f"p-{i}", i, remote, (i % 8,), (i % 8,)))
-        beats.append((remote, f"p-{i}", i))
+        beats.append(WaitingRead(f"d-{round_}-{i}", remote, f"p-{i}", i))
     # Two more pulls from the first address: threads then share (and wait on) one lock.
     recvs += [
         RecvSpec(f"d-{round_}-again-{k}", "p-0", 0, recvs[0].remote, (0,), (0,)) for k in (0, 1)
@@ -93,10 +93,10 @@ def test_many_fake_addresses_leave_no_per_address_state(worker: Any) -> None:
     most_locks = 0
     for round_ in range(ROUNDS):
         recvs, beats = _specs(round_, closed_ports(ADDRESSES_PER_ROUND))
-        worker.start_load_kv(HixlConnectorMetadata(to_recv=recvs, heartbeats=beats))
+        worker.start_load_kv(HixlConnectorMetadata(to_recv=recvs, waiting=beats))
         assert per_peer_state_sizes(worker)[2] == ADDRESSES_PER_ROUND  # leases tracked
         time.sleep(HEARTBEAT_S)  # the leases waited that long: their heartbeats are due
-        worker.start_load_kv(HixlConnectorMetadata(heartbeats=beats))
+        worker.start_load_kv(HixlConnectorMetadata())
         assert per_peer_state_sizes(worker)[2] == ADDRESSES_PER_ROUND  # heartbeats in flight
         pending = {spec.request_id for spec in recvs}
         deadline = time.monotonic() + RESULT_TIMEOUT_S
@@ -109,6 +109,8 @@ def test_many_fake_addresses_leave_no_per_address_state(worker: Any) -> None:
             time.sleep(0.005)
         assert not pending, f"{len(pending)} pulls got no result within {RESULT_TIMEOUT_S}s"
         # The requests are no longer waiting: the next steps name no peer at all.
+        ended = [waiting.request_id for waiting in beats]
+        worker.start_load_kv(HixlConnectorMetadata(done_waiting=ended))
         deadline = time.monotonic() + RESULT_TIMEOUT_S
         while per_peer_state_sizes(worker) != (0, 0, 0) and time.monotonic() < deadline:
             worker.start_load_kv(HixlConnectorMetadata())

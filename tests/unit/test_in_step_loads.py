@@ -95,7 +95,9 @@ def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the
     assert len(spec.local_block_ids) == SMALL_BLOCKS
     request = scheduler.requests["small"]
     assert request.status == RequestStatus.RUNNING
-    assert metadata(output).heartbeats == []  # its KV is in place before this step's forward
+    # Its KV is in place before this step's forward: no lease to renew, nothing told (only
+    # that the first request's wait ended).
+    assert metadata(output).waiting == [] and metadata(output).done_waiting == ["first"]
     # Computed in this very step: the last prompt token, for the first output token.
     assert finish_step(scheduler, output)["small"] == 1
     assert request.num_output_tokens == 1

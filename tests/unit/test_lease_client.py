@@ -14,7 +14,7 @@ import zmq
 
 from hixl_connector.connector.leases.client import LeaseClient, Outgoing, PeerLanes
 from hixl_connector.connector.leases.messages import LeaseNotice
-from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
+from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint, WaitingRead
 from hixl_connector.connector.peers.envelope import Destination
 from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelServer
 
@@ -73,10 +73,10 @@ def test_dead_client_named_addresses_do_not_delay_linked_peers(context: zmq.Cont
         start = time.monotonic()
         for i, remote in enumerate(dead):  # queued first, each stalls DEAD_TIMEOUT_S
             notifier.notify("release", ReleaseSpec(f"r{i}", f"remote-r{i}", i, remote))
-        beats = [(remote, f"remote-w{i}", 100 + i) for i, remote in enumerate(dead)]
-        waiting = [*beats, (live, "remote-live", 7)]
-        notifier.heartbeats(waiting, start)  # first seen: nothing due yet
-        notifier.heartbeats(waiting, start + 0.02)  # waited past heartbeat_s: due
+        beats = [WaitingRead(f"w{i}", r, f"remote-w{i}", 100 + i) for i, r in enumerate(dead)]
+        waiting = [*beats, WaitingRead("live", live, "remote-live", 7)]
+        notifier.waiting(waiting, [], start)  # first seen: nothing due yet
+        notifier.waiting([], [], start + 0.02)  # waited past heartbeat_s: due
         notifier.notify("release", ReleaseSpec("done", "remote-done", 8, live))
         assert arrived.wait(DEAD_TIMEOUT_S * (2 * DEAD_ADDRESSES + 1))
         # Both reached the live peer while the dead addresses still held their own thread.
@@ -119,8 +119,8 @@ def test_a_stalled_linked_peer_does_not_delay_another_linked_peer(context: zmq.C
         start = time.monotonic()
         for i in range(3):  # each waits out DEAD_TIMEOUT_S on the stalled peer's lane
             notifier.notify("release", ReleaseSpec(f"r{i}", f"remote-r{i}", i, stuck))
-        notifier.heartbeats([(live, "remote-live", 7)], start)
-        notifier.heartbeats([(live, "remote-live", 7)], start + 0.02)
+        notifier.waiting([WaitingRead("live", live, "remote-live", 7)], [], start)
+        notifier.waiting([], [], start + 0.02)
         assert beat.wait(DEAD_TIMEOUT_S), "the live peer's heartbeat waited behind the stalled"
         assert time.monotonic() - start < DEAD_TIMEOUT_S / 2
     finally:

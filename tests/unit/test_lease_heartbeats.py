@@ -1,12 +1,13 @@
 """HeartbeatSchedule: a lease is renewed once it went heartbeat_s without a word, one message
-per peer, one in flight, nothing from history."""
+per peer, one in flight, nothing from history. The schedule is kept by changes (a request
+begins or stops waiting); ``Waiting`` turns each step's set of waiting leases into them."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.leases.client import HeartbeatSchedule
+from hixl_connector.connector.leases.client import DueHeartbeat, HeartbeatSchedule, PeerKey
 from hixl_connector.connector.leases.messages import LeaseNotice
 from hixl_connector.connector.metadata import PeerRank, RemoteEndpoint
 
@@ -15,8 +16,34 @@ def _remote(port: int, engine_id: str = "p-engine") -> PeerRank:
     return RemoteEndpoint(engine_id, "127.0.0.1", port, 1, 0).rank(0)
 
 
+class Waiting:
+    """A schedule fed the way the worker feeds it: each step, the requests that began and
+    stopped waiting since the last (a request here waits on one lease at one P rank)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.schedule = HeartbeatSchedule(interval_s)
+        self._known: set[tuple[PeerRank, str, int]] = set()
+
+    def due(self, beats: list[tuple[PeerRank, str, int]], now: float) -> list[DueHeartbeat]:
+        current = set(beats)
+        for target, rid, lease in self._known - current:
+            self.schedule.end(f"{target.key}:{rid}:{lease}")
+        for target, rid, lease in sorted(current - self._known, key=beats.index):
+            self.schedule.start(
+                f"{target.key}:{rid}:{lease}", [target], LeaseNotice(rid, lease), now
+            )
+        self._known = current
+        return self.schedule.due(now)
+
+    def finished(self, key: PeerKey) -> None:
+        self.schedule.finished(key)
+
+    def tracked_peers(self) -> int:
+        return self.schedule.tracked_peers()
+
+
 def test_a_lease_that_waits_less_than_the_interval_costs_no_heartbeat() -> None:
-    schedule = HeartbeatSchedule(interval_s=1.0)
+    schedule = Waiting(interval_s=1.0)
     beats = [(_remote(7000), "a", 1)]
     for now in (0.0, 0.3, 0.9):  # its KV arrives before the interval is up
         assert schedule.due(beats, now) == []
@@ -27,7 +54,7 @@ def test_a_lease_that_waits_less_than_the_interval_costs_no_heartbeat() -> None:
 
 
 def test_one_message_per_peer_carries_all_its_leases() -> None:
-    schedule = HeartbeatSchedule(interval_s=1.0)
+    schedule = Waiting(interval_s=1.0)
     beats = [(_remote(7000), "a", 1), (_remote(7001), "b", 2), (_remote(7000), "c", 3)]
     assert schedule.due(beats, now=0.0) == []
     newer = [*beats, (_remote(7000), "d", 4)]  # seen just now: carried along all the same
@@ -39,7 +66,7 @@ def test_one_message_per_peer_carries_all_its_leases() -> None:
 
 
 def test_rate_limited_per_peer_and_never_two_in_flight() -> None:
-    schedule = HeartbeatSchedule(interval_s=1.0)
+    schedule = Waiting(interval_s=1.0)
     beats = [(_remote(7000), "a", 1)]
     assert schedule.due(beats, now=0.0) == []
     (first,) = schedule.due(beats, now=1.0)
@@ -56,7 +83,7 @@ def test_rate_limited_per_peer_and_never_two_in_flight() -> None:
 def test_a_peer_gets_at_most_one_heartbeat_per_interval(steps: list[tuple[int, int]]) -> None:
     """Whatever leases come and go, each heartbeat to a peer renews all its waiting leases,
     so the next one to it is an interval later at the earliest."""
-    schedule = HeartbeatSchedule(interval_s=1.0)
+    schedule = Waiting(interval_s=1.0)
     sent_at: dict[int, list[float]] = {}
     for step, (peer_count, lease_count) in enumerate(steps):
         now = step * 0.25
@@ -73,7 +100,7 @@ def test_a_peer_gets_at_most_one_heartbeat_per_interval(steps: list[tuple[int, i
 
 
 def test_leases_and_peers_are_forgotten_once_no_waiting_request_names_them() -> None:
-    schedule = HeartbeatSchedule(interval_s=1.0)
+    schedule = Waiting(interval_s=1.0)
     for round_ in range(20):  # 20 x 500 distinct client-named addresses
         beats = [(_remote(10_000 + i, f"fake-{round_}"), f"r{i}", i) for i in range(500)]
         assert schedule.due(beats, now=3.0 * round_) == []
@@ -88,7 +115,7 @@ def test_leases_and_peers_are_forgotten_once_no_waiting_request_names_them() -> 
 
 
 def test_an_in_flight_peer_is_kept_until_it_finishes() -> None:
-    schedule = HeartbeatSchedule(interval_s=1.0)
+    schedule = Waiting(interval_s=1.0)
     schedule.due([(_remote(7000), "a", 1)], now=0.0)
     (heartbeat,) = schedule.due([(_remote(7000), "a", 1)], now=1.0)
     schedule.due([], now=1.1)

@@ -18,6 +18,7 @@ from hixl_connector.connector.metadata import (
     ReleaseSpec,
     RemoteEndpoint,
     SendSpec,
+    WaitingRead,
     build_remote_decode_params,
     parse_remote_prefill,
 )
@@ -148,7 +149,8 @@ def test_connector_metadata_pickles() -> None:
         to_recv=[RecvSpec("d", "p", 1, P, (4, 5), (8, 9))],
         to_release=[ReleaseSpec("d2", "p2", 2, P)],
         to_send=[SendSpec("p3", 3, 7, 0xABC)],
-        heartbeats=[(P, "p", 1)],
+        waiting=[WaitingRead("d3", P, "p", 1)],
+        done_waiting=["d4"],
     )
     assert pickle.loads(pickle.dumps(meta)) == meta
     assert HixlConnectorMetadata().to_recv == []

@@ -4,6 +4,7 @@ kv_transfer_params name for that rank (``remote_cluster_id`` + rank)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,7 @@ from hixl_connector.connector.peers.handshake import (
     HandshakePayload,
     compatibility_hash,
 )
-from hixl_connector.connector.peers.registry import PeerError, PeerRegistry
+from hixl_connector.connector.peers.registry import UNLINK_BOUND_S, Peer, PeerError, PeerRegistry
 from hixl_connector.connector.peers.side_channel import SideChannelError, SideChannelServer
 from hixl_connector.datadist.config import LLMClusterInfo
 from hixl_connector.datadist.status import LLMStatusCode
@@ -151,3 +152,42 @@ def test_a_restarted_prefill_is_another_peer_and_params_of_its_last_start_are_re
         peers.close()
         server.close()
         context.term()
+
+
+class SlowUnlinks(LinkRecorder):
+    """Each unlink waits ``wait_s`` for a goodbye that never comes (a dead peer)."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__()
+        self.wait_s = wait_s
+        self.unlinked: list[int] = []
+
+    def unlink_clusters(self, infos: list[Any], timeout_ms: int, force: bool) -> None:
+        time.sleep(self.wait_s)
+        self.unlinked += [info.remote_cluster_id for info in infos]
+
+
+@pytest.mark.parametrize(("wait_s", "bound_s"), [(0.5, 1.5), (30.0, UNLINK_BOUND_S + 1.0)])
+def test_shutdown_unlinks_every_peer_at_once_within_a_bound(wait_s: float, bound_s: float) -> None:
+    """Twelve linked peers that never say goodbye: shutdown takes one unlink's wait, not
+    twelve; and an unlink that hangs is left behind after the bound."""
+    context = zmq.Context()
+    datadist = SlowUnlinks(wait_s)
+    api: Any = SimpleNamespace(LLMClusterInfo=LLMClusterInfo, LLMStatusCode=LLMStatusCode)
+    config = HixlConfig.from_dict({"handshake_timeout_s": 2.0}, "decode")
+    peers = PeerRegistry(
+        api, datadist, context, payload("decode", 0, 1), config, lambda _: False, lambda _: None
+    )
+    for i in range(12):
+        remote = RemoteEndpoint(f"p{i}", "127.0.0.1", 7000 + i, 1, 100 * i, incarnation=1)
+        target = remote.rank(0)
+        peers._peers[target.key] = Peer(
+            f"p{i}", 100 * i, payload(f"p{i}", 0, 100 * i), peers.client_for(target)
+        )
+    started = time.monotonic()
+    peers.close()
+    took = time.monotonic() - started
+    assert took < bound_s, f"shutdown took {took:.1f} s"
+    if wait_s < UNLINK_BOUND_S:
+        assert sorted(datadist.unlinked) == [100 * i for i in range(12)]
+    context.term()

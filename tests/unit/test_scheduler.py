@@ -36,7 +36,7 @@ from vllm_harness import (
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
-from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec
+from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec, WaitingRead
 from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
@@ -76,20 +76,21 @@ def test_remote_prefill_lifecycle(tiny_model_dir: Path) -> None:
     assert spec.remote_block_ids == (100, 101, 102)
     assert spec.error == ""
     assert meta.to_release == [] and meta.to_send == []
-    assert meta.heartbeats == [(PREFILL, "p-req", 77)]
+    # The workers renew its lease while it waits (they are told of changes only).
+    assert meta.waiting == [WaitingRead("d1", PREFILL, "p-req", 77)] and meta.done_waiting == []
     assert request.kv_transfer_params["do_remote_prefill"] is False
 
-    # Still waiting for the pull: no new RecvSpec, heartbeats continue.
+    # Still waiting for the pull: no new RecvSpec, nothing new for the heartbeats.
     output, _ = step(scheduler, finished_recving={"d1"})
     assert output.num_scheduled_tokens == {}
     assert metadata(output).to_recv == []
-    assert metadata(output).heartbeats == [(PREFILL, "p-req", 77)]
+    assert metadata(output).waiting == [] and metadata(output).done_waiting == []
 
     # Promoted: only the last prompt token is recomputed, for its logits.
     output, _ = step(scheduler)
     assert request.status == RequestStatus.RUNNING
     assert output.num_scheduled_tokens == {"d1": 1}
-    assert metadata(output).heartbeats == []
+    assert metadata(output).done_waiting == ["d1"]
     finished = run_until_finished(scheduler, "d1")
     assert finished.finish_reason == FinishReason.LENGTH
     assert free_blocks(scheduler) == idle
@@ -158,7 +159,7 @@ def test_no_external_tokens_releases_without_pull(tiny_model_dir: Path) -> None:
     meta = metadata(output)
     assert meta.to_recv == []
     assert meta.to_release == [ReleaseSpec("d3", "p-req", 77, PREFILL)]
-    assert meta.heartbeats == []
+    assert meta.waiting == [] and meta.done_waiting == []  # began and ended in one step
     assert output.num_scheduled_tokens == {"d3": 40}
 
 
@@ -177,7 +178,7 @@ def test_full_local_hit_releases_without_pull(tiny_model_dir: Path) -> None:
     connector.update_state_after_alloc(request, blocks, 0)  # one transfer per request
     meta = metadata(scheduler.schedule())
     assert meta.to_release == [ReleaseSpec("d4", "p-req", 77, PREFILL)]
-    assert meta.to_recv == [] and meta.heartbeats == []
+    assert meta.to_recv == [] and meta.waiting == [] and meta.done_waiting == []
 
 
 def test_failed_recving_recompute(tiny_model_dir: Path) -> None:
@@ -223,12 +224,15 @@ def test_abort_before_alloc_releases_and_heartbeats_while_unallocated(
     meta = metadata(output)
     assert [spec.request_id for spec in meta.to_recv] == ["a"]  # no room for b yet
     assert second.status == RequestStatus.WAITING
-    assert meta.heartbeats == [(PREFILL, "p-a", 1), (PREFILL, "p-b", 2)]
+    assert meta.waiting == [
+        WaitingRead("a", PREFILL, "p-a", 1),
+        WaitingRead("b", PREFILL, "p-b", 2),
+    ]
 
     scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     meta = metadata(scheduler.schedule())
     assert meta.to_release == [ReleaseSpec("b", "p-b", 2, PREFILL)]
-    assert meta.heartbeats == [(PREFILL, "p-a", 1)]
+    assert meta.waiting == [] and meta.done_waiting == ["b"]  # a still waits
 
 
 def test_unusable_params_are_refused_not_recomputed(tiny_model_dir: Path) -> None:
@@ -240,7 +244,7 @@ def test_unusable_params_are_refused_not_recomputed(tiny_model_dir: Path) -> Non
     (spec,) = metadata(output).to_recv
     assert "remote_lease_id" in spec.error
     assert spec.remote_block_ids == () and len(spec.local_block_ids) == 3
-    assert metadata(output).heartbeats == []
+    assert metadata(output).waiting == [] and metadata(output).done_waiting == []
     _, engine_outputs = step(scheduler, failed_recving={"d7"})
     assert finished_outputs(engine_outputs)["d7"].finish_reason == FinishReason.ERROR
 
@@ -384,7 +388,7 @@ def test_producer_computes_a_remote_prefill_request_itself(tiny_model_dir: Path)
     scheduler.add_request(make_request("x", prompt(40), params=prefill_params(3)))
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"x": 40}
-    assert metadata(output).to_recv == [] and metadata(output).heartbeats == []
+    assert metadata(output).to_recv == [] and metadata(output).waiting == []
     assert hixl(scheduler).get_finished_count() is None
 
 
@@ -397,7 +401,7 @@ def test_abort_while_pulling_keeps_blocks_until_the_pull_ends(tiny_model_dir: Pa
     meta = metadata(scheduler.schedule())
     # The RecvSpec is already out: the worker skips the read if it has not begun, tells P,
     # and reports the request either way.
-    assert meta.heartbeats == [] and meta.to_release == [] and meta.to_recv == []
+    assert meta.done_waiting == ["d9"] and meta.to_release == [] and meta.to_recv == []
     assert meta.to_cancel == ["d9"]
     assert free_blocks(scheduler) == idle - 3  # the pull may still write them
     step(scheduler, finished_recving={"d9"})

@@ -56,7 +56,12 @@ def test_shutdown_under_load_is_bounded_and_leaves_nothing(
     tiny_model_dir: Path, silent_peers: list[int]
 ) -> None:
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
+    from hixl_connector.connector.metadata import (
+        HixlConnectorMetadata,
+        RecvSpec,
+        RemoteEndpoint,
+        WaitingRead,
+    )
     from hixl_connector.connector.worker.half import HixlWorker
 
     extra = {"backend": "native", "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
@@ -70,8 +75,11 @@ def test_shutdown_under_load_is_bounded_and_leaves_nothing(
             port = silent_peers[i % SILENT_PEERS]
             remote = RemoteEndpoint(f"silent-{port}", "127.0.0.1", port, 1, 7000 + i % 4)
             recvs.append(RecvSpec(f"d-{i}", f"p-{i}", i, remote, (i % 8,), (i % 8,)))
-        beats = [(spec.remote, spec.remote_request_id, spec.lease_id) for spec in recvs]
-        worker.start_load_kv(HixlConnectorMetadata(to_recv=recvs, heartbeats=beats))
+        beats = [
+            WaitingRead(spec.request_id, spec.remote, spec.remote_request_id, spec.lease_id)
+            for spec in recvs
+        ]
+        worker.start_load_kv(HixlConnectorMetadata(to_recv=recvs, waiting=beats))
         time.sleep(0.5)  # handshakes under way, the rest queued behind them
         began = time.monotonic()
         worker.shutdown()

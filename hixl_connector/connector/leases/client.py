@@ -1,5 +1,5 @@
 """D side of the lease protocol: the notices D sends P, "done", "release" and "heartbeat",
-all off the pull threads (P's side: lease_server; the messages: lease_messages).
+all off the pull threads (P's side: leases.server; the messages: leases.messages).
 
 Best effort: P's lease expiry frees the blocks anyway; only promptness is lost. They run on
 their own threads, never queued behind pulls, so a stalled pull cannot let the leases of
@@ -35,7 +35,7 @@ from hixl_connector.connector.leases.messages import (
     LeaseNotice,
     Notification,
 )
-from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint
+from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint, WaitingRead
 from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelError
 
 logger = logging.getLogger(__name__)
@@ -78,15 +78,17 @@ class LeaseClient:
             notice = LeaseNotice(spec.remote_request_id, spec.lease_id, consumers, self._rank)
             self._post(Outgoing(target, kind, (notice,)))
 
-    def heartbeats(self, beats: list[tuple[RemoteEndpoint, str, int]], now: float) -> None:
-        """This step's waiting leases: schedules the heartbeats that are due, to every P rank
-        that holds one of them for this D rank."""
-        per_rank = [
-            (target, remote_request_id, lease_id)
-            for remote, remote_request_id, lease_id in beats
-            for target, _ in self._ranks(remote)
-        ]
-        for due in self._heartbeats.due(per_rank, now):
+    def waiting(self, began: list[WaitingRead], ended: list[str], now: float) -> None:
+        """This step's changes to the requests waiting for their KV, then the heartbeats
+        that are due: to every P rank that holds a lease of theirs for this D rank. The
+        step's cost follows the changes and the P ranks, not how many requests wait."""
+        for request_id in ended:
+            self._heartbeats.end(request_id)
+        for read in began:
+            notice = LeaseNotice(read.remote_request_id, read.lease_id)
+            targets = [target for target, _ in self._ranks(read.remote)]
+            self._heartbeats.start(read.request_id, targets, notice, now)
+        for due in self._heartbeats.due(now):
             finished = functools.partial(self._heartbeats.finished, due.key)
             self._post(Outgoing(due.target, "heartbeat", due.items, finished))
 
@@ -227,7 +229,6 @@ def _take_batch(queue: deque[Outgoing]) -> list[Outgoing]:
 
 
 PeerKey = tuple[str, int, str, int]  # PeerRank.key: engine id, incarnation, host, port
-LeaseKey = tuple[PeerKey, str, int]  # (peer, P's request id, lease id)
 
 
 @dataclass(frozen=True)
@@ -237,38 +238,63 @@ class DueHeartbeat:
     items: tuple[LeaseNotice, ...]
 
 
+@dataclass
+class _PeerLeases:
+    """The waiting leases one P rank holds for this D rank, by D's request id, and when its
+    next heartbeat is due."""
+
+    target: PeerRank
+    leases: dict[str, LeaseNotice]
+    due_at: float
+
+
 class HeartbeatSchedule:
+    """Per P rank: a heartbeat is due once its oldest unrenewed lease has waited the
+    interval; a heartbeat renews every lease there. Kept by changes (``start``, ``end``), so
+    ``due`` costs one look per P rank."""
+
     def __init__(self, interval_s: float) -> None:
         self._interval_s = interval_s
-        # Every waiting lease: when D first saw it, or last renewed it.
-        self._renewed: dict[LeaseKey, float] = {}
+        self._peers: dict[PeerKey, _PeerLeases] = {}
+        self._of_request: dict[str, list[PeerKey]] = {}
         self._in_flight: set[PeerKey] = set()
         self._lock = threading.Lock()  # the step thread schedules, the lanes finish
 
-    def due(self, beats: list[tuple[PeerRank, str, int]], now: float) -> list[DueHeartbeat]:
-        """The heartbeats to send now for this step's waiting leases (marked in flight)."""
-        waiting: dict[PeerKey, list[LeaseNotice]] = {}
-        targets: dict[PeerKey, PeerRank] = {}
-        for target, remote_request_id, lease_id in beats:
-            key = target.key
-            waiting.setdefault(key, []).append(LeaseNotice(remote_request_id, lease_id))
-            targets[key] = target
+    def start(
+        self, request_id: str, targets: list[PeerRank], notice: LeaseNotice, now: float
+    ) -> None:
+        """``request_id`` waits on ``notice``'s lease at each of ``targets``."""
+        self.end(request_id)
+        with self._lock:
+            for target in targets:
+                peer = self._peers.get(target.key)
+                if peer is None:
+                    peer = self._peers[target.key] = _PeerLeases(target, {}, now + self._interval_s)
+                peer.leases[request_id] = notice
+                peer.due_at = min(peer.due_at, now + self._interval_s)
+            self._of_request[request_id] = [target.key for target in targets]
+
+    def end(self, request_id: str) -> None:
+        """``request_id`` waits no more: its leases are forgotten, and a P rank with none."""
+        with self._lock:
+            for key in self._of_request.pop(request_id, ()):
+                peer = self._peers.get(key)
+                if peer is None:
+                    continue
+                peer.leases.pop(request_id, None)
+                if not peer.leases:
+                    del self._peers[key]
+
+    def due(self, now: float) -> list[DueHeartbeat]:
+        """The heartbeats to send now (marked in flight; never two to one P rank)."""
         due = []
         with self._lock:
-            renewed: dict[LeaseKey, float] = {}  # a lease no waiting request names is forgotten
-            for key, items in waiting.items():
-                leases = [(key, n.remote_request_id, n.lease_id) for n in items]
-                for lease in leases:
-                    renewed[lease] = self._renewed.get(lease, now)
-                if key in self._in_flight:
+            for key, peer in self._peers.items():
+                if key in self._in_flight or peer.due_at > now:
                     continue
-                if all(now - renewed[lease] < self._interval_s for lease in leases):
-                    continue
-                for lease in leases:
-                    renewed[lease] = now
+                peer.due_at = now + self._interval_s
                 self._in_flight.add(key)
-                due.append(DueHeartbeat(key, targets[key], tuple(items)))
-            self._renewed = renewed
+                due.append(DueHeartbeat(key, peer.target, tuple(peer.leases.values())))
         return due
 
     def finished(self, key: PeerKey) -> None:
@@ -278,4 +304,4 @@ class HeartbeatSchedule:
 
     def tracked_peers(self) -> int:
         with self._lock:
-            return len({key for key, _, _ in self._renewed} | self._in_flight)
+            return len(set(self._peers) | self._in_flight)

@@ -43,6 +43,12 @@ class PeerError(RuntimeError):
     """The peer cannot be used: handshake refused, incompatible, or link failed."""
 
 
+# An unlink waits this long for the peer's goodbye (a dead peer never answers); shutdown
+# unlinks every peer at once and waits this long in all.
+UNLINK_TIMEOUT_MS = 1000
+UNLINK_BOUND_S = 2.0
+
+
 @dataclass
 class _AddressLock:
     """Serializes handshakes to one address; `users` counts threads holding or awaiting it."""
@@ -177,12 +183,33 @@ class PeerRegistry:
         self._stopping.set()
 
     def close(self) -> None:
+        """Unlinks every peer, all at once: each unlink waits up to ``UNLINK_TIMEOUT_MS`` for
+        a peer that may be dead, so shutdown takes about one such wait however many peers
+        there are (at most ``UNLINK_BOUND_S``; links still closing then are left to the
+        engine's finalize, which closes them all)."""
         self.stop()
         with self._guard:
             peers, self._peers = list(self._peers.values()), {}
+        if not peers:
+            return
+        done = threading.Semaphore(0)
+
+        def close_one(peer: Peer) -> None:
+            try:
+                self._unlink(peer, force=False)
+                peer.client.close()
+            finally:
+                done.release()
+
         for peer in peers:
-            self._unlink(peer, force=False)
-            peer.client.close()
+            threading.Thread(
+                target=close_one, args=(peer,), name="hixl-unlink", daemon=True
+            ).start()
+        deadline = time.monotonic() + UNLINK_BOUND_S
+        for _ in peers:
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                logger.warning("hixl: peers still unlinking after %.1f s are left", UNLINK_BOUND_S)
+                return
 
     def _connect(self, key: tuple[str, int, str, int], target: PeerRank) -> Peer:
         client = self.client_for(target)
@@ -317,6 +344,6 @@ class PeerRegistry:
     def _unlink(self, peer: Peer, force: bool) -> None:
         info = self._cluster_info(peer.payload)
         try:
-            self._datadist.unlink_clusters([info], 1000, force=force)
+            self._datadist.unlink_clusters([info], UNLINK_TIMEOUT_MS, force=force)
         except Exception as e:  # unlinking a dead peer may fail; the link is gone either way
             logger.warning("hixl: unlink of cluster %d failed: %s", peer.cluster_id, e)

@@ -2,7 +2,7 @@
 for a small read every worker reads in place, in the step that computes the first token
 (``in_step_loads``, fed by the workers' link reports); turns each allocation into one
 ``RecvSpec`` (or a ``ReleaseSpec`` when there is nothing to pull), and lists the remote
-requests still waiting so the workers renew P's leases.
+requests that begin and stop waiting, so the workers renew P's leases meanwhile.
 
 Protocol errors (params that cannot drive a pull, or P offering fewer blocks than D
 allocated) are never turned into a silent local recompute: the request still parks in
@@ -26,8 +26,8 @@ from hixl_connector.connector.metadata import (
     InvalidTransferParams,
     RecvSpec,
     ReleaseSpec,
-    RemoteEndpoint,
     RemotePrefill,
+    WaitingRead,
     parse_remote_prefill,
 )
 from hixl_connector.connector.scheduler.in_step_loads import InStepLoads
@@ -47,7 +47,8 @@ class DecodeStep:
     to_recv: list[RecvSpec]
     to_release: list[ReleaseSpec]
     to_cancel: list[str]
-    heartbeats: list[tuple[RemoteEndpoint, str, int]]
+    waiting: list[WaitingRead]
+    done_waiting: list[str]
 
 
 class DecodeSide:
@@ -62,8 +63,11 @@ class DecodeSide:
         self._misconfigured = misconfigured
         # Requests whose RecvSpec went out and whose KV has not been reported yet.
         self.receiving: set[str] = set()
-        # request_id -> heartbeat entry, from on_new_request until its KV arrived.
-        self.waiting: dict[str, tuple[RemoteEndpoint, str, int]] = {}
+        # Requests waiting for their KV, from on_new_request until it arrived (or never will);
+        # the workers learn of the changes only (take_step).
+        self.waiting: dict[str, WaitingRead] = {}
+        self._began_waiting: dict[str, WaitingRead] = {}
+        self._done_waiting: list[str] = []
         self._to_recv: list[RecvSpec] = []
         self._to_release: list[ReleaseSpec] = []
         self._to_cancel: list[str] = []
@@ -79,7 +83,8 @@ class DecodeSide:
             if not any(key in params for key in OWN_PARAMS):
                 self._misconfigured.note("foreign_params", request_id, ", ".join(OWN_PARAMS))
             return
-        self.waiting[request_id] = (prefill.remote, prefill.remote_request_id, prefill.lease_id)
+        read = WaitingRead(request_id, prefill.remote, prefill.remote_request_id, prefill.lease_id)
+        self.waiting[request_id] = self._began_waiting[request_id] = read
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -88,7 +93,7 @@ class DecodeSide:
         if count <= 0:
             return 0, False
         waiting = self.waiting.get(request.request_id)
-        remote = waiting[0] if waiting is not None else None
+        remote = waiting.remote if waiting is not None else None
         if self.loads.choose(
             request.request_id, remote, num_computed_tokens, request.num_prompt_tokens
         ):
@@ -110,7 +115,7 @@ class DecodeSide:
         try:
             prefill = parse_remote_prefill(params)
         except InvalidTransferParams as exc:
-            self.waiting.pop(request_id, None)
+            self._stop_waiting(request_id)
             if external > 0:
                 self._fail_later(request_id, None, local, str(exc), in_step)
             else:
@@ -127,7 +132,7 @@ class DecodeSide:
             self._fail_later(request_id, prefill, local, f"request {request_id}: {exc}", in_step)
             return
         if in_step:  # its KV is there once this step's forward starts: no lease to renew
-            self.waiting.pop(request_id, None)
+            self._stop_waiting(request_id)
         else:
             self.receiving.add(request_id)
         self._to_recv.append(
@@ -151,14 +156,14 @@ class DecodeSide:
         self.loads.report(links)
 
     def finished_recving(self, request_id: str) -> None:
-        self.waiting.pop(request_id, None)
+        self._stop_waiting(request_id)
         self.receiving.discard(request_id)
 
     def request_finished(self, request: Request) -> bool:
         """Ends what D holds for the request; True when it was still to read remote KV
         (then P is told to free its blocks, and P's side has nothing to do)."""
         request_id = request.request_id
-        self.waiting.pop(request_id, None)
+        self._stop_waiting(request_id)
         self.loads.forget(request_id)
         if request_id in self.receiving:
             # Aborted while its KV is on the way: the worker skips the read if it has not
@@ -178,13 +183,24 @@ class DecodeSide:
 
     def take_step(self) -> DecodeStep:
         step = DecodeStep(
-            self._to_recv, self._to_release, self._to_cancel, list(self.waiting.values())
+            self._to_recv,
+            self._to_release,
+            self._to_cancel,
+            list(self._began_waiting.values()),
+            self._done_waiting,
         )
         self._to_recv, self._to_release, self._to_cancel = [], [], []
+        self._began_waiting, self._done_waiting = {}, []
         return step
 
+    def _stop_waiting(self, request_id: str) -> None:
+        if self.waiting.pop(request_id, None) is None:
+            return
+        if self._began_waiting.pop(request_id, None) is None:  # the workers know of it
+            self._done_waiting.append(request_id)
+
     def _release(self, request_id: str, prefill: RemotePrefill) -> None:
-        self.waiting.pop(request_id, None)
+        self._stop_waiting(request_id)
         self._to_release.append(
             ReleaseSpec(request_id, prefill.remote_request_id, prefill.lease_id, prefill.remote)
         )
@@ -199,7 +215,7 @@ class DecodeSide:
     ) -> None:
         """Hands the request to the workers to fail: vLLM applies kv_load_failure_policy."""
         logger.error("refusing the remote prefill of request %s: %s", request_id, error)
-        self.waiting.pop(request_id, None)
+        self._stop_waiting(request_id)
         self._to_recv.append(
             RecvSpec(
                 request_id=request_id,

@@ -127,13 +127,16 @@ class HixlScheduler:
         return self.prefill.lease(request, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HixlConnectorMetadata:
-        step = self.decode.take_step() if self.decode is not None else DecodeStep([], [], [], [])
+        step = (
+            self.decode.take_step() if self.decode is not None else DecodeStep([], [], [], [], [])
+        )
         return HixlConnectorMetadata(
             to_recv=step.to_recv,
             to_release=step.to_release,
             to_send=self.prefill.take_sends() if self.prefill is not None else [],
             to_cancel=step.to_cancel,
-            heartbeats=step.heartbeats,
+            waiting=step.waiting,
+            done_waiting=step.done_waiting,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
 

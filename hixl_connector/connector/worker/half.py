@@ -234,7 +234,7 @@ class HixlWorker:
         if self._lease_client is not None:
             for release in metadata.to_release:
                 self._lease_client.notify("release", release)
-            self._lease_client.heartbeats(metadata.heartbeats, now)
+            self._lease_client.waiting(metadata.waiting, metadata.done_waiting, now)
 
     def get_transfer_results(self) -> TransferResults:
         """What ended since the last call."""
