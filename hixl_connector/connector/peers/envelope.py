@@ -38,8 +38,6 @@ REPLAY_WINDOW_S = 30.0
 # accepted signed requests to 2**18 per minute per P rank (~4,400 a second; ~40 MB at most).
 MAX_REMEMBERED_NONCES = 1 << 18
 NONCE_BYTES = 16
-# The fields the envelope adds to a body; a handler never sees them as its own.
-ENVELOPE_FIELDS = ("seq", "wire", "to", "nonce", "sent_at", "auth")
 
 
 @dataclass(frozen=True)
@@ -85,6 +83,13 @@ def signature(token: str, body: dict[str, Any], request_nonce: bytes = b"") -> b
     return hmac.new(token.encode(), canonical, hashlib.sha256).digest()
 
 
+def _authentic(token: str, body: dict[str, Any], request_nonce: bytes = b"") -> bool:
+    """Whether ``body`` carries the HMAC ``signature`` gives it (compared in constant time)."""
+    auth = body.get("auth")
+    expected = signature(token, body, request_nonce)
+    return isinstance(auth, bytes) and hmac.compare_digest(auth, expected)
+
+
 def seal_request(
     message: dict[str, Any], seq: int, to: Destination, token: str, sent_at: float
 ) -> tuple[dict[str, Any], bytes]:
@@ -112,11 +117,8 @@ def reply_problem(reply: dict[str, Any], token: str, request_nonce: bytes) -> st
             f"the peer speaks side-channel wire version {reply.get('wire', 1)!r}, this engine "
             f"{WIRE_VERSION}: run one hixl_connector release on prefill and decode"
         )
-    if token:
-        auth = reply.get("auth")
-        expected = signature(token, reply, request_nonce)
-        if not isinstance(auth, bytes) or not hmac.compare_digest(auth, expected):
-            return "unauthenticated reply"
+    if token and not _authentic(token, reply, request_nonce):
+        return "unauthenticated reply"
     return ""
 
 
@@ -134,11 +136,8 @@ class RequestGate:
                 f"wire version {message.get('wire', 1)!r}, this engine speaks {WIRE_VERSION}: "
                 "run one hixl_connector release on prefill and decode"
             )
-        if self._token:
-            auth = message.get("auth")
-            expected = signature(self._token, message)
-            if not isinstance(auth, bytes) or not hmac.compare_digest(auth, expected):
-                return "authentication failed"
+        if self._token and not _authentic(self._token, message):
+            return "authentication failed"
         to = message.get("to")
         if to != me.to_wire():
             if not me.incarnation:
