@@ -7,7 +7,7 @@
   the scheduler about links), ``stats``, ``limits``.
 - ``scheduler/``: the scheduler half (EngineCore, pure bookkeeping; imports no torch, zmq,
   vLLM runtime, engine or ``datadist``).
-- ``worker/``: the worker half (registration, D's reads, P's serving side); ``engine_setup``
+- ``worker/``: the worker half (registration, D's reads, P's serving side); ``registered_kv``
   is the only module that configures the ``datadist`` back-end.
 - ``leases/``: the lease server (P), client (D), their messages, and the lease words.
 - ``mapping/``: pure planning of which blocks, heads and slices go where.

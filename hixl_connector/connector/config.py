@@ -46,6 +46,8 @@ MAX_HOST_NAME_CHARS = 253
 # the step thread anyway (native/src/engine.cpp, kCopyHereBytes).
 DEFAULT_LOAD_IN_STEP_BYTES = 1 << 20
 MAX_LOAD_IN_STEP_BYTES = 1 << 30
+# D unlinks a prefill rank no read used for this long (0: never); the next read links again.
+DEFAULT_LINK_IDLE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class HixlConfig:
     transport: str = "auto"
     pull_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
+    link_idle_s: float = DEFAULT_LINK_IDLE_S
     transfer_threads: int = 2
     tcp_connections: int = 2
     lease_s: float = 30.0
@@ -92,6 +95,7 @@ class HixlConfig:
                 f"kv_connector_extra_config key 'heartbeat_s' must be < lease_s "
                 f"({lease_s}), got {heartbeat_s!r}"
             )
+        pull_timeout_s = _timeout_s(extra, "pull_timeout_s", 30.0)
         return cls(
             side_channel_host=side_channel_host,
             side_channel_port=_int(extra, "side_channel_port", 5701, low=1, high=MAX_PORT),
@@ -99,8 +103,9 @@ class HixlConfig:
             engine_port=_int(extra, "engine_port", 0, low=0, high=MAX_PORT),
             backend=_choice(extra, "backend", "auto", BACKENDS),
             transport=_choice(extra, "transport", "auto", TRANSPORTS),
-            pull_timeout_s=_timeout_s(extra, "pull_timeout_s", 30.0),
+            pull_timeout_s=pull_timeout_s,
             handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
+            link_idle_s=_link_idle_s(extra, pull_timeout_s),
             transfer_threads=threads,
             tcp_connections=_int(
                 extra,
@@ -214,6 +219,21 @@ def _timeout_s(extra: Mapping[str, Any], key: str, default: float) -> float:
     if not 0.001 <= value <= MAX_TIMEOUT_S:
         raise _bad(key, extra.get(key, default), f"seconds in [0.001, {MAX_TIMEOUT_S}]")
     return value
+
+
+def _link_idle_s(extra: Mapping[str, Any], pull_timeout_s: float) -> float:
+    """0 (never), or longer than a pull may take, so that no link closes under a read; by
+    default DEFAULT_LINK_IDLE_S, or twice pull_timeout_s where that is longer."""
+    default = max(DEFAULT_LINK_IDLE_S, 2 * pull_timeout_s)
+    value = extra.get("link_idle_s", default)
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    seconds = _positive_float(extra, "link_idle_s", default)
+    if seconds <= pull_timeout_s:
+        raise _bad(
+            "link_idle_s", value, f"0 (never) or seconds > pull_timeout_s ({pull_timeout_s})"
+        )
+    return seconds
 
 
 def _str(extra: Mapping[str, Any], key: str, default: str) -> str:

@@ -39,6 +39,8 @@ _COUNTS = (
     # A prefill rank at a known address answered with a new incarnation (P restarted): its
     # old link was dropped.
     "peer_restarts",
+    # Links to prefill ranks no read used for link_idle_s, unlinked (the next read links).
+    "idle_unlinks",
 )
 # Requests that show a misconfigured deployment, by kind (misconfig.KINDS): data keys
 # "misconfigured_requests:<kind>", one Prometheus counter labelled by kind.

@@ -8,7 +8,7 @@ carry the project's checks where CANN silently accepts a mistake (``ascend_check
 thread (CANN has neither a batch nor an asynchronous pull).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
-``hixl_connector.connector.worker.engine_setup``): KV tensors on the NPU are ``Placement.DEVICE``,
+``hixl_connector.connector.worker.registered_kv``): KV tensors on the NPU are ``Placement.DEVICE``,
 the device id is the one holding them, HCCS wants 2 MB-aligned bases, and one
 ``pull_blocks`` request must fit CANN's request buffer (reference section 6.2), so long block
 lists are pulled in chunks.

@@ -203,7 +203,8 @@ class LLMDataDist:
         return int(self._engine.listen_port)
 
     def engine_stats(self) -> dict[str, int]:
-        """Project extension: the native engine's counters (bytes, pulls, peak_internal_bytes)."""
+        """Project extension: the native engine's counters (bytes, pulls, links opened ever,
+        open_links now, peak_internal_bytes)."""
         self._check_is_inited()
         return dict(self._engine.stats())
 

@@ -327,6 +327,7 @@ std::map<std::string, int64_t> Engine::stats() const {
           {"runs", s.runs},
           {"timeouts", s.timeouts},
           {"links", s.links},
+          {"open_links", impl_->links ? impl_->links->size() : 0},
           {"served_bytes", s.served_bytes},
           {"served_requests", s.served_requests},
           {"rejected_requests", s.rejected_requests},

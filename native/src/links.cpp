@@ -70,6 +70,11 @@ std::shared_ptr<Link> LinkSet::find(int64_t remote) const {
   return it == links_.end() ? nullptr : it->second;
 }
 
+int64_t LinkSet::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(links_.size());
+}
+
 void LinkSet::close_all() {
   std::map<int64_t, std::shared_ptr<Link>> doomed;
   {

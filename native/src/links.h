@@ -25,6 +25,8 @@ class LinkSet {
   Status open(int64_t remote, const std::string& host, int port, int64_t timeout_ms);
   Status close(int64_t remote, int64_t timeout_ms, bool force);
   std::shared_ptr<Link> find(int64_t remote) const;
+  // Links open now.
+  int64_t size() const;
   // Refuses new links and closes every link (each drain bounded).
   void close_all();
 

@@ -11,8 +11,8 @@ import torch
 
 from hixl_connector.connector.config import AUTH_TOKEN_ENV, HixlConfig
 from hixl_connector.connector.peers.rank_addresses import rank_address
-from hixl_connector.connector.worker.engine_setup import open_engine
 from hixl_connector.connector.worker.kv_layout import describe_kv_caches
+from hixl_connector.connector.worker.registered_kv import register_kv
 
 from .datadist_harness import Peer
 
@@ -28,7 +28,7 @@ def test_an_explicit_empty_token_links_to_a_peer_without_auth(
     assert config.auth_token == ""
     kv = torch.zeros(2, 8, 2, 16, 64)
     layout = describe_kv_caches({f"l{i}": kv[i] for i in range(2)}, 8, 2)
-    engine = open_engine(
+    engine = register_kv(
         config, layout, rank_address(config, 0, 0, 1), producer=False, consumer=True
     )
     try:

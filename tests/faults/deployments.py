@@ -17,10 +17,6 @@ LEASE_S = 3.0
 HEARTBEAT_S = 0.5
 PULL_TIMEOUT_S = 3.0
 HANDSHAKE_TIMEOUT_S = 2.0
-# D waits this long between its first read of P's lease word and the read of the blocks (the
-# test connector's test_pull_delay_s): the window in which a test kills,
-# freezes or cuts off P "during the pull".
-PULL_DELAY_S = 1.0
 
 
 def connector_config(role: str, policy: str = "fail", **extra: Any) -> dict[str, Any]:
@@ -49,7 +45,5 @@ def short_lease_pair(
     }
     return {
         "prefill": connector_config("prefill", **common),
-        "decode": connector_config(
-            "decode", policy, **common, **{"test_pull_delay_s": PULL_DELAY_S, **decode}
-        ),
+        "decode": connector_config("decode", policy, **common, **decode),
     }

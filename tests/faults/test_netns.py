@@ -1,46 +1,58 @@
 """P and D in separate network namespaces, TCP transport over a veth pair the test makes.
 
-Cases: a baseline across the link; an impaired link (netem delay and loss, or where the
-kernel lacks netem a token bucket with a short queue: delay and tail drops), still
-token-identical, only slower; the link cut in the middle of a pull (bounded failure,
-nothing leaked) and restored (the next request works); listeners bound to the configured
-address only.
+Cases: listeners bound to the configured address only; an impaired link (netem delay and
+loss, or where the kernel lacks netem a token bucket with a short queue: delay and tail
+drops), still token-identical, only slower; then the faults that land in the middle of a
+read. For those P's side of the link is slowed (``reading``) so that D's read, the one
+engine batch it always is (lease word, blocks, word), takes about two seconds, and the fault
+lands half a second into it: the link cut and restored, the client gone, P frozen, P killed
+and restarted, P killed with reads queued behind, and last D killed. Every wait is bounded,
+vLLM's KV usage on both sides returns to idle, and each case records a reliability row.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hixl_connector.tools.demo.client import metric_total, read_metrics
 
-from .deployments import (
-    LEASE_S,
-    PULL_DELAY_S,
-    PULL_TIMEOUT_S,
-    short_lease_pair,
-)
+from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S, short_lease_pair
 from .fault_harness import (
     FaultReport,
+    LegResult,
     Servers,
+    both_idle,
+    hixl_counter,
     in_namespaces,
     leftover,
     plain,
     prefill_leg,
     run_decode,
     token_prompt,
+    two_legs_identical,
     wait_for,
     wait_idle,
 )
 from .netns import NetnsBed
 
+# A failed receive reaches the client one engine step after the read gave up; a reset
+# from a killed P waits behind what P's slowed link still holds.
 MARGIN_S = 3.0
 IDLE_TIMEOUT_S = LEASE_S + 10.0
+# P's side of the link while a fault lands mid-read: a 160-token prompt's blocks (5 of
+# 32 KiB) take about 2 s, under PULL_TIMEOUT_S, so an unfaulted read would succeed.
+MID_READ_RATE = "640kbit"
+INTO_THE_READ_S = 0.5
+QUEUED_BEHIND_KILL = 10
 
 
 @pytest.fixture(scope="module")
@@ -135,15 +147,37 @@ def test_impaired_link_still_correct(pd: Servers, net: NetnsBed, fault_report: F
     )
 
 
-def test_link_cut_mid_pull_then_restored(
-    pd: Servers, net: NetnsBed, fault_report: FaultReport
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(QUEUED_BEHIND_KILL + 2) as executor:
+        yield executor
+
+
+@contextmanager
+def reading(
+    pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, prompts: list[list[int]]
+) -> Iterator[list[tuple[Future[LegResult], dict[str, Any]]]]:
+    """D's reads of ``prompts`` (prefilled first) under way over the slowed link,
+    INTO_THE_READ_S in, each with its kv_transfer_params; the link is whole again after
+    the block."""
+    legs = [prefill_leg(pd["prefill"], prompt) for prompt in prompts]
+    net.throttle(MID_READ_RATE)
+    try:
+        futures = [
+            pool.submit(run_decode, pd["decode"], prompt, params, 60.0)
+            for prompt, params in zip(prompts, legs, strict=True)
+        ]
+        time.sleep(INTO_THE_READ_S)
+        yield list(zip(futures, legs, strict=True))
+    finally:
+        net.restore()
+
+
+def test_link_cut_mid_read_then_restored(
+    pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
 ) -> None:
     timed_two_legs(pd, seed=30)  # D is linked to P over the data link
-    prompt = token_prompt(200, seed=31)
-    params = prefill_leg(pd["prefill"], prompt)
-    with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(run_decode, pd["decode"], prompt, params, 60.0)
-        time.sleep(PULL_DELAY_S / 3)
+    with reading(pd, net, pool, [token_prompt(160, seed=31)]) as [(future, _)]:
         net.set_data_link(False)
         cut_at = time.monotonic()
         try:
@@ -152,21 +186,154 @@ def test_link_cut_mid_pull_then_restored(
             time.sleep(0.5)
             net.set_data_link(True)
     detected = result.finished_at - cut_at
-    assert result.failed, "a pull over a cut link must not succeed"
-    assert detected < PULL_DELAY_S + PULL_TIMEOUT_S + MARGIN_S
-    wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
-    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    assert result.failed, "a read over a cut link must not succeed"
+    assert detected < PULL_TIMEOUT_S + MARGIN_S
     fault_report.record(
-        "netns + TCP: link cut mid-pull",
+        "netns + TCP: link cut mid-read",
         "D's read times out (pull_timeout_s) and the request fails; P's lease expires",
         detected,
-        leftover(pd["prefill"], pd["decode"]),
+        both_idle(pd, IDLE_TIMEOUT_S),
     )
     restored_at = time.monotonic()
     timed_two_legs(pd, seed=32)
     fault_report.record(
         "netns + TCP: link restored",
-        "D drops the broken link, links again; the next request is token-identical",
+        "D dropped the broken link at once, links again; the next request is token-identical",
         time.monotonic() - restored_at,
         leftover(pd["prefill"], pd["decode"]),
+    )
+
+
+def test_client_gone_mid_read_frees_prefill_promptly(
+    pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
+) -> None:
+    prompt = token_prompt(160, seed=5)
+    params = prefill_leg(pd["prefill"], prompt)
+    net.throttle(MID_READ_RATE)
+    try:
+        result = run_decode(pd["decode"], prompt, params, INTO_THE_READ_S)
+        assert result.failed, "the client should have given up"
+        detected = wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+    finally:
+        net.restore()
+    assert detected < LEASE_S, "P waited for lease expiry instead of being told"
+    fault_report.record(
+        "netns + TCP: client disconnects from D mid-read",
+        "vLLM aborts the request and its rejection cleanup makes D send 'release': P frees "
+        "at once; the read still in flight finds its lease word cleared (stale), nothing "
+        "decodes",
+        detected,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )
+    two_legs_identical(pd, seed=40)
+
+
+def test_prefill_frozen_mid_read(
+    pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
+) -> None:
+    with reading(pd, net, pool, [token_prompt(160, seed=6)]) as [(future, _)]:
+        pd.kill("prefill", signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            result = future.result(timeout=PULL_TIMEOUT_S + 30)
+        finally:
+            pd.kill("prefill", signal.SIGCONT)
+    detected = result.finished_at - stopped_at
+    assert result.failed, "a read from a frozen P must not succeed"
+    assert detected < PULL_TIMEOUT_S + MARGIN_S
+    left = both_idle(pd, IDLE_TIMEOUT_S)
+    two_legs_identical(pd, seed=60)
+    fault_report.record(
+        "netns + TCP: P frozen (SIGSTOP) mid-read",
+        "D's read times out (pull_timeout_s), the request fails; after SIGCONT P's lease "
+        "expires and later requests work",
+        detected,
+        left,
+    )
+
+
+def test_prefill_killed_mid_read_then_restarted(
+    pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
+) -> None:
+    prompt = token_prompt(160, seed=7)
+    failed = hixl_counter(pd["decode"], "failed_pulls")
+    with reading(pd, net, pool, [prompt]) as [(future, params)]:
+        pd.kill("prefill", signal.SIGKILL)
+        killed_at = time.monotonic()
+        result = future.result(timeout=PULL_TIMEOUT_S + 30)
+    detected = result.finished_at - killed_at
+    assert result.failed, "a read from a dead P must not succeed"
+    assert detected < PULL_TIMEOUT_S + MARGIN_S
+    assert hixl_counter(pd["decode"], "failed_pulls") == failed + 1
+    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    fault_report.record(
+        "netns + TCP: P killed (SIGKILL) mid-read",
+        "D's read fails (connection reset), the request fails with an error",
+        detected,
+        leftover(pd["decode"]) + "; P: process gone",
+    )
+
+    restart_s = pd.restart("prefill")
+    began = time.monotonic()
+    handshakes = hixl_counter(pd["decode"], "failed_handshakes")
+    new_params = prefill_leg(pd["prefill"], prompt)
+    assert new_params["remote_incarnation"] != params["remote_incarnation"]
+    assert new_params["remote_port"] == params["remote_port"]
+    result = run_decode(pd["decode"], prompt, new_params, 60.0)
+    assert result.error is None, result.error
+    assert result.tokens == plain(pd["prefill"], prompt)
+    assert hixl_counter(pd["decode"], "failed_handshakes") == handshakes
+    fault_report.record(
+        "netns + TCP: P restarted at the same address",
+        "D dropped the old link when the read failed; it handshakes with the new start and "
+        f"links again: the first request is token-identical (P restart took {restart_s:.0f} s)",
+        result.finished_at - began,
+        both_idle(pd, IDLE_TIMEOUT_S),
+    )
+
+
+def test_reads_queued_behind_a_killed_prefill_all_end_within_one_timeout(
+    pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
+) -> None:
+    # Twelve reads under way: two moving (one per transfer thread), ten queued behind them.
+    reads_under_way = QUEUED_BEHIND_KILL + 2
+    prompts = [token_prompt(120, seed=60 + i) for i in range(reads_under_way)]
+    with reading(pd, net, pool, prompts) as reads:
+        pd.kill("prefill", signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [future.result(timeout=60) for future, _ in reads]
+    ended = max(result.finished_at for result in results) - killed_at
+    assert all(result.failed for result in results), "a read from a dead P must not succeed"
+    # Each ends when the reset reaches it, or its read or D's next handshake times out:
+    # never a timeout each, one after another.
+    bound = PULL_TIMEOUT_S + HANDSHAKE_TIMEOUT_S + MARGIN_S
+    assert ended < bound, f"the last ended {ended:.1f} s after"
+    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    fault_report.record(
+        f"netns + TCP: P killed (SIGKILL) with {reads_under_way} reads under way on D",
+        "two moving, the rest queued behind them: every one fails once the reset arrives "
+        "(none waits out a timeout of its own, none after another)",
+        ended,
+        leftover(pd["decode"]) + "; P: process gone",
+    )
+    pd.restart("prefill")
+    two_legs_identical(pd, seed=70)
+
+
+def test_decode_killed_mid_read(
+    pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
+) -> None:
+    expired = hixl_counter(pd["prefill"], "expired_leases")
+    with reading(pd, net, pool, [token_prompt(160, seed=8)]) as [(future, _)]:
+        pd.kill("decode", signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+        detected = time.monotonic() - killed_at
+    assert future.result(timeout=30).failed
+    assert hixl_counter(pd["prefill"], "expired_leases") == expired + 1
+    fault_report.record(
+        "netns + TCP: D killed (SIGKILL) mid-read",
+        "heartbeats stop, P's lease expires and its blocks return to the free pool",
+        detected,
+        leftover(pd["prefill"]) + "; D: process gone",
     )

@@ -10,8 +10,8 @@ import torch
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.peers.rank_addresses import rank_address
-from hixl_connector.connector.worker.engine_setup import open_engine, registrations
 from hixl_connector.connector.worker.kv_layout import describe_kv_caches
+from hixl_connector.connector.worker.registered_kv import register_kv, registrations
 
 NUM_BLOCKS = 8
 
@@ -66,7 +66,7 @@ def test_native_engine_registers_each_mla_part_under_its_own_model_id() -> None:
     words = (ctypes.c_uint64 * NUM_BLOCKS)()
     lease_words = (ctypes.addressof(words), NUM_BLOCKS)
     layout = describe_kv_caches(kv, NUM_BLOCKS)
-    engine = open_engine(config, layout, rank_address(config, 0, 0, 1), True, False, lease_words)
+    engine = register_kv(config, layout, rank_address(config, 0, 0, 1), True, False, lease_words)
     try:
         assert [c.model_id for c in engine.caches] == [0, 1]
         assert [c.cache.cache_desc.num_tensors for c in engine.caches] == [3, 3]
@@ -80,4 +80,4 @@ def test_native_back_end_refuses_device_memory_with_a_clear_error() -> None:
     config = HixlConfig.from_dict({"backend": "native"}, "engine-meta")
     layout = describe_kv_caches(meta, NUM_BLOCKS)
     with pytest.raises(ValueError, match="moves host memory only"):
-        open_engine(config, layout, rank_address(config, 0, 0, 1), True, False)
+        register_kv(config, layout, rank_address(config, 0, 0, 1), True, False)

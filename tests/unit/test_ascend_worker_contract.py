@@ -93,8 +93,6 @@ def prefill(
 
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    from hixl_test_connector import controlled_receiver
-
     from hixl_connector.connector.config import HixlConfig
     from hixl_connector.connector.worker.half import HixlWorker
 
@@ -110,8 +108,6 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
     try:
         with standin_on_path() as standin, tp_group(config, free_port()):
             worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-engine")
-            # A window to stop P between the first read of its lease word and the pull.
-            worker.receiver_cls = controlled_receiver(delay_s=0.4)
             caches = kv_caches(fill=False)
             worker.register_kv_caches(dict(caches))
             state = {"worker": worker, "caches": caches, "standin": standin}
@@ -186,7 +182,7 @@ def test_timed_out_pull_fails_then_the_link_is_rebuilt(
         assert request is False  # reported in failed_recving, not stranded
     finally:
         os.kill(prefill["pid"], signal.SIGCONT)
-    assert "LLM_TIMEOUT" in caplog.text  # the pull itself timed out (P stopped mid-pull)
+    assert "LLM_TIMEOUT" in caplog.text  # the pull itself timed out (P stopped mid-read)
     assert _receive(decode, prefill, 3, [50, 51])
     assert _block(decode, 1, 51) == {expected_block(1, 10)}
     calls = decode["standin"].calls()[start_calls:]
@@ -194,39 +190,45 @@ def test_timed_out_pull_fails_then_the_link_is_rebuilt(
     assert calls[relink : relink + 3] == ["unlink_clusters(force)", "link_clusters", "pull_blocks"]
 
 
-def _submit_and_stop(decode: Any, prefill: Any) -> bool:
-    """Starts the r-timeout pull and stops P inside the pull delay, after its lease check."""
+def _slowed_read(decode: Any, prefill: Any, lease: int, local: list[int], fault: Any) -> bool:
+    """Reads lease ``lease`` with every stand-in pull slowed, ``fault()`` landing while the
+    read's batch is in the engine; the read's outcome."""
     import threading
 
     outcome: list[bool] = []
-    thread = threading.Thread(target=lambda: outcome.append(_receive(decode, prefill, 2, [60])))
-    thread.start()
-    time.sleep(0.2)
-    os.kill(prefill["pid"], signal.SIGSTOP)
-    thread.join(RESULT_TIMEOUT_S)
-    assert outcome, "the timed-out pull produced no result"
+    standin = decode["standin"]
+    thread = threading.Thread(
+        target=lambda: outcome.append(_receive(decode, prefill, lease, local))
+    )
+    standin.set_pull_delay(0.4)
+    try:
+        thread.start()
+        time.sleep(0.2)  # the batch waits in its first pull
+        fault()
+        thread.join(RESULT_TIMEOUT_S)
+    finally:
+        standin.set_pull_delay(0.0)
+    assert outcome, "the read produced no result"
     return outcome[0]
 
 
-def test_a_request_aborted_before_its_read_is_not_read(decode: Any, prefill: Any) -> None:
-    """Aborted inside the pull delay (after the first lease-word read): the blocks are never
-    pulled, the request is still reported (failed) so vLLM frees its blocks, and counted."""
-    import threading
+def _submit_and_stop(decode: Any, prefill: Any) -> bool:
+    """The r-timeout read, P stopped while its batch is in the engine."""
+    return _slowed_read(decode, prefill, 2, [60], lambda: os.kill(prefill["pid"], signal.SIGSTOP))
 
+
+def test_a_request_aborted_during_its_read_is_reported_failed_and_counted(
+    decode: Any, prefill: Any
+) -> None:
+    """Aborted while its batch is in the engine: what the batch brought is never reported
+    received, the request is reported failed so vLLM frees its blocks, and it counts as
+    cancelled, not as a failed read."""
     from hixl_connector.connector.metadata import HixlConnectorMetadata
 
     worker = decode["worker"]
     worker.get_stats()  # start counting from here
-    before = decode["standin"].calls().count("pull_blocks")
-    outcome: list[bool] = []
-    thread = threading.Thread(target=lambda: outcome.append(_receive(decode, prefill, 4, [62])))
-    thread.start()
-    time.sleep(0.15)
-    worker.start_load_kv(HixlConnectorMetadata(to_cancel=["d-r-cancel"]))
-    thread.join(RESULT_TIMEOUT_S)
-    assert outcome == [False]
-    assert decode["standin"].calls().count("pull_blocks") == before + 1  # the lease word only
-    assert _block(decode, 0, 62) == {0.0}
+    cancel = HixlConnectorMetadata(to_cancel=["d-r-cancel"])
+    assert _slowed_read(decode, prefill, 4, [62], lambda: worker.start_load_kv(cancel)) is False
     stats = worker.get_stats()
     assert stats is not None and sum(stats.data["cancelled_pulls"]) == 1
     assert not stats.data["failed_pulls"]

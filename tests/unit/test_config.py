@@ -32,7 +32,7 @@ def test_tcp_connections_follow_the_transfer_threads(extra: dict, connections: i
     assert HixlConfig.from_dict(extra, "engine-a").tcp_connections == connections
 
 
-@pytest.mark.parametrize("key", ["test_corrupt_received_kv", "test_pull_delay_s"])
+@pytest.mark.parametrize("key", ["test_corrupt_received_kv"])
 def test_the_tests_controls_are_no_user_keys(key: str) -> None:
     with pytest.raises(ValueError, match=f"unknown kv_connector_extra_config key '{key}'"):
         HixlConfig.from_dict({key: 1}, "e")
@@ -51,11 +51,31 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.cluster_id_base == derived_cluster_id_base("engine-a")
     assert {f.name for f in dataclasses.fields(HixlConfig)} == {
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
-        "transport", "pull_timeout_s", "handshake_timeout_s", "transfer_threads",
+        "transport", "pull_timeout_s", "handshake_timeout_s", "link_idle_s", "transfer_threads",
         "tcp_connections", "lease_s", "heartbeat_s", "auth_token", "cluster_id_base",
         "load_in_step_bytes", "ascend_local_comm_res", "ascend_hccs",
     }  # fmt: skip
     assert config.load_in_step_bytes == 1 << 20
+    assert config.link_idle_s == 300.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "idle_s"),
+    [
+        ({"link_idle_s": 0}, 0.0),
+        ({"link_idle_s": 31}, 31.0),
+        ({"pull_timeout_s": 200}, 400.0),  # twice a pull's bound where that is longer
+        ({"pull_timeout_s": 1, "link_idle_s": 1.5}, 1.5),
+    ],
+)
+def test_link_idle_s(extra: dict[str, float], idle_s: float) -> None:
+    assert HixlConfig.from_dict(extra, "e").link_idle_s == idle_s
+
+
+@pytest.mark.parametrize("value", [30, 10, -1, True, "300", float("nan")])
+def test_a_link_may_not_close_under_a_read(value: object) -> None:
+    with pytest.raises(ValueError, match="'link_idle_s' must be"):
+        HixlConfig.from_dict({"link_idle_s": value}, "e")
 
 
 def test_explicit_values_and_derived_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -162,10 +162,10 @@ def test_a_same_host_link_is_reported_in_place_and_an_in_step_read_has_a_row_of_
     assert stats is not None and stats.reduce()["Num in step loads"] == 1
 
 
-def test_an_in_step_read_from_a_link_marked_broken_reads_and_the_step_never_handshakes(
+def test_an_in_step_read_from_a_link_just_dropped_reads_and_the_step_never_handshakes(
     prefill: int, decode: dict[str, Any]
 ) -> None:
-    """Another request's failure marked P's rank broken (the scheduler learns of it a step
+    """Another request's failure dropped P's rank (the scheduler learns of it a step
     later): an in-step read still reads over the same-host link, which reads or fails at
     once, instead of failing for a transient state or handshaking on the step thread."""
     from hixl_connector.connector.metadata import HixlConnectorMetadata
@@ -175,7 +175,7 @@ def test_an_in_step_read_from_a_link_marked_broken_reads_and_the_step_never_hand
     target = spec.remote.rank(0)
     peer = worker._peers.in_place(target)
     assert peer is not None, "linked by the test before"
-    worker._peers.mark_broken(peer)
+    worker._peers.drop(peer)
     began = time.monotonic()
     worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
     took = time.monotonic() - began

@@ -12,9 +12,11 @@ import pytest
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.link_reports import LinkReporter
 from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.peers.compatibility import PeerError
 from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
-from hixl_connector.connector.peers.registry import PeerError, PeerRegistry
+from hixl_connector.connector.peers.registry import PeerRegistry
 
 TIMEOUT_S = 1.0
 QUEUED = 10
@@ -49,7 +51,9 @@ def registry(context: zmq.Context) -> PeerRegistry:
         slice_bytes=0,
         incarnation=0,
     )
-    return PeerRegistry(None, None, context, local, config, lambda _: False, lambda _: None)
+    return PeerRegistry(
+        None, None, context, local, config, lambda _: False, lambda _: None, LinkReporter(0)
+    )
 
 
 def test_requests_queued_behind_a_dead_peer_all_end_within_one_timeout(

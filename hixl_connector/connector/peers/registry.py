@@ -1,11 +1,23 @@
-"""D side: the prefill ranks this worker pulls from, each handshaken and linked once.
+"""D side: the prefill ranks this worker reads, each handshaken and linked once; the one
+owner of which links exist.
 
 A peer is one TP rank of a prefill engine (a D rank may read several when the TP sizes
-differ), keyed by its engine id (a restarted P engine has a new one) and side-channel address.
-The first request for a peer runs the handshake (schema and compatibility check),
-then `link_clusters`; later requests reuse the link. A pull that timed out or lost its link
-marks the peer broken; the next request unlinks with force and does both steps again, as
-LLM-DataDist requires after LLM_TIMEOUT.
+differ), keyed by its engine id, incarnation and side-channel address. The first read of a
+peer runs the handshake (compatibility.py), then `link_clusters`; later reads reuse the link,
+which lives until
+- a read over it timed out or lost it (`drop`): the peer is forgotten at once and unlinked
+  with force (as LLM-DataDist requires after LLM_TIMEOUT) off the caller's thread; a
+  same-host one stays readable in the step for RETIRE_S first, since the scheduler may
+  have chosen reads in the step from it before it hears of the drop, and a one-sided copy
+  out of this host's memory reads or fails at once;
+- no read used it for ``link_idle_s`` (`close_idle`, asked once a step);
+- another engine answers at its address (P restarted), or claims its cluster id while it no
+  longer answers;
+- shutdown (`close`).
+What this table holds is linked and nothing else is; every peer it forgets goes into the
+scheduler's picture (link_reports) in the same step, so the scheduler's view, this table and
+the engine's links agree. The links and unlinks of one address run under that address's
+lock, so a new link never races the unlink of the old one (both name one cluster id).
 
 Only `get` handshakes and links, and only the transfer pool calls it; vLLM's step thread looks
 peers up with `linked` and `in_place`, which never wait on a peer or on another thread's
@@ -14,44 +26,41 @@ handshake.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.mapping.block_slices import BlockSizeMismatch, blocks_per_block
-from hixl_connector.connector.mapping.tp_mapping import heads_per_rank
-from hixl_connector.connector.metadata import PeerRank
+from hixl_connector.connector.link_reports import LinkReporter
+from hixl_connector.connector.metadata import PeerRank, RemoteEndpoint
+from hixl_connector.connector.peers.compatibility import PeerError, check_compatible
+from hixl_connector.connector.peers.engine_links import EngineLinks
 from hixl_connector.connector.peers.envelope import Destination
-from hixl_connector.connector.peers.handshake import (
-    SCHEMA_VERSION,
-    HandshakePayload,
-    describe_mismatch,
-)
-from hixl_connector.connector.peers.side_channel import SideChannelClient
+from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
+from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelError
 from hixl_connector.datadist import Backend, DataDist
 
 logger = logging.getLogger(__name__)
 
-
-class PeerError(RuntimeError):
-    """The peer cannot be used: handshake refused, incompatible, or link failed."""
-
-
-# An unlink waits this long for the peer's goodbye (a dead peer never answers); shutdown
-# unlinks every peer at once and waits this long in all.
-UNLINK_TIMEOUT_MS = 1000
+# Shutdown unlinks every peer at once and waits this long in all.
 UNLINK_BOUND_S = 2.0
+# How often close_idle looks for idle peers, at most.
+IDLE_CHECK_S = 1.0
+# How long a dropped same-host peer still serves reads in the step: the scheduler hears of
+# the drop in the next step's report, so a few steps at most are in between.
+RETIRE_S = 5.0
 
 
 @dataclass
 class _AddressLock:
-    """Serializes handshakes to one address; `users` counts threads holding or awaiting it."""
+    """Serializes links and unlinks at one address; `users` counts threads holding or
+    awaiting it."""
 
     lock: threading.Lock
     users: int = 0
@@ -59,14 +68,23 @@ class _AddressLock:
 
 @dataclass
 class Peer:
-    engine_id: str
-    cluster_id: int
+    target: PeerRank
     payload: HandshakePayload
     client: SideChannelClient
     # Reads from it are one-sided copies out of this host's memory (the engine's same-host
     # transport): they end whatever the peer does, so they may feed the step's forward.
     in_place: bool = False
-    broken: bool = False
+    used_at: float = 0.0  # monotonic: its last lookup or read
+    force_unlink: bool = False  # dropped after a failed read: no goodbye to wait for
+    unlink_at: float = 0.0  # monotonic, once dropped: when the unlinking thread unlinks it
+
+    @property
+    def engine_id(self) -> str:
+        return self.payload.engine_id
+
+    @property
+    def cluster_id(self) -> int:
+        return self.payload.cluster_id
 
 
 class PeerRegistry:
@@ -79,15 +97,20 @@ class PeerRegistry:
         config: HixlConfig,
         reads_in_place: Callable[[int], bool],
         record: Callable[[str], None],
+        links: LinkReporter,
     ) -> None:
-        self._api = api
+        self._engine = EngineLinks(api, datadist, config.engine_host, config.handshake_timeout_s)
         self._reads_in_place = reads_in_place
         self._record = record
-        self._datadist = datadist
+        self._links = links
         self._context = context
         self._local = local
         self._config = config
         self._peers: dict[tuple[str, int, str, int], Peer] = {}
+        # Forgotten peers not unlinked yet, by address; a thread unlinks them while any are.
+        self._dropped: dict[tuple[str, int], list[Peer]] = {}
+        self._unlinking = False
+        self._next_idle_check = 0.0
         # Addresses come from kv_transfer_params, i.e. clients name them: an entry lives only
         # while a thread uses it, so the table never outgrows the transfer pool.
         self._locks: dict[tuple[str, int], _AddressLock] = {}
@@ -100,23 +123,34 @@ class PeerRegistry:
         self._stopping = threading.Event()
 
     def get(self, target: PeerRank) -> Peer:
+        """The peer, handshaken and linked now if it is not yet (the transfer pool only)."""
         key = target.key
-        address = target.address
+        with self._holding(target.address):
+            peer = self.linked(target)
+            if peer is not None:
+                return peer
+            self._unlink_dropped_at(target.address)
+            self._raise_if_just_failed(key)
+            try:
+                return self._connect(key, target)
+            except Exception as e:
+                with self._guard:
+                    self._failures[key] = (time.monotonic(), str(e))
+                raise
+
+    @contextlib.contextmanager
+    def _holding(self, address: tuple[str, int], timeout_s: float = -1) -> Iterator[None]:
+        """Holds ``address``'s lock (waits up to ``timeout_s``, or for as long as it takes)."""
         with self._guard:
             entry = self._locks.setdefault(address, _AddressLock(threading.Lock()))
             entry.users += 1
         try:
-            with entry.lock:  # one handshake at a time per address
-                peer = self._peers.get(key)
-                if peer is not None and not peer.broken:
-                    return peer
-                self._raise_if_just_failed(key)
-                try:
-                    return self._connect(key, target)
-                except Exception as e:
-                    with self._guard:
-                        self._failures[key] = (time.monotonic(), str(e))
-                    raise
+            if not entry.lock.acquire(timeout=timeout_s):
+                raise PeerError(f"{address[0]}:{address[1]} is busy linking or unlinking")
+            try:
+                yield
+            finally:
+                entry.lock.release()
         finally:
             with self._guard:
                 entry.users -= 1
@@ -136,32 +170,105 @@ class PeerRegistry:
             )
 
     def is_linked(self, target: PeerRank) -> bool:
-        """True iff a handshake with this engine rank succeeded and still holds."""
-        return self.linked(target) is not None
+        """True iff a handshake with this engine rank succeeded and its link holds."""
+        return self._known(target) is not None
 
     def linked(self, target: PeerRank) -> Peer | None:
-        """The peer if linked and not broken; never connects."""
+        """The peer if linked (its idle time restarts); never connects."""
         peer = self._known(target)
-        return peer if peer is not None and not peer.broken else None
+        if peer is not None:
+            peer.used_at = time.monotonic()
+        return peer
 
     def in_place(self, target: PeerRank) -> Peer | None:
-        """The peer if its link reads in place, broken or not (a broken same-host link
-        either reads or fails at once); never connects."""
-        peer = self._known(target)
+        """The peer if its link reads in place, dropped in the last RETIRE_S or not (a
+        same-host link reads or fails at once); never connects."""
+        with self._guard:
+            peer = self._peers.get(target.key)
+            if peer is None:
+                dropped = self._dropped.get(target.address, ())
+                peer = next((p for p in dropped if p.target.key == target.key), None)
         return peer if peer is not None and peer.in_place else None
 
     def _known(self, target: PeerRank) -> Peer | None:
         with self._guard:
             return self._peers.get(target.key)
 
-    def mark_broken(self, peer: Peer) -> None:
-        peer.broken = True
+    def read_through(self, remote: RemoteEndpoint, peers: Collection[Peer]) -> None:
+        """A read of ``remote`` went through ``peers``: the scheduler learns whether that
+        engine is read in place (only while every one of them is still linked)."""
+        now = time.monotonic()
+        with self._guard:
+            live = all(self._peers.get(peer.target.key) is peer for peer in peers)
+        for peer in peers:
+            peer.used_at = now
+        self._links.read(remote, live and all(peer.in_place for peer in peers))
+
+    def drop(self, peer: Peer) -> None:
+        """A read over ``peer``'s link timed out or lost it: no read finds the peer from now
+        on, the scheduler hears of it in this step's report, and the link is unlinked with
+        force off this thread (the next read handshakes and links again)."""
+        self._forget(peer, force=True)
+
+    def close_idle(self, now: float) -> None:
+        """Unlinks the peers no read used for ``link_idle_s`` (asked once a step; looks at
+        most once every IDLE_CHECK_S); a later read links again."""
+        idle_s = self._config.link_idle_s
+        if not idle_s or now < self._next_idle_check:
+            return
+        self._next_idle_check = now + min(IDLE_CHECK_S, idle_s / 2)
+        with self._guard:
+            idle = [peer for peer in self._peers.values() if now - peer.used_at > idle_s]
+        for peer in idle:
+            if self._forget(peer, force=False):
+                self._record("idle_unlinks")
+
+    def _forget(self, peer: Peer, force: bool) -> bool:
+        with self._guard:
+            if self._stopping.is_set() or self._peers.get(peer.target.key) is not peer:
+                return False
+            del self._peers[peer.target.key]
+            peer.force_unlink = force
+            peer.unlink_at = time.monotonic() + (RETIRE_S if peer.in_place else 0.0)
+            self._dropped.setdefault(peer.target.address, []).append(peer)
+            start, self._unlinking = not self._unlinking, True
+        self._links.lost(peer.target.remote)
+        if start:
+            threading.Thread(target=self._unlink_dropped, name="hixl-unlink", daemon=True).start()
+        return True
+
+    def _unlink_dropped(self) -> None:
+        """Unlinks the forgotten peers as they fall due, an address at a time under its
+        lock, until none is left (then the thread ends)."""
+        while not self._stopping.is_set():
+            with self._guard:
+                if not self._dropped:
+                    self._unlinking = False
+                    return
+                due = {a: min(p.unlink_at for p in ps) for a, ps in self._dropped.items()}
+            address = min(due, key=due.__getitem__)
+            wait_s = due[address] - time.monotonic()
+            if wait_s > 0:
+                self._stopping.wait(wait_s)
+                continue
+            with self._holding(address):
+                self._unlink_dropped_at(address)
+        with self._guard:
+            self._unlinking = False
+
+    def _unlink_dropped_at(self, address: tuple[str, int]) -> None:
+        """Unlinks the peers forgotten at ``address``; the caller holds its lock."""
+        with self._guard:
+            peers = self._dropped.pop(address, [])
+        for peer in peers:
+            self._engine.unlink(peer.payload, peer.force_unlink)
+            peer.client.close()
 
     def notice_client(self, target: PeerRank) -> tuple[SideChannelClient, bool]:
         """The client lease notices to ``target`` go through, and whether the caller owns
         (and closes) it: a linked peer's one persistent client, else a fresh one to an
         address no handshake vouched for."""
-        peer = self.linked(target)
+        peer = self._known(target)
         if peer is not None:
             return peer.client, False
         return self.client_for(target), True
@@ -183,20 +290,22 @@ class PeerRegistry:
         self._stopping.set()
 
     def close(self) -> None:
-        """Unlinks every peer, all at once: each unlink waits up to ``UNLINK_TIMEOUT_MS`` for
-        a peer that may be dead, so shutdown takes about one such wait however many peers
+        """Unlinks every peer, all at once: each unlink waits up to a second (engine_links)
+        for a peer that may be dead, so shutdown takes about one such wait however many peers
         there are (at most ``UNLINK_BOUND_S``; links still closing then are left to the
         engine's finalize, which closes them all)."""
         self.stop()
         with self._guard:
-            peers, self._peers = list(self._peers.values()), {}
+            peers = list(self._peers.values())
+            peers += [peer for dropped in self._dropped.values() for peer in dropped]
+            self._peers, self._dropped = {}, {}
         if not peers:
             return
         done = threading.Semaphore(0)
 
         def close_one(peer: Peer) -> None:
             try:
-                self._unlink(peer, force=False)
+                self._engine.unlink(peer.payload, peer.force_unlink)
                 peer.client.close()
             finally:
                 done.release()
@@ -216,33 +325,29 @@ class PeerRegistry:
         try:
             reply = client.request({"type": "handshake", "schema": SCHEMA_VERSION})
             payload = HandshakePayload.from_dict(reply["payload"])
-            self._check_compatible(target, payload)
+            check_compatible(target, payload, self._local)
             # The handshake proved this engine serves the address now: links to engines it
-            # replaced there (P restarted), and a broken link to itself, go first.
+            # replaced there (P restarted) go first.
             with self._guard:
                 stale = [self._peers.pop(k) for k in list(self._peers) if k[2:] == key[2:]]
                 clash = [p for p in self._peers.values() if p.cluster_id == payload.cluster_id]
             for old in stale:
-                if old.payload.incarnation != payload.incarnation:
-                    self._record("peer_restarts")
-                    logger.info(
-                        "hixl: prefill engine %s (incarnation %x) at %s:%d replaced by %s "
-                        "(incarnation %x)",
-                        old.engine_id,
-                        old.payload.incarnation,
-                        *target.address,
-                        payload.engine_id,
-                        payload.incarnation,
-                    )
-                self._unlink(old, force=True)
-                old.client.close()
-            if clash:
-                # Pulls address peers by cluster id: sharing one would read the other engine.
-                raise PeerError(
-                    f"prefill engines {clash[0].engine_id} and {payload.engine_id} both use "
-                    f"cluster id {payload.cluster_id}; give each engine its own cluster_id_base"
+                self._record("peer_restarts")
+                logger.info(
+                    "hixl: prefill engine %s (incarnation %x) at %s:%d replaced by %s "
+                    "(incarnation %x)",
+                    old.engine_id,
+                    old.payload.incarnation,
+                    *target.address,
+                    payload.engine_id,
+                    payload.incarnation,
                 )
-            self._link(payload)
+                self._links.lost(old.target.remote)
+                self._engine.unlink(old.payload, force=True)
+                old.client.close()
+            for other in clash:
+                self._claim_cluster_id(other, payload)
+            self._engine.link(payload)
         except Exception:
             client.close()
             raise
@@ -255,95 +360,38 @@ class PeerRegistry:
             payload.engine_port,
         )
         in_place = self._reads_in_place(payload.cluster_id)
-        peer = Peer(payload.engine_id, payload.cluster_id, payload, client, in_place)
+        peer = Peer(target, payload, client, in_place, used_at=time.monotonic())
         with self._guard:
             self._peers[key] = peer
         return peer
 
-    def _check_compatible(self, target: PeerRank, payload: HandshakePayload) -> None:
-        remote = target.remote
-        if payload.engine_id != remote.engine_id:
+    def _claim_cluster_id(self, other: Peer, payload: HandshakePayload) -> None:
+        """``payload``'s engine announces the cluster id ``other`` is linked under: a peer
+        that still answers keeps it (pulls address peers by cluster id, so sharing one would
+        read the other engine); one that no longer does (stopped, or moved on) is unlinked."""
+        if self._still_serves(other):
             raise PeerError(
-                f"side channel {remote.host}:{target.port} serves engine {payload.engine_id}, "
-                f"the request expects {remote.engine_id} (prefill restarted?)"
+                f"prefill engines {other.engine_id} and {payload.engine_id} both use "
+                f"cluster id {payload.cluster_id}; give each engine its own cluster_id_base"
             )
-        if payload.incarnation != remote.incarnation:
-            raise PeerError(
-                f"prefill engine {payload.engine_id} at {remote.host}:{target.port} was "
-                f"restarted: it runs incarnation {payload.incarnation:x}, the request's "
-                f"kv_transfer_params come from incarnation {remote.incarnation:x}"
-            )
-        if payload.compatibility_hash != self._local.compatibility_hash:
-            raise PeerError(
-                f"prefill engine {payload.engine_id} is incompatible with this decode engine: "
-                + describe_mismatch(self._local.compatibility, payload.compatibility)
-            )
-        if payload.tp_rank != target.rank or payload.tp_size != remote.tp_size:
-            raise PeerError(
-                f"asked rank {target.rank} of tp_size {remote.tp_size}, got rank "
-                f"{payload.tp_rank} of tp_size {payload.tp_size}"
-            )
-        if payload.cluster_id != target.cluster_id:
-            # Pulls address the peer by the handshake's cluster id; params naming another
-            # one come from a P configured differently from the one serving this address.
-            raise PeerError(
-                f"prefill engine {payload.engine_id} rank {payload.tp_rank} has cluster id "
-                f"{payload.cluster_id}, its kv_transfer_params say {target.cluster_id} "
-                "(remote_cluster_id + rank)"
-            )
-        # Whether the TP sizes can be mapped at all was settled before the handshake
-        # (tp_mapping.check_shardable, in the worker's plan).
-        fields = self._local.compatibility
-        expected = (
-            heads_per_rank(fields["num_kv_heads"], payload.tp_size)
-            if fields["kv_split"] == "heads"
-            else 1
+        logger.info(
+            "hixl: prefill engine %s at %s:%d no longer answers; its cluster id %d goes to %s",
+            other.engine_id,
+            *other.target.address,
+            other.cluster_id,
+            payload.engine_id,
         )
-        if payload.units_per_block != expected:
-            raise PeerError(
-                f"prefill rank {payload.tp_rank} registered {payload.units_per_block} units "
-                f"per block, {expected} expected for tp_size {payload.tp_size}"
-            )
+        self._forget(other, force=True)
+        with self._holding(other.target.address, self._config.handshake_timeout_s):
+            self._unlink_dropped_at(other.target.address)
+
+    def _still_serves(self, peer: Peer) -> bool:
+        """Whether ``peer``'s engine still answers at its address: a connect first (a stopped
+        process refuses at once), then a handshake only that engine's start accepts."""
         try:
-            ratio = blocks_per_block(payload.block_sizes, self._local.block_sizes)
-        except BlockSizeMismatch as e:
-            raise PeerError(f"prefill engine {payload.engine_id}: {e}") from None
-        if ratio > 1 and not (
-            payload.slice_bytes and payload.slice_bytes == self._local.slice_bytes
-        ):
-            raise PeerError(
-                f"prefill engine {payload.engine_id} has block_size {payload.block_sizes}, this "
-                f"engine {self._local.block_sizes}, and a KV layout ({fields['kv_layout']}, "
-                f"slices of {payload.slice_bytes} and {self._local.slice_bytes} bytes) that "
-                "cannot assemble larger blocks from smaller ones: use equal block sizes"
-            )
-
-    def _link(self, payload: HandshakePayload) -> None:
-        api = self._api
-        info = self._cluster_info(payload)
-        timeout_ms = int(self._config.handshake_timeout_s * 1000)
-        status, per_cluster = self._datadist.link_clusters([info], timeout_ms)
-        codes = api.LLMStatusCode
-        result = per_cluster[0] if per_cluster else status
-        # ALREADY_LINK is a failure too: stale links are torn down before linking, so another
-        # engine holds this cluster id.
-        if status != codes.LLM_SUCCESS or result != codes.LLM_SUCCESS:
-            raise PeerError(
-                f"link_clusters to cluster {payload.cluster_id} at "
-                f"{payload.engine_host}:{payload.engine_port} failed: {status!r} {per_cluster!r}"
-            )
-
-    def _cluster_info(self, payload: HandshakePayload) -> Any:
-        info = self._api.LLMClusterInfo()
-        info.remote_cluster_id = payload.cluster_id
-        # Port 0: the local side of a one-sided link needs no listener.
-        info.append_local_ip_info(self._config.engine_host, 0)
-        info.append_remote_ip_info(payload.engine_host, payload.engine_port)
-        return info
-
-    def _unlink(self, peer: Peer, force: bool) -> None:
-        info = self._cluster_info(peer.payload)
-        try:
-            self._datadist.unlink_clusters([info], UNLINK_TIMEOUT_MS, force=force)
-        except Exception as e:  # unlinking a dead peer may fail; the link is gone either way
-            logger.warning("hixl: unlink of cluster %d failed: %s", peer.cluster_id, e)
+            timeout_s = self._config.handshake_timeout_s
+            socket.create_connection(peer.target.address, timeout=timeout_s).close()
+            peer.client.request({"type": "handshake", "schema": SCHEMA_VERSION})
+        except (OSError, SideChannelError):
+            return False
+        return True

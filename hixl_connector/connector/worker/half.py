@@ -37,10 +37,10 @@ from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.connector.peers.registry import PeerRegistry
 from hixl_connector.connector.stats import HixlKVConnectorStats
 from hixl_connector.connector.worker.announcement import describe_groups, handshake_payload
-from hixl_connector.connector.worker.engine_setup import Engine, open_engine
 from hixl_connector.connector.worker.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.worker.prefill_serving import PrefillServing
 from hixl_connector.connector.worker.receiver import Receiver
+from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class HixlWorker:
         self._links = LinkReporter(self._tp_rank)
         self._context = zmq.Context()
         self._stats_lock = threading.Lock()  # pool threads record while vLLM collects
-        self._engine: Engine | None = None
+        self._kv: RegisteredKV | None = None
         self._layout: KVLayout | None = None
         self._payload: HandshakePayload | None = None
         self._peers: PeerRegistry | None = None
@@ -139,32 +139,33 @@ class HixlWorker:
             lease_words = LeaseWords.create(path, num_blocks)
         words = (lease_words.address, lease_words.slots) if lease_words else None
         try:
-            engine = open_engine(
+            kv = register_kv(
                 self._config, layout, self._address, self._is_producer, self._is_consumer, words
             )
         except Exception:
             if lease_words is not None:
                 lease_words.unlink()
             raise
-        self._engine, self._layout = engine, layout
+        self._kv, self._layout = kv, layout
         self._payload = handshake_payload(
             self._vllm_config,
             layout,
             self._engine_id,
             (self._tp_rank, self._tp_size),
             self._address.cluster_id,
-            (self._config.engine_host, engine.listen_port),
+            (self._config.engine_host, kv.listen_port),
             self._block_sizes,
             self._kv_cache_config,
         )
         self._peers = PeerRegistry(
-            engine.api,
-            engine.datadist,
+            kv.api,
+            kv.datadist,
             self._context,
             self._payload,
             self._config,
-            engine.reads_in_place,
+            kv.reads_in_place,
             self._record,
+            self._links,
         )
         plans = ReadPlans(
             self._payload.compatibility, (self._tp_rank, self._tp_size), self._probe_slices
@@ -179,13 +180,12 @@ class HixlWorker:
         )
         self._receiver = self.receiver_cls(
             self._config,
-            engine,
+            kv,
             layout,
             self._block_sizes,
             plans,
             self._peers,
             self._lease_client,
-            self._links,
             self._tp_rank,
             self._record,
             self._record_pull,
@@ -231,6 +231,8 @@ class HixlWorker:
             # Hands the GIL over so the pool begins its handshakes now rather than when this
             # step next blocks.
             time.sleep(0)
+        if self._peers is not None:
+            self._peers.close_idle(now)
         if self._lease_client is not None:
             for release in metadata.to_release:
                 self._lease_client.notify("release", release)
@@ -319,9 +321,9 @@ class HixlWorker:
             self._serving.close()
         if self._peers is not None:
             self._peers.close()
-        if self._engine is not None:
-            self._engine.datadist.finalize()
-            self._engine = None
+        if self._kv is not None:
+            self._kv.datadist.finalize()
+            self._kv = None
         # A socket a thread still holds (an abandoned handshake) would make term() wait for
         # it: term in the background, and go on after a bound.
         term = threading.Thread(target=self._context.term, name="hixl-zmq-term", daemon=True)

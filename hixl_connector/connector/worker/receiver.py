@@ -38,11 +38,9 @@ from typing import Any
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.client import LeaseClient
 from hixl_connector.connector.leases.guarded_read import GuardedPull, ScratchRows, verdict
-from hixl_connector.connector.link_reports import LinkReporter
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
 from hixl_connector.connector.metadata import PeerRank, RecvSpec, ReleaseSpec
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
-from hixl_connector.connector.worker.engine_setup import Engine
 from hixl_connector.connector.worker.kv_layout import KVLayout
 from hixl_connector.connector.worker.read_failures import (
     HandshakeFailed,
@@ -56,6 +54,7 @@ from hixl_connector.connector.worker.read_units import (
     check_block_sizes,
     peer_units,
 )
+from hixl_connector.connector.worker.registered_kv import RegisteredKV
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +77,12 @@ class Receiver:
     def __init__(
         self,
         config: HixlConfig,
-        engine: Engine,
+        kv: RegisteredKV,
         layout: KVLayout,
         block_sizes: tuple[int, ...],
         plans: ReadPlans,
         peers: PeerRegistry,
         lease_client: LeaseClient,
-        links: LinkReporter,
         tp_rank: int,
         record: Callable[[str], None],
         record_pull: Callable[[float, float, int, int], None],
@@ -92,13 +90,12 @@ class Receiver:
         invalidate: Callable[[tuple[int, ...]], None],
     ) -> None:
         self._config = config
-        self._engine = engine
+        self._kv = kv
         self._layout = layout
         self._block_sizes = block_sizes
         self._plans = plans
         self._peers = peers
         self._lease_client = lease_client
-        self._links = links
         self._tp_rank = tp_rank
         self._record = record
         self._record_pull = record_pull
@@ -144,7 +141,6 @@ class Receiver:
             peers = self._peers_now(spec, self._peers.in_place)
             if peers is None:
                 self._record("in_step_peer_gone")
-                self._links.lost(spec.remote)
                 raise PeerGone(
                     f"prefill engine {spec.remote.engine_id} has a rank with no same-host link "
                     "on this rank (restarted or gone since it was linked)"
@@ -276,7 +272,7 @@ class Receiver:
                 for read in plan.reads
             ]
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
-            pull = self._engine.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
+            pull = self._kv.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
             handle, started = self._submit(spec, pull)
         except Exception as e:
             self._rows.give_back(row)
@@ -302,13 +298,14 @@ class Receiver:
         aborted since it was queued; returns the handle and when the batch was handed over."""
         self._check_cancelled(spec)
         started = time.monotonic()
-        return self._engine.submit(pull.pulls), started
+        return self._kv.submit(pull.pulls), started
 
     def _read_through(self, flight: _InFlight) -> None:
-        """Tells the scheduler whether reads from this P engine are in place (link_reports);
-        counts the small ones that load asynchronously because they cross the network."""
+        """Tells the registry the read went through (it tells the scheduler whether reads
+        from this P engine are in place, link_reports); counts the small ones that load
+        asynchronously because they cross the network."""
         in_place = all(peer.in_place for peer in flight.peers.values())
-        self._links.read(flight.spec.remote, in_place)
+        self._peers.read_through(flight.spec.remote, flight.peers.values())
         small = flight.nbytes <= self._config.load_in_step_bytes
         if not in_place and not flight.spec.in_step and small:
             self._record("network_reads_async")
@@ -317,7 +314,7 @@ class Receiver:
         """Raises LeaseError unless P's words vouched for the blocks before and after (the
         verdict of leases.guarded_read: anything else read alongside is discarded)."""
         spec = flight.spec
-        outcome, reader = verdict(spec.lease_word, *self._engine.words_read(flight.pull))
+        outcome, reader = verdict(spec.lease_word, *self._kv.words_read(flight.pull))
         if outcome == "refused":
             peer = flight.readers[reader]
             self._record("refused_pulls")
@@ -363,8 +360,7 @@ class Receiver:
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
         if peers and self._link_suspect(error):
             for peer in peers.values():
-                self._peers.mark_broken(peer)
-            self._links.lost(spec.remote)
+                self._peers.drop(peer)
         self._failed(spec)
         if spec.remote.engine_id:
             # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
@@ -389,4 +385,4 @@ class Receiver:
         if isinstance(error, (LeaseError, UnreadableRequest, HandshakeFailed)):
             return False
         status = getattr(error, "status_code", None)
-        return status != self._engine.api.LLMStatusCode.LLM_PARAM_INVALID
+        return status != self._kv.api.LLMStatusCode.LLM_PARAM_INVALID

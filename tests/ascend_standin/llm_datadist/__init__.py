@@ -23,7 +23,8 @@ Where CANN decides in C++, the stand-in follows the rules the reference document
 
 Device memory is played by host memory: a ``Placement.DEVICE`` cache is registered with the
 native engine as host memory. Nothing here proves the NPU, HCCS or RoCE path. ``calls()`` and
-``pull_kwargs()`` tell the tests what the stand-in was asked.
+``pull_kwargs()`` tell the tests what the stand-in was asked; ``set_pull_delay(s)`` makes
+every ``pull_blocks`` wait ``s`` first, as a slow device would.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from hixl_connector.datadist import (
     Status,
 )
 
-from .cache_manager import CacheManager
+from .cache_manager import CacheManager, set_pull_delay
 from .config import LLMConfig, LlmConfig
 from .llm_datadist import TRANSPORT_ENV, LLMDataDist
 from .recorder import calls, pull_kwargs
@@ -74,4 +75,5 @@ __all__ = [
     "Status",
     "calls",
     "pull_kwargs",
+    "set_pull_delay",
 ]

@@ -12,6 +12,7 @@ one documented C++ rule the engine lacks, the request buffer (row 22).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from hixl_connector.datadist import (
@@ -38,6 +39,14 @@ DEFAULT_TENSOR_NUM_PER_LAYER = 2
 KEY_TYPES = (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
 
 logger = logging.getLogger(__name__)
+
+# Test control, not CANN: every pull_blocks waits this long before it moves anything (a
+# slow device), so that a test can stop P or abort a request while a read is in the engine.
+_pull_delay_s = [0.0]
+
+
+def set_pull_delay(seconds: float) -> None:
+    _pull_delay_s[0] = seconds
 
 
 def _not_emulated(what: str) -> LLMException:
@@ -162,6 +171,7 @@ class CacheManager:
             if layer_range is not None:
                 native_kwargs[name] = layer_range
         self._check_request_size(dst_cache, src_blocks, dst_blocks)
+        time.sleep(_pull_delay_s[0])
         self._native.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **native_kwargs)
 
     def _check_request_size(self, dst_cache: Cache, src: Any, dst: Any) -> None:

@@ -1,12 +1,13 @@
-"""Opens the LLM-DataDist engine for a worker and registers its KV caches, once.
+"""A worker's KV caches registered with its LLM-DataDist engine, once (``register_kv``),
+and the reads D makes of peers' caches through them (``RegisteredKV``).
 
 The only place that knows how a back-end wants to be configured: it reads the back-end's
 ``BackendProfile`` (placement, LLMConfig fields, device id, alignment, request-size limit).
-The worker afterwards uses nothing but the datadist API, through ``Engine.submit``.
+The worker afterwards uses nothing but the datadist API, through ``RegisteredKV.submit``.
 
 Rules of LLM-DataDist this module keeps (reference section 8): one LLMDataDist per process
-(one Engine per worker process); every cache registered before the first link (all of them
-here, before ``open_engine`` returns); one model_id per registered cache under the cluster id.
+(one per worker process); every cache registered before the first link (all of them
+here, before ``register_kv`` returns); one model_id per registered cache under the cluster id.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class RegisteredCache:
 
 
 @dataclass(frozen=True)
-class Engine:
+class RegisteredKV:
     api: Backend  # LLMDataDist, BlocksCacheKey, LLMStatusCode, PROFILE, ...
     datadist: DataDist
     caches: tuple[RegisteredCache, ...]  # destinations of D's pulls, one per model_id
@@ -182,14 +183,14 @@ def _configure(api: Backend, config: HixlConfig, layout: KVLayout) -> Any:
     return llm_config
 
 
-def open_engine(
+def register_kv(
     config: HixlConfig,
     layout: KVLayout,
     rank: RankAddress,
     producer: bool,
     consumer: bool,
     lease_words: tuple[int, int] | None = None,
-) -> Engine:
+) -> RegisteredKV:
     """``rank``: this rank's cluster id and engine port (one listener per rank);
     ``lease_words``: (address, count) of P's lease words, registered for D to read."""
     cluster_id, port = rank.cluster_id, rank.engine_port
@@ -254,7 +255,7 @@ def open_engine(
     limits = [
         profile.max_pairs_per_pull(len(p.addrs)) for p in kv_parts if profile.max_pairs_per_pull
     ]
-    return Engine(
+    return RegisteredKV(
         api,
         datadist,
         caches,
