@@ -42,10 +42,12 @@ MAX_TIMEOUT_S = (2**31 - 1) // 1000
 HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 MAX_HOST_NAME_CHARS = 253
 # A request whose KV on a decode rank is this small is read in the step that computes its
-# first token (load_in_step_bytes): the native engine copies a same-host read this small on
+# first token (sync_load_bytes): the native engine copies a same-host read this small on
 # the step thread anyway (native/src/engine.cpp, kCopyHereBytes).
-DEFAULT_LOAD_IN_STEP_BYTES = 1 << 20
-MAX_LOAD_IN_STEP_BYTES = 1 << 30
+DEFAULT_SYNC_LOAD_BYTES = 1 << 20
+MAX_SYNC_LOAD_BYTES = 1 << 30
+# Keys an earlier release took, and what they are called now.
+RENAMED_KEYS = {"load_in_step_bytes": "sync_load_bytes"}
 # D unlinks a prefill rank no read used for this long (0: never); the next read links again.
 DEFAULT_LINK_IDLE_S = 300.0
 
@@ -67,7 +69,7 @@ class HixlConfig:
     heartbeat_s: float = 5.0
     auth_token: str = ""
     cluster_id_base: int = 0
-    load_in_step_bytes: int = DEFAULT_LOAD_IN_STEP_BYTES
+    sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
     # Ascend (backend "ascend"): LLMConfig.local_comm_res ("" or '{"version":"1.3"}' for
     # HixlCS), and whether P and D may be linked over HCCS (then KV bases must be 2 MB aligned).
     ascend_local_comm_res: str = ""
@@ -81,6 +83,10 @@ class HixlConfig:
         extra = dict(extra or {})
         valid = sorted(field.name for field in dataclasses.fields(cls))
         for key in extra:
+            if key in RENAMED_KEYS:
+                raise ValueError(
+                    f"kv_connector_extra_config key {key!r} is now {RENAMED_KEYS[key]!r}"
+                )
             if key not in valid:
                 raise ValueError(
                     f"unknown kv_connector_extra_config key {key!r}; valid keys: {', '.join(valid)}"
@@ -124,12 +130,12 @@ class HixlConfig:
                 low=0,
                 high=MAX_CLUSTER_ID - CLUSTER_ID_STEP,
             ),
-            load_in_step_bytes=_int(
+            sync_load_bytes=_int(
                 extra,
-                "load_in_step_bytes",
-                DEFAULT_LOAD_IN_STEP_BYTES,
+                "sync_load_bytes",
+                DEFAULT_SYNC_LOAD_BYTES,
                 low=0,
-                high=MAX_LOAD_IN_STEP_BYTES,
+                high=MAX_SYNC_LOAD_BYTES,
             ),
             ascend_local_comm_res=_json_object_or_empty(extra, "ascend_local_comm_res"),
             ascend_hccs=_bool(extra, "ascend_hccs", True),

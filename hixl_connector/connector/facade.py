@@ -136,7 +136,7 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Reads are whole-request: an in-step one has landed when start_load_kv returns."""
+        """Reads are whole-request: a synchronous one has landed when start_load_kv returns."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -166,7 +166,7 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of in-step reads that failed (and, where vLLM asks get_finished, of failed
+        """Blocks of synchronous reads that failed (and, where vLLM asks get_finished, of failed
         receives): vLLM recomputes or fails their requests."""
         if self._worker is None:
             return set()

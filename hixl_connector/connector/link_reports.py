@@ -2,7 +2,7 @@
 
 Only a read that is a one-sided copy out of this host's memory (a same-host link:
 ``process_vm_readv`` ends whatever P does, stopped or dead) may feed the forward of the step
-that needs it (in_step_loads): a read over the network waits on the peer, and a step that
+that needs it (sync_loads): a read over the network waits on the peer, and a step that
 waited on it would stall every decode on this engine. Which links are of which kind only the
 workers know (their PeerRegistry owns link state), so each step every worker reports what
 changed, through vLLM's KVConnectorWorkerMetadata (vLLM aggregates the TP ranks' reports),

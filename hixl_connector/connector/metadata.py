@@ -104,7 +104,7 @@ class RecvSpec:
     ``failed_recving`` (and ``finished_recving``) with that message, pull nothing, and
     send "release" to P when ``remote.engine_id`` is known.
 
-    ``in_step``: vLLM computes the request's first token in this very step (a synchronous
+    ``synchronous``: vLLM computes the request's first token in this very step (a synchronous
     load), so the read must have landed before the forward; a failure is reported as the
     request's invalid blocks, and nothing in ``finished_recving``.
     """
@@ -122,7 +122,7 @@ class RecvSpec:
     # Where P publishes the lease, and the word D must find there around its read.
     lease_slot: int = 0
     lease_word: int = 0
-    in_step: bool = False
+    synchronous: bool = False
 
 
 @dataclass(frozen=True)

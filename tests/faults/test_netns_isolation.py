@@ -134,7 +134,7 @@ def test_black_holed_data_path(
     # Small reads from P, which D would read in the step over a same-host link, were loaded
     # asynchronously: they cross the network.
     assert hixl_counter(pd["decode"], "network_reads_async") >= 1
-    assert hixl_counter(pd["decode"], "in_step_loads") == 0
+    assert hixl_counter(pd["decode"], "sync_loads") == 0
     prompt = token_prompt(150, seed=10)
     expected = plain(pd["prefill"], prompt)
     try:

@@ -38,6 +38,11 @@ def test_the_tests_controls_are_no_user_keys(key: str) -> None:
         HixlConfig.from_dict({key: 1}, "e")
 
 
+def test_a_renamed_key_names_its_new_name() -> None:
+    with pytest.raises(ValueError, match="'load_in_step_bytes' is now 'sync_load_bytes'"):
+        HixlConfig.from_dict({"load_in_step_bytes": 0}, "e")
+
+
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIXL_AUTH_TOKEN", raising=False)
     config = HixlConfig.from_dict({}, "engine-a")
@@ -53,9 +58,9 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
         "transport", "pull_timeout_s", "handshake_timeout_s", "link_idle_s", "transfer_threads",
         "tcp_connections", "lease_s", "heartbeat_s", "auth_token", "cluster_id_base",
-        "load_in_step_bytes", "ascend_local_comm_res", "ascend_hccs",
+        "sync_load_bytes", "ascend_local_comm_res", "ascend_hccs",
     }  # fmt: skip
-    assert config.load_in_step_bytes == 1 << 20
+    assert config.sync_load_bytes == 1 << 20
     assert config.link_idle_s == 300.0
 
 
@@ -151,9 +156,9 @@ def test_unknown_key_is_named_with_the_valid_ones() -> None:
         ("heartbeat_s", 0),
         ("auth_token", None),
         ("cluster_id_base", -1),
-        ("load_in_step_bytes", -1),
-        ("load_in_step_bytes", 1.5),
-        ("load_in_step_bytes", 2**31),
+        ("sync_load_bytes", -1),
+        ("sync_load_bytes", 1.5),
+        ("sync_load_bytes", 2**31),
         ("ascend_hccs", "yes"),
     ],
 )

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hixl_connector.connector.leases.guarded_read import (
     CLEARED,
     IN_FLIGHT_READS,
-    IN_STEP_ROWS,
     MAX_LEASE_READERS,
     SCRATCH_WORDS,
+    SYNC_ROWS,
     LeaseWords,
     ScratchRows,
     first_word,
@@ -167,9 +167,9 @@ def test_scratch_rows_are_never_shared_and_the_steps_rows_are_its_own() -> None:
     held = [rows.take_now() for _ in range(IN_FLIGHT_READS)]
     assert sorted(r for r in held if r is not None) == list(range(IN_FLIGHT_READS))
     assert rows.take_now() is None  # every asynchronous row in flight
-    step = [rows.take_for_step() for _ in range(IN_STEP_ROWS)]
+    step = [rows.take_for_step() for _ in range(SYNC_ROWS)]
     assert sorted(r for r in step if r is not None) == list(
-        range(IN_FLIGHT_READS, IN_FLIGHT_READS + IN_STEP_ROWS)
+        range(IN_FLIGHT_READS, IN_FLIGHT_READS + SYNC_ROWS)
     )
     assert rows.take_for_step() is None
     closing = threading.Event()
@@ -180,5 +180,5 @@ def test_scratch_rows_are_never_shared_and_the_steps_rows_are_its_own() -> None:
     assert rows.take_now() == held[3] and rows.take_for_step() == step[0]
     assert all(
         first_word(r) + 2 * MAX_LEASE_READERS <= SCRATCH_WORDS
-        for r in range(IN_FLIGHT_READS + IN_STEP_ROWS)
+        for r in range(IN_FLIGHT_READS + SYNC_ROWS)
     )

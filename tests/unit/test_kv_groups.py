@@ -72,7 +72,7 @@ def test_an_asynchronous_read_fills_the_uncached_blocks_a_group_holds(
 
 
 @given(st.integers(0, 12), st.integers(0, 12), st.sampled_from([16, 32]))
-def test_an_in_step_read_fills_every_block_past_the_local_hit(
+def test_a_synchronous_read_fills_every_block_past_the_local_hit(
     count: int, hit_blocks: int, block_size: int
 ) -> None:
     # vLLM hashes a synchronous load's blocks at once: the hashes say nothing here.

@@ -28,7 +28,7 @@ def spec(error: str = "") -> RecvSpec:
         (TPMismatch("3 heads over 2 ranks"), "", "invalid_requests"),
         (UnreadableRequest("block sizes"), "", "invalid_requests"),
         (HandshakeFailed("rank 1 refused"), "", "failed_handshakes"),
-        # Counted where they were found: refused_pulls / stale_pulls, in_step_peer_gone.
+        # Counted where they were found: refused_pulls / stale_pulls, sync_load_peer_gone.
         (LeaseError("not vouched for"), "", None),
         (PeerGone("no same-host link"), "", None),
         (TimeoutError("pull timed out"), "", "failed_pulls"),

@@ -156,25 +156,25 @@ class LeaseWords:
 MAX_LEASE_READERS = 64
 # Most reads a decode rank has in flight at once; more wait for one to end.
 IN_FLIGHT_READS = 64
-# Rows of the step thread's in-step reads, after those: such reads never wait for a row an
+# Rows of the step thread's synchronous reads, after those: such reads never wait for a row an
 # asynchronous read holds (more in one step settle the earlier ones first).
-IN_STEP_ROWS = 8
-SCRATCH_WORDS = (IN_FLIGHT_READS + IN_STEP_ROWS) * 2 * MAX_LEASE_READERS
+SYNC_ROWS = 8
+SCRATCH_WORDS = (IN_FLIGHT_READS + SYNC_ROWS) * 2 * MAX_LEASE_READERS
 
 Pull = TypeVar("Pull")
 
 
 class ScratchRows:
     """The scratch rows one decode rank reads lease words into: ``IN_FLIGHT_READS`` for
-    asynchronous reads (any thread), then ``IN_STEP_ROWS`` of the step thread's own, so an
-    in-step read never waits for an asynchronous one. A row is held from the batch's making
+    asynchronous reads (any thread), then ``SYNC_ROWS`` of the step thread's own, so an
+    synchronous read never waits for an asynchronous one. A row is held from the batch's making
     until its verdict."""
 
     def __init__(self) -> None:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for row in range(IN_FLIGHT_READS):
             self._free.put(row)
-        self._step = list(range(IN_FLIGHT_READS, IN_FLIGHT_READS + IN_STEP_ROWS))
+        self._step = list(range(IN_FLIGHT_READS, IN_FLIGHT_READS + SYNC_ROWS))
 
     def take_now(self) -> int | None:
         """An asynchronous read's row, or None when all are in flight."""

@@ -1,6 +1,6 @@
 """D's side of the scheduler half: asks vLLM for a request's remote tokens, asynchronously or,
 for a small read every worker reads in place, in the step that computes the first token
-(``in_step_loads``, fed by the workers' link reports); turns each allocation into one
+(``sync_loads``, fed by the workers' link reports); turns each allocation into one
 ``RecvSpec`` (or a ``ReleaseSpec`` when there is nothing to pull), and lists the remote
 requests that begin and stop waiting, so the workers renew P's leases meanwhile.
 
@@ -30,8 +30,8 @@ from hixl_connector.connector.metadata import (
     WaitingRead,
     parse_remote_prefill,
 )
-from hixl_connector.connector.scheduler.in_step_loads import InStepLoads
 from hixl_connector.connector.scheduler.misconfig import Misconfigurations
+from hixl_connector.connector.scheduler.sync_loads import SyncLoads
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,7 +54,7 @@ class DecodeStep:
 class DecodeSide:
     def __init__(
         self,
-        loads: InStepLoads,
+        loads: SyncLoads,
         group_block_sizes: Sequence[int],
         misconfigured: Misconfigurations,
     ) -> None:
@@ -109,7 +109,7 @@ class DecodeSide:
         params["do_remote_prefill"] = False
         request_id = request.request_id
         local_hit = self.loads.allocated(request_id)
-        in_step = local_hit is not None
+        synchronous = local_hit is not None
         unfilled = blocks_to_fill(blocks.blocks, local_hit, self._group_block_sizes[0])
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         try:
@@ -117,7 +117,7 @@ class DecodeSide:
         except InvalidTransferParams as exc:
             self._stop_waiting(request_id)
             if external > 0:
-                self._fail_later(request_id, None, local, str(exc), in_step)
+                self._fail_later(request_id, None, local, str(exc), synchronous)
             else:
                 logger.error("request %s: nothing to pull, P not notified: %s", request_id, exc)
             return
@@ -129,9 +129,11 @@ class DecodeSide:
                 prefill, request.num_prompt_tokens, unfilled, self._group_block_sizes
             )
         except ValueError as exc:
-            self._fail_later(request_id, prefill, local, f"request {request_id}: {exc}", in_step)
+            self._fail_later(
+                request_id, prefill, local, f"request {request_id}: {exc}", synchronous
+            )
             return
-        if in_step:  # its KV is there once this step's forward starts: no lease to renew
+        if synchronous:  # its KV is there once this step's forward starts: no lease to renew
             self._stop_waiting(request_id)
         else:
             self.receiving.add(request_id)
@@ -148,7 +150,7 @@ class DecodeSide:
                 lease_word=lease_word(
                     prefill.lease_id, prefill.block_ids, prefill.remote.incarnation
                 ),
-                in_step=in_step,
+                synchronous=synchronous,
             )
         )
 
@@ -211,7 +213,7 @@ class DecodeSide:
         prefill: RemotePrefill | None,
         local: tuple[int, ...],
         error: str,
-        in_step: bool,
+        synchronous: bool,
     ) -> None:
         """Hands the request to the workers to fail: vLLM applies kv_load_failure_policy."""
         logger.error("refusing the remote prefill of request %s: %s", request_id, error)
@@ -225,6 +227,6 @@ class DecodeSide:
                 local_block_ids=local,
                 remote_block_ids=(),
                 error=error,
-                in_step=in_step,
+                synchronous=synchronous,
             )
         )

@@ -16,9 +16,9 @@ from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.mapping.kv_groups import group_block_sizes, one_group_block_bytes
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler.decode_side import DecodeSide, DecodeStep
-from hixl_connector.connector.scheduler.in_step_loads import InStepLoads
 from hixl_connector.connector.scheduler.misconfig import Misconfigurations
 from hixl_connector.connector.scheduler.prefill_side import PrefillSide
+from hixl_connector.connector.scheduler.sync_loads import SyncLoads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,8 +53,8 @@ class HixlScheduler:
         self.decode: DecodeSide | None = None
         self.prefill: PrefillSide | None = None
         if kv_transfer_config.is_kv_consumer:
-            loads = InStepLoads(
-                config.load_in_step_bytes,
+            loads = SyncLoads(
+                config.sync_load_bytes,
                 one_group_block_bytes(kv_cache_config),
                 self._group_block_sizes[0],
                 tp_size,

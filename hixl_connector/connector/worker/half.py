@@ -3,7 +3,7 @@
 D: every RecvSpec becomes one batch on the engine's transfer threads (`receiver.Receiver`),
 so vLLM's forward pass never waits on a transfer; `get_transfer_results` collects the finished
 ones on the step thread. Every rank reports its results there. The exception is a read in the
-step (in_step_loads): small, from a P this worker reads in place (a same-host copy, which
+step (sync_loads): small, from a P this worker reads in place (a same-host copy, which
 waits on no peer; `take_link_report` tells the scheduler which), it lands before the forward
 that needs it, and a failure is reported as its blocks (`take_load_errors`).
 P: `prefill_serving` answers handshakes and turns D's "done"/"release" notices and lease
@@ -101,7 +101,7 @@ class HixlWorker:
         self._kv_cache_config = kv_cache_config
         self._block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
-        self._load_errors: set[int] = set()  # blocks of failed in-step reads, not yet told
+        self._load_errors: set[int] = set()  # blocks of failed synchronous reads, not yet told
         self._load_errors_lock = threading.Lock()
         self._wake = threading.Event()  # a pull ended or a lease may have finished
         self._idle_step = False
@@ -223,8 +223,8 @@ class HixlWorker:
             assert self._receiver is not None, "a pull before register_kv_caches"
             pooled |= self._receiver.start(recv, now)
         if self._receiver is not None:
-            if any(recv.in_step for recv in metadata.to_recv):
-                self._receiver.settle_in_step()  # this step's forward reads their KV
+            if any(recv.synchronous for recv in metadata.to_recv):
+                self._receiver.settle_sync_loads()  # this step's forward reads their KV
             for request_id in metadata.to_cancel:
                 self._receiver.cancel(request_id)
         if pooled:
@@ -262,7 +262,7 @@ class HixlWorker:
         return TransferResults(finished, recving, failed, failed_blocks)
 
     def take_load_errors(self) -> set[int]:
-        """Blocks of in-step reads that failed since the last call: they hold no KV."""
+        """Blocks of synchronous reads that failed since the last call: they hold no KV."""
         with self._load_errors_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors

@@ -1,7 +1,7 @@
 """How a read on D can fail, and the one counter each failure is told under.
 
 Every failure counts once: where the reason was found and recorded on the spot (P refused
-the lease word, the lease ended during the read, an in-step read found its P gone), nothing
+the lease word, the lease ended during the read, a synchronous read found its P gone), nothing
 more is counted; otherwise the failure's kind names the counter.
 """
 
@@ -26,13 +26,13 @@ class HandshakeFailed(RuntimeError):
 
 
 class PeerGone(RuntimeError):
-    """An in-step read found no same-host link to a P rank it reads: P was replaced or is
+    """A synchronous read found no same-host link to a P rank it reads: P was replaced or is
     gone since a worker reported the link (nothing transient is ever read in the step)."""
 
 
 def counter_for(spec: RecvSpec, error: Exception) -> str | None:
     """The counter a failed read is told under; None when its reason was counted where it
-    was found (``refused_pulls``, ``stale_pulls``, ``in_step_peer_gone``)."""
+    was found (``refused_pulls``, ``stale_pulls``, ``sync_load_peer_gone``)."""
     if isinstance(error, PullCancelled):
         return "cancelled_pulls"
     if spec.error or isinstance(error, (TPMismatch, UnreadableRequest)):

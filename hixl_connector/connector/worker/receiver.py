@@ -9,11 +9,11 @@ guarded read's verdict vouches for it, so no round trip to P's Python is on the 
 thread of this process must win the interpreter lock to report the read.
 "done" then goes to P on the notice lanes.
 
-A read in the step (``RecvSpec.in_step``, see in_step_loads) feeds the forward of this very
-step: `settle_in_step` waits for it before the forward. The scheduler asks for one only from
+A read in the step (``RecvSpec.synchronous``, see sync_loads) feeds the forward of this very
+step: `settle_sync_loads` waits for it before the forward. The scheduler asks for one only from
 P ranks every worker reported reading in place (link_reports): a one-sided copy out of this
 host's memory, which ends whatever P does, so the step waits on memory and never on a peer.
-It never waits for a handshake or a free row either (in-step reads have rows of their own),
+It never waits for a handshake or a free row either (synchronous reads have rows of their own),
 and a failure is reported as its blocks (``invalidate``) rather than as a failed receive.
 
 The step thread never handshakes or links: it looks peers up without connecting, and a read
@@ -100,7 +100,7 @@ class Receiver:
         self._record = record
         self._record_pull = record_pull
         self._finish = finish  # an asynchronous read ended (ok or not)
-        self._invalidate = invalidate  # an in-step read failed: its blocks hold no KV
+        self._invalidate = invalidate  # a synchronous read failed: its blocks hold no KV
         # Handshakes and links with P ranks not linked yet, off the step thread.
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
         self._pooled: set[Future[None]] = set()  # work given to the pool, until it ends
@@ -118,8 +118,8 @@ class Receiver:
         linked, else on the pool; True when it went to the pool."""
         with self._lock:
             self._active[spec.request_id] = spec
-        if spec.in_step:
-            self._start_in_step(spec, queued_at)
+        if spec.synchronous:
+            self._start_sync_load(spec, queued_at)
             return False
         try:
             peers = self._peers_now(spec, self._peers.linked)
@@ -134,13 +134,13 @@ class Receiver:
         pooled.add_done_callback(self._pooled.discard)
         return True
 
-    def _start_in_step(self, spec: RecvSpec, queued_at: float) -> None:
+    def _start_sync_load(self, spec: RecvSpec, queued_at: float) -> None:
         """This step's forward needs the KV: reads it now over same-host links, without
         waiting for a handshake or for an asynchronous read's row."""
         try:
             peers = self._peers_now(spec, self._peers.in_place)
             if peers is None:
-                self._record("in_step_peer_gone")
+                self._record("sync_load_peer_gone")
                 raise PeerGone(
                     f"prefill engine {spec.remote.engine_id} has a rank with no same-host link "
                     "on this rank (restarted or gone since it was linked)"
@@ -151,17 +151,17 @@ class Receiver:
             return
         assert peers is not None  # the step thread never connects
         row = self._rows.take_for_step()
-        if row is None:  # this step's earlier in-step reads give theirs back
-            self.settle_in_step()
+        if row is None:  # this step's earlier synchronous reads give theirs back
+            self.settle_sync_loads()
             row = self._rows.take_for_step()
         assert row is not None
         self._begin(spec, queued_at, row, peers)
 
-    def settle_in_step(self) -> None:
-        """Waits for this step's in-step reads (the forward needs their KV) and ends them,
+    def settle_sync_loads(self) -> None:
+        """Waits for this step's synchronous reads (the forward needs their KV) and ends them,
         with any other read that finished meanwhile."""
         with self._lock:
-            flights = [flight for flight in self._in_flight if flight.spec.in_step]
+            flights = [flight for flight in self._in_flight if flight.spec.synchronous]
         for flight in flights:
             try:  # a same-host copy: it waits on memory, never on P
                 flight.handle.wait(None)
@@ -306,8 +306,8 @@ class Receiver:
         asynchronously because they cross the network."""
         in_place = all(peer.in_place for peer in flight.peers.values())
         self._peers.read_through(flight.spec.remote, flight.peers.values())
-        small = flight.nbytes <= self._config.load_in_step_bytes
-        if not in_place and not flight.spec.in_step and small:
+        small = flight.nbytes <= self._config.sync_load_bytes
+        if not in_place and not flight.spec.synchronous and small:
             self._record("network_reads_async")
 
     def _vouch(self, flight: _InFlight) -> None:
@@ -343,8 +343,8 @@ class Receiver:
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` are in place, vouched for by P: reports them."""
         self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
-        if spec.in_step:
-            self._record("in_step_loads")
+        if spec.synchronous:
+            self._record("sync_loads")
         else:
             self._finish(spec.request_id, True, spec.local_block_ids)
         self._lease_client.notify("done", self._release(spec))
@@ -368,9 +368,9 @@ class Receiver:
             self._lease_client.notify("release", self._release(spec))
 
     def _failed(self, spec: RecvSpec) -> None:
-        """Tells vLLM: a failed receive, or for an in-step read its blocks (vLLM's
+        """Tells vLLM: a failed receive, or for a synchronous read its blocks (vLLM's
         kv_load_failure_policy decides either way)."""
-        if spec.in_step:
+        if spec.synchronous:
             self._invalidate(spec.local_block_ids)
         else:
             self._finish(spec.request_id, False, spec.local_block_ids)

@@ -44,7 +44,7 @@ def transfer_line(delta: TransferDelta, prompt_tokens: int) -> str:
     failed = f", {delta.failed} FAILED" if delta.failed else ""
     ready = ms(delta.kv_ready_s / delta.pulls)
     # A read in the step leaves the last prompt token to that step's forward, for its logits.
-    when = "in the step of the first token" if delta.in_step else "asynchronous"
+    when = "in the step of the first token" if delta.sync_loads else "asynchronous"
     return (
         f"transfer: {delta.blocks} block{plural}, {size(delta.bytes)}{pulls} ({when}), "
         f"pull {ms(delta.pull_s)} ({delta.gbps:.2f} GB/s), KV ready on D {ready}, "

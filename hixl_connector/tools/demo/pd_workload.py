@@ -37,7 +37,7 @@ _DECODE_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "kv_ready_s": ("vllm:hixl_kv_ready_seconds_sum", {}),
     "failed_pulls": ("vllm:hixl_failed_pulls_total", {}),
     "failed_handshakes": ("vllm:hixl_failed_handshakes_total", {}),
-    "in_step": ("vllm:hixl_in_step_loads_total", {}),
+    "sync_loads": ("vllm:hixl_sync_loads_total", {}),
     "external_tokens": (
         "vllm:prompt_tokens_by_source_total",
         {"source": "external_kv_transfer"},
@@ -114,7 +114,7 @@ class TransferDelta:
     kv_ready_s: float
     failed: int
     external_tokens: int
-    in_step: int = 0  # of the pulls, those that landed in the step computing the first token
+    sync_loads: int = 0  # of the pulls, those that landed in the step computing the first token
 
     @property
     def gbps(self) -> float:
@@ -139,7 +139,7 @@ def _delta(before: Mapping[str, float], after: Mapping[str, float]) -> TransferD
         kv_ready_s=diff["kv_ready_s"],
         failed=round(diff["failed_pulls"] + diff["failed_handshakes"]),
         external_tokens=round(diff["external_tokens"]),
-        in_step=round(diff["in_step"]),
+        sync_loads=round(diff["sync_loads"]),
     )
 
 

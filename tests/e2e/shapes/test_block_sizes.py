@@ -23,9 +23,9 @@ from ..harness import (
     PROMPTS,
     external_prompt_tokens,
     hixl_counter,
-    in_step_requests,
     pulled,
     request_fails,
+    sync_load_requests,
     wait_for_counter,
     wait_for_pulls,
     wait_kv_idle,
@@ -39,7 +39,7 @@ def test_smaller_prefill_blocks_are_assembled_into_decode_blocks(
     router = fleet.launcher.router("router_bs_32_64", [fleet.p1], [fleet.pd64])
     pulls, blocks, nbytes = pulled(fleet.pd64)
     external = external_prompt_tokens(fleet.pd64.url)
-    in_step = in_step_requests(fleet.pd64, 1)
+    sync_before = sync_load_requests(fleet.pd64, 1)
     for n in PROMPT_LENGTHS:
         out = complete(router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
         assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
@@ -50,10 +50,10 @@ def test_smaller_prefill_blocks_are_assembled_into_decode_blocks(
         # first half of takes one P block, not two.
         assert now[2] - nbytes == math.ceil(n / BLOCK_SIZE) * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
         pulls, blocks, nbytes = now
-    read_in_step = in_step_requests(fleet.pd64, 1) - in_step
-    assert 1 <= read_in_step <= len(PROMPT_LENGTHS)  # all but the first may be
+    read_synchronously = sync_load_requests(fleet.pd64, 1) - sync_before
+    assert 1 <= read_synchronously <= len(PROMPT_LENGTHS)  # all but the first may be
     loaded = external_prompt_tokens(fleet.pd64.url) - external
-    assert loaded == sum(PROMPT_LENGTHS) - read_in_step
+    assert loaded == sum(PROMPT_LENGTHS) - read_synchronously
     out = chat(router.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
     assert out.token_ids == plain_outputs["chat"].token_ids
     wait_kv_idle(fleet.p1)

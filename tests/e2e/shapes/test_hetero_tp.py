@@ -29,8 +29,8 @@ from ..harness import (
     PROMPT_LENGTHS,
     PROMPTS,
     external_prompt_tokens,
-    in_step_requests,
     pulled,
+    sync_load_requests,
     wait_for_pulls,
     wait_kv_idle,
 )
@@ -46,7 +46,7 @@ def test_token_identical_with_exactly_the_model_kv_pulled(
     router = fleet.launcher.router(f"router_tp{p_tp}{d_tp}", [prefill], [decode])
     pulls, blocks, nbytes = pulled(decode)
     external = external_prompt_tokens(decode.url)
-    in_step = in_step_requests(decode, d_tp)
+    sync_before = sync_load_requests(decode, d_tp)
     for n in PROMPT_LENGTHS:
         out = complete(router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
         assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
@@ -57,10 +57,10 @@ def test_token_identical_with_exactly_the_model_kv_pulled(
         assert now[1] - blocks == expected_blocks * d_tp
         assert now[2] - nbytes == expected_blocks * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
         pulls, blocks, nbytes = now
-    read_in_step = in_step_requests(decode, d_tp) - in_step
-    assert 1 <= read_in_step <= len(PROMPT_LENGTHS)  # all but the first may be
+    read_synchronously = sync_load_requests(decode, d_tp) - sync_before
+    assert 1 <= read_synchronously <= len(PROMPT_LENGTHS)  # all but the first may be
     loaded = external_prompt_tokens(decode.url) - external
-    assert loaded == sum(PROMPT_LENGTHS) - read_in_step
+    assert loaded == sum(PROMPT_LENGTHS) - read_synchronously
     out = chat(router.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
     assert out.token_ids == plain_outputs["chat"].token_ids
     wait_kv_idle(prefill)

@@ -3,7 +3,7 @@ its own process, D here, the native engine between them on one host (a same-host
 reads in place).
 
 D's worker reports the link as read in place (what lets its scheduler choose reads in the
-step), and an in-step read lands before its step's forward even when 64 asynchronous reads
+step), and a synchronous read lands before its step's forward even when 64 asynchronous reads
 hold every row of the asynchronous ones in the same step.
 """
 
@@ -55,7 +55,7 @@ def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     }
     spec = {
         "model_dir": str(tiny_model_dir),
-        "engine_id": "p-in-step",
+        "engine_id": "p-synchronous",
         "extra": extra,
         "tp_port": free_port(),
         "leases": LEASES,
@@ -74,9 +74,9 @@ def decode(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
     from hixl_connector.connector.worker.half import HixlWorker
 
     extra = {"backend": "native", "cluster_id_base": D_BASE, "transport": "auto"}
-    config = vllm_config(tiny_model_dir, "kv_consumer", "d-in-step", extra)
+    config = vllm_config(tiny_model_dir, "kv_consumer", "d-synchronous", extra)
     with tp_group(config, free_port()):
-        worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-in-step")
+        worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-synchronous")
         caches = kv_caches(fill=False)
         worker.register_kv_caches(dict(caches))
         try:
@@ -86,14 +86,14 @@ def decode(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 def recv_spec(
-    side_port: int, lease: int, local_block: int, in_step: bool = False, copy: int = 0
+    side_port: int, lease: int, local_block: int, synchronous: bool = False, copy: int = 0
 ) -> Any:
     """D's read of lease ``lease`` into ``local_block`` (``copy``: which of its reads)."""
     from hixl_connector.connector.leases.guarded_read import lease_word
     from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
 
     request, lease_id, blocks = LEASES[lease]
-    remote = RemoteEndpoint("p-in-step", "127.0.0.1", side_port, 1, P_BASE, P_INCARNATION)
+    remote = RemoteEndpoint("p-synchronous", "127.0.0.1", side_port, 1, P_BASE, P_INCARNATION)
     return RecvSpec(
         f"d-{request}-{copy}",
         request,
@@ -103,7 +103,7 @@ def recv_spec(
         tuple(blocks),
         lease_slot=lease,  # P publishes lease k in slot k
         lease_word=lease_word(lease_id, [blocks], P_INCARNATION),
-        in_step=in_step,
+        synchronous=synchronous,
     )
 
 
@@ -130,7 +130,7 @@ def holds_block(caches: dict[str, Any], local_block: int, remote_block: int) -> 
     )
 
 
-def test_a_same_host_link_is_reported_in_place_and_an_in_step_read_has_a_row_of_its_own(
+def test_a_same_host_link_is_reported_in_place_and_a_synchronous_read_has_a_row_of_its_own(
     prefill: int, decode: dict[str, Any]
 ) -> None:
     from hixl_connector.connector.link_reports import LinkReport
@@ -147,31 +147,33 @@ def test_a_same_host_link_is_reported_in_place_and_an_in_step_read_has_a_row_of_
         recv_spec(prefill, 1 + j // 2, local_block=2 + j // 2, copy=j % 2)
         for j in range(ASYNC_READS)
     ]
-    in_step = recv_spec(prefill, SHARED + 1, local_block=SHARED + 2, in_step=True)
+    synchronous = recv_spec(prefill, SHARED + 1, local_block=SHARED + 2, synchronous=True)
     # One step: every asynchronous row taken (rows come back when collected), then a read the
     # forward of this very step needs.
-    worker.start_load_kv(HixlConnectorMetadata(to_recv=[*reads, in_step]))
-    assert worker.take_load_errors() == set(), "the in-step read failed"
-    assert holds_block(decode["caches"], in_step.local_block_ids[0], in_step.remote_block_ids[0])
+    worker.start_load_kv(HixlConnectorMetadata(to_recv=[*reads, synchronous]))
+    assert worker.take_load_errors() == set(), "the synchronous read failed"
+    assert holds_block(
+        decode["caches"], synchronous.local_block_ids[0], synchronous.remote_block_ids[0]
+    )
     ended, failed = finished(worker, {spec.request_id for spec in reads})
     assert failed == set()
-    assert in_step.request_id not in ended  # vLLM learns of it from the forward, not here
+    assert synchronous.request_id not in ended  # vLLM learns of it from the forward, not here
     for spec in reads:
         assert holds_block(decode["caches"], spec.local_block_ids[0], spec.remote_block_ids[0])
     stats = worker.get_stats()
-    assert stats is not None and stats.reduce()["Num in step loads"] == 1
+    assert stats is not None and stats.reduce()["Num sync loads"] == 1
 
 
-def test_an_in_step_read_from_a_link_just_dropped_reads_and_the_step_never_handshakes(
+def test_a_synchronous_read_from_a_link_just_dropped_reads_and_the_step_never_handshakes(
     prefill: int, decode: dict[str, Any]
 ) -> None:
     """Another request's failure dropped P's rank (the scheduler learns of it a step
-    later): an in-step read still reads over the same-host link, which reads or fails at
+    later): a synchronous read still reads over the same-host link, which reads or fails at
     once, instead of failing for a transient state or handshaking on the step thread."""
     from hixl_connector.connector.metadata import HixlConnectorMetadata
 
     worker = decode["worker"]
-    spec = recv_spec(prefill, SHARED + 2, local_block=SHARED + 3, in_step=True)
+    spec = recv_spec(prefill, SHARED + 2, local_block=SHARED + 3, synchronous=True)
     target = spec.remote.rank(0)
     peer = worker._peers.in_place(target)
     assert peer is not None, "linked by the test before"

@@ -6,7 +6,7 @@ the step that computes its first token (a synchronous load: the read lands befor
 step's forward, which waits for it). The second saves a whole step of TTFT and costs that
 step the read's time, so it pays for small reads only, and only where the step cannot end up
 waiting on a peer. A read goes in the step when
-- its KV on this rank is at most ``load_in_step_bytes`` (a same-host read that small is
+- its KV on this rank is at most ``sync_load_bytes`` (a same-host read that small is
   copied on the step thread anyway);
 - every D rank reported that it reads every P rank it needs of that engine in place
   (link_reports): a same-host, one-sided copy that ends whatever P does. A read over the
@@ -16,7 +16,7 @@ waiting on a peer. A read goes in the step when
   links it;
 - the model has one KV-cache group: vLLM reports a failed synchronous load as invalid block
   ids, which it cannot map back to requests across several groups.
-A failed in-step read is reported as the request's invalid blocks, so vLLM's
+A failed synchronous read is reported as the request's invalid blocks, so vLLM's
 kv_load_failure_policy applies as to any failed load.
 
 Pure bookkeeping of the scheduler half: no engine, no I/O.
@@ -29,7 +29,7 @@ from hixl_connector.connector.mapping.blocks import blocks_for_tokens
 from hixl_connector.connector.metadata import RemoteEndpoint
 
 
-class InStepLoads:
+class SyncLoads:
     def __init__(self, limit_bytes: int, block_bytes: int, block_size: int, ranks: int) -> None:
         """``block_bytes``: the bytes one block holds on this rank, every layer together
         (0 when they are unknown: nothing is read in the step); ``ranks``: this engine's

@@ -28,15 +28,15 @@ from vllm_harness import (
 
 from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport, LinkReporter
 from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
-from hixl_connector.connector.scheduler.in_step_loads import InStepLoads
+from hixl_connector.connector.scheduler.sync_loads import SyncLoads
 
 pytestmark = pytest.mark.usefixtures("scheduling")
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 # The harness's blocks: 16 tokens x 2 KV heads x 16 x fp32, K and V, two layers.
 BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
-SMALL_BLOCKS = 3  # load_in_step_bytes below: reads of up to 3 blocks go in the step
-EXTRA = {"load_in_step_bytes": SMALL_BLOCKS * BLOCK_BYTES}
+SMALL_BLOCKS = 3  # sync_load_bytes below: reads of up to 3 blocks go in the step
+EXTRA = {"sync_load_bytes": SMALL_BLOCKS * BLOCK_BYTES}
 
 
 def prompt(num_tokens: int, seed: int = 0) -> list[int]:
@@ -73,7 +73,7 @@ def in_place(remote: RemoteEndpoint = PREFILL, ok: bool = True, rank: int = 0) -
 def warm(scheduler: Scheduler) -> None:
     """A first, asynchronous read from PREFILL succeeds over a same-host link."""
     spec, output = admit(scheduler, "first", 2, seed=9)
-    assert not spec.in_step
+    assert not spec.synchronous
     finish_step(scheduler, output)
     step(scheduler, finished_recving={"first"}, link_report=in_place())
     assert decode_side(scheduler).loads.in_place_engines() == 1
@@ -84,13 +84,13 @@ def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the
 ) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=EXTRA)
     first, output = admit(scheduler, "first", 2, seed=1)
-    assert not first.in_step
+    assert not first.synchronous
     assert scheduler.requests["first"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert finish_step(scheduler, output) == {}
     step(scheduler, finished_recving={"first"}, link_report=in_place())
 
     spec, output = admit(scheduler, "small", SMALL_BLOCKS, seed=2)
-    assert spec.in_step
+    assert spec.synchronous
     assert spec.local_block_ids == tuple(block_ids(scheduler, "small"))
     assert len(spec.local_block_ids) == SMALL_BLOCKS
     request = scheduler.requests["small"]
@@ -104,7 +104,7 @@ def test_the_first_read_from_an_engine_is_asynchronous_then_small_ones_go_in_the
     assert "small" not in decode_side(scheduler).receiving
 
     large, _ = admit(scheduler, "large", SMALL_BLOCKS + 1, seed=3)
-    assert not large.in_step
+    assert not large.synchronous
     assert scheduler.requests["large"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
@@ -116,14 +116,14 @@ def test_reads_over_the_network_never_go_in_the_step(tiny_model_dir: Path) -> No
     finish_step(scheduler, output)
     step(scheduler, finished_recving={"first"}, link_report=in_place(ok=False))
     assert decode_side(scheduler).loads.in_place_engines() == 0
-    assert not admit(scheduler, "small", 1, seed=2)[0].in_step
+    assert not admit(scheduler, "small", 1, seed=2)[0].synchronous
 
 
-def test_an_in_step_failure_recomputes(tiny_model_dir: Path) -> None:
+def test_a_synchronous_load_failure_recomputes(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute", extra=EXTRA)
     warm(scheduler)
     spec, output = admit(scheduler, "bad", 2, seed=4)
-    assert spec.in_step
+    assert spec.synchronous
     request = scheduler.requests["bad"]
     finish_step(scheduler, output, invalid_block_ids={spec.local_block_ids[0]})
     # vLLM dropped the token sampled on missing KV and recomputes the prompt itself.
@@ -142,14 +142,14 @@ def test_a_lost_link_turns_its_engine_asynchronous(tiny_model_dir: Path) -> None
     step(scheduler, link_report=in_place(other))
     step(scheduler, link_report=in_place(ok=False))
     assert decode_side(scheduler).loads.in_place_engines() == 1  # the other engine's link stands
-    assert not admit(scheduler, "after", 2, seed=8)[0].in_step
+    assert not admit(scheduler, "after", 2, seed=8)[0].synchronous
 
 
 def test_off_with_zero_bytes(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra={"load_in_step_bytes": 0})
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra={"sync_load_bytes": 0})
     warm(scheduler)
     spec, output = admit(scheduler, "small", 1, seed=10)
-    assert not spec.in_step
+    assert not spec.synchronous
     finish_step(scheduler, output)
     for _ in range(3):
         step(scheduler)
@@ -167,7 +167,7 @@ def test_off_with_zero_bytes(tiny_model_dir: Path) -> None:
 def test_wanted_exactly_for_small_reads_every_rank_reads_in_place(
     reports: list[tuple[int, bool]], num_computed: int, extra_tokens: int, limit_blocks: int
 ) -> None:
-    loads = InStepLoads(limit_blocks * 100, block_bytes=100, block_size=16, ranks=3)
+    loads = SyncLoads(limit_blocks * 100, block_bytes=100, block_size=16, ranks=3)
     ranks: set[int] = set()
     for rank, ok in reports:  # one rank's report per step, in order: the last one holds
         loads.report(in_place(ok=ok, rank=rank))
@@ -180,7 +180,7 @@ def test_wanted_exactly_for_small_reads_every_rank_reads_in_place(
 
 def test_aggregated_reports_of_every_rank_make_an_engine_in_place() -> None:
     """vLLM aggregates the TP ranks' reports of a step into one (LinkReport.aggregate)."""
-    loads = InStepLoads(1 << 20, block_bytes=1, block_size=16, ranks=2)
+    loads = SyncLoads(1 << 20, block_bytes=1, block_size=16, ranks=2)
     loads.report(in_place(rank=0))
     assert not loads.wanted(PREFILL, 0, 32)
     loads.report(in_place(rank=1).aggregate(in_place(PREFILL, ok=False, rank=0)))
@@ -203,22 +203,22 @@ def test_reporter_sends_changes_only() -> None:
 
 
 def test_unknown_block_bytes_never_read_in_the_step() -> None:
-    loads = InStepLoads(1 << 20, block_bytes=0, block_size=16, ranks=1)
+    loads = SyncLoads(1 << 20, block_bytes=0, block_size=16, ranks=1)
     loads.report(in_place())
     assert not loads.wanted(PREFILL, 0, 32)
 
 
 def test_in_place_engines_are_bounded() -> None:
-    loads = InStepLoads(1 << 20, block_bytes=1, block_size=16, ranks=1)
+    loads = SyncLoads(1 << 20, block_bytes=1, block_size=16, ranks=1)
     for i in range(MAX_REPORTED_ENGINES + 10):
         loads.report(in_place(RemoteEndpoint(f"p{i}", "10.0.0.1", 7000, 1, 0)))
     assert loads.in_place_engines() == MAX_REPORTED_ENGINES
     assert not loads.wanted(RemoteEndpoint("p0", "10.0.0.1", 7000, 1, 0), 0, 32)  # oldest
 
 
-def test_an_in_step_read_after_a_prefix_hit_reads_only_the_suffix(tiny_model_dir: Path) -> None:
+def test_a_synchronous_read_after_a_prefix_hit_reads_only_the_suffix(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(
-        tiny_model_dir, "kv_consumer", extra={"load_in_step_bytes": 8 * BLOCK_BYTES}
+        tiny_model_dir, "kv_consumer", extra={"sync_load_bytes": 8 * BLOCK_BYTES}
     )
     warm(scheduler)
     shared = prompt(2 * BLOCK_SIZE, seed=11)
@@ -228,7 +228,7 @@ def test_an_in_step_read_after_a_prefix_hit_reads_only_the_suffix(tiny_model_dir
     scheduler.add_request(request)
     output = scheduler.schedule()
     (spec,) = metadata(output).to_recv
-    assert spec.in_step
+    assert spec.synchronous
     blocks = block_ids(scheduler, "d")
     assert blocks[:2] == local_blocks[:2]  # the local prefix-cache hit
     assert spec.local_block_ids == tuple(blocks[2:])
