@@ -3,9 +3,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 # The tests import their helpers (vllm_harness, tiny_model) by module name.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,3 +31,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    """A zmq context for one test, terminated after it (every socket must be closed)."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()

@@ -6,10 +6,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import zmq
 
 from hixl_connector.connector.leases.client import LeaseClient, Outgoing, PeerLanes
@@ -20,13 +18,6 @@ from hixl_connector.connector.peers.side_channel import SideChannelClient, SideC
 
 DEAD_TIMEOUT_S = 2.0  # each notice to a dead address waits this long for its reply
 DEAD_ADDRESSES = 4
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
 
 
 def endpoint(name: str, port: int) -> RemoteEndpoint:

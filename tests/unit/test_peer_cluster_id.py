@@ -19,13 +19,6 @@ P_RANK_ONE_CLUSTER = 9001  # P's rank 1; its rank 0 is 9000
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
 def prefill_rank_one(context: zmq.Context) -> Iterator[PrefillRank]:
     """A side channel serving the handshake of P's rank 1."""
     rank = PrefillRank(context, payload("prefill", 1, P_RANK_ONE_CLUSTER))

@@ -4,7 +4,7 @@ cluster id taken over from an engine that no longer answers; the scheduler hears
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -15,13 +15,6 @@ from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers.compatibility import PeerError
 
 CLUSTER = 4242
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.term()
 
 
 def serve(context: zmq.Context, engine_id: str) -> PrefillRank:

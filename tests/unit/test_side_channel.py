@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,13 +24,6 @@ from hixl_connector.connector.peers.side_channel import (
 TOKEN = "side-channel-test-token-0123456789abcdef"
 WRONG_TOKEN = "side-channel-wrong-token-0123456789abcdef"
 ME = Destination("p", 0, 0xA1)  # the prefill rank the servers here play
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
 
 
 def _echo(message: dict[str, Any]) -> dict[str, Any]:
