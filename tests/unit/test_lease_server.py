@@ -14,6 +14,7 @@ import pytest
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
+from raw_side_channel import RawSideChannel
 
 from hixl_connector.connector.leases.guarded_read import CLEARED, LeaseWords, words_path
 from hixl_connector.connector.leases.messages import LeaseNotice, Notification
@@ -229,15 +230,8 @@ def test_a_heartbeat_replayed_while_its_send_time_passes_is_refused(words: Lease
         TOKEN,
         clock=lambda: time.time() + p_clock_ahead_by["s"],
     )
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{channel.port}")
-
-    def send(frame: bytes) -> dict[str, Any]:
-        dealer.send_multipart([b"", frame])
-        assert dealer.poll(5000), "no reply"
-        return msgpack.unpackb(dealer.recv_multipart()[-1], raw=False)
-
+    dealer = RawSideChannel(context, channel.port)
+    send = dealer.ask
     try:
         words.publish(3, 0xEF)
         leases.start([SendSpec("r3", 11, 3, 0xEF)], time.monotonic())
@@ -252,6 +246,6 @@ def test_a_heartbeat_replayed_while_its_send_time_passes_is_refused(words: Lease
         assert leases.finished(answered_at + lease_s + 0.01) == {"r3"}
         assert counters.counts == {"expired_leases": 1} and words[3] == CLEARED
     finally:
-        dealer.close(linger=0)
+        dealer.close()
         channel.close()
         context.term()

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import zmq
 from loopback import has_ipv6_loopback
+from raw_side_channel import raw_request
 
 from hixl_connector.connector.peers.envelope import Destination, seal_request, signature
 from hixl_connector.connector.peers.side_channel import (
@@ -185,18 +186,6 @@ def test_a_dead_serving_thread_is_reported_and_shutdown_stays_bounded(
     # The context fixture's term() returns: every socket was closed although the thread died.
 
 
-def _raw_request(context: zmq.Context, port: int, frame: bytes) -> dict[str, Any]:
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        raw.send_multipart([b"", frame])
-        assert raw.poll(2000), "no reply"
-        return msgpack.unpackb(raw.recv_multipart()[-1], raw=False)
-    finally:
-        raw.close(linger=0)
-
-
 def _signed(body: dict[str, Any], **changes: Any) -> bytes:
     """``body`` as a client for ``ME`` sends it, with ``changes`` signed over it."""
     body = {**body, "wire": 2, "to": ME.to_wire(), **changes}
@@ -215,12 +204,12 @@ def test_a_captured_signed_request_is_not_accepted_twice(context: zmq.Context) -
     body = {"type": "heartbeat", "value": 1, "seq": 1, "nonce": b"n" * 16}
     try:
         captured = _signed(body, sent_at=time.time())
-        assert _raw_request(context, server.port, captured)["ok"]
-        replay = _raw_request(context, server.port, captured)
+        assert raw_request(context, server.port, captured)["ok"]
+        replay = raw_request(context, server.port, captured)
         assert not replay["ok"] and "replayed request" in replay["error"]
-        old = _raw_request(context, server.port, _signed(body, nonce=b"m" * 16, sent_at=1.0))
+        old = raw_request(context, server.port, _signed(body, nonce=b"m" * 16, sent_at=1.0))
         assert not old["ok"] and "s off this host's clock" in old["error"]
-        unsigned_time = _raw_request(context, server.port, _signed(body, nonce=b"k" * 16))
+        unsigned_time = raw_request(context, server.port, _signed(body, nonce=b"k" * 16))
         assert not unsigned_time["ok"] and "missing send time" in unsigned_time["error"]
         assert served == [1]
     finally:
@@ -311,19 +300,19 @@ def test_a_request_for_another_rank_or_incarnation_is_refused(
     heartbeat = {"type": "heartbeat", "items": []}
     try:
         captured = msgpack.packb(seal_request(heartbeat, 1, ME, token, time.time())[0])
-        assert _raw_request(context, servers[0].port, captured)["ok"]
-        replay = _raw_request(context, servers[1].port, captured)
+        assert raw_request(context, servers[0].port, captured)["ok"]
+        replay = raw_request(context, servers[1].port, captured)
         assert not replay["ok"]
         assert "is for engine p rank 0 incarnation a1, this is engine p rank 1" in replay["error"]
         restarted = Destination(ME.engine_id, 0, 0xB2)
         stale = msgpack.packb(seal_request(heartbeat, 2, restarted, token, time.time())[0])
-        refused = _raw_request(context, servers[0].port, stale)["error"]
+        refused = raw_request(context, servers[0].port, stale)["error"]
         assert "is for engine p rank 0 incarnation b2, this is engine p rank 0 incarnation a1" in (
             refused
         )
         old_wire = msgpack.unpackb(captured, raw=False)
         del old_wire["wire"]
-        old = _raw_request(context, servers[0].port, msgpack.packb(old_wire))["error"]
+        old = raw_request(context, servers[0].port, msgpack.packb(old_wire))["error"]
         assert "wire version 1, this engine speaks 2" in old
         identities[1] = Destination(ME.engine_id, 1, 0)  # its scheduler has not written it
         client = SideChannelClient(

@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from raw_side_channel import raw_request
 
 from hixl_connector.connector.peers.envelope import Destination, seal_request
 from hixl_connector.connector.peers.side_channel import SideChannelClient
@@ -100,11 +101,11 @@ def test_a_notice_signed_for_one_prefill_rank_is_refused_by_the_other(fleet: Fle
     try:
         beat = {"type": "heartbeat", "items": [lease]}
         captured = msgpack.packb(seal_request(beat, 1, ranks[0], AUTH_TOKEN, time.time())[0])
-        assert _send(context, ports[0], captured)["ok"]
-        to_rank_one = _send(context, ports[1], captured)
+        assert raw_request(context, ports[0], captured)["ok"]
+        to_rank_one = raw_request(context, ports[1], captured)
         assert not to_rank_one["ok"]
         assert f"is for {ranks[0]}, this is {ranks[1]}" in to_rank_one["error"]
-        assert "replayed request" in _send(context, ports[0], captured)["error"]
+        assert "replayed request" in raw_request(context, ports[0], captured)["error"]
         for rank, port in zip(ranks, ports, strict=True):
             client = SideChannelClient(context, "127.0.0.1", port, rank, 5.0, AUTH_TOKEN)
             client.request({"type": "release", "items": [[*lease, 1, 0]]})
@@ -112,15 +113,3 @@ def test_a_notice_signed_for_one_prefill_rank_is_refused_by_the_other(fleet: Fle
     finally:
         context.term()
     wait_kv_idle(fleet.p2)
-
-
-def _send(context: zmq.Context, port: int, frame: bytes) -> dict[str, Any]:
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        dealer.send_multipart([b"", frame])
-        assert dealer.poll(5000), f"no reply from 127.0.0.1:{port}"
-        return msgpack.unpackb(dealer.recv_multipart()[-1], raw=False)
-    finally:
-        dealer.close(linger=0)
