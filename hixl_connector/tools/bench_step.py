@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hixl_connector.tools.vllm_scheduler import real_scheduler
+
 STEPS = 200
-BLOCK_SIZE = 16
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,50 +146,13 @@ def _params(i: int) -> dict[str, Any]:
 
 
 def _decode_scheduler(model: Path, num_blocks: int) -> tuple[Any, Any]:
-    import torch
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), tokenizer=str(model), dtype="float32"),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
-            max_model_len=512,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HixlConnector",
-            kv_connector_module_path="hixl_connector.connector.facade",
-            kv_role="kv_consumer",
-            engine_id="bench-step",
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
+    scheduler = real_scheduler(
+        model,
+        "kv_consumer",
+        engine_id="bench-step",
         num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layers.0", "layers.1"], spec)],
-    )
-    scheduler = Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK_SIZE,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
     )
     connector: Any = scheduler.connector
     return scheduler, connector._scheduler

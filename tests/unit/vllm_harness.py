@@ -9,41 +9,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
-)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from hixl_connector.connector.facade import HixlConnector
-from hixl_connector.connector.leases.guarded_read import LeaseWords, words_path
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler.decode_side import DecodeSide
 from hixl_connector.connector.scheduler.half import HixlScheduler
 from hixl_connector.connector.scheduler.prefill_side import PrefillSide
+from hixl_connector.tools.vllm_scheduler import BLOCK_SIZE, real_scheduler
 
-BLOCK_SIZE = 16
-MAX_MODEL_LEN = 512
 P_INCARNATION = 0xC0FFEE  # the start nonce of the P that prefill_params come from
 EXTRA_CONFIG = {"side_channel_host": "10.0.0.7", "side_channel_port": 6100, "cluster_id_base": 4096}
 
@@ -65,66 +46,17 @@ def make_scheduler(
     extra: dict[str, Any] | None = None,
     sliding_window: int = 0,
 ) -> Scheduler:
-    """vLLM's scheduler with the connector; with ``sliding_window``, a hybrid model (layer 0
-    full attention, layer 1 sliding window, a KV-cache group each) under vLLM's hybrid
-    KV-cache manager."""
-    kv_transfer = KVTransferConfig(
-        kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_connector.connector.facade",
-        kv_role=kv_role,
+    """vLLM's scheduler with the connector (tools.vllm_scheduler), scheduling as
+    ASYNC_SCHEDULING says."""
+    return real_scheduler(
+        model_dir,
+        kv_role,
         engine_id=engine_id,
-        kv_load_failure_policy=policy,
-        kv_connector_extra_config={**EXTRA_CONFIG, **(extra or {})},
-    )
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(model_dir),
-            tokenizer=str(model_dir),
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            seed=0,
-            enforce_eager=True,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
-            is_encoder_decoder=False,
-            async_scheduling=ASYNC_SCHEDULING,
-            disable_hybrid_kv_cache_manager=not sliding_window,
-        ),
-        kv_transfer_config=kv_transfer,
-        device_config=DeviceConfig("cpu"),
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
-    )
-    groups = [KVCacheGroupSpec(["layers.0", "layers.1"], spec)]
-    if sliding_window:
-        window = SlidingWindowSpec(
-            block_size=BLOCK_SIZE,
-            num_kv_heads=2,
-            head_size=16,
-            dtype=torch.float32,
-            sliding_window=sliding_window,
-        )
-        groups = [KVCacheGroupSpec(["layers.0"], spec), KVCacheGroupSpec(["layers.1"], window)]
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    if kv_role != "kv_consumer" and not words_path(engine_id, 0, 0).exists():
-        # What P's worker does when it registers its KV caches, before vLLM builds the
-        # scheduler (which maps the words, then unlinks the file).
-        LeaseWords.create(words_path(engine_id, 0, 0), num_blocks).close()
-    scheduler_class = AsyncScheduler if ASYNC_SCHEDULING else Scheduler
-    return scheduler_class(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
+        num_blocks=num_blocks,
+        policy=policy,
+        extra={**EXTRA_CONFIG, **(extra or {})},
+        async_scheduling=ASYNC_SCHEDULING,
+        sliding_window=sliding_window,
     )
 
 

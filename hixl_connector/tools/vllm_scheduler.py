@@ -1,0 +1,107 @@
+"""vLLM's own scheduler with the HIXL connector's scheduler half, the worker side left to the
+caller: for the per-step benchmark (bench_step) and the tests that drive vLLM's scheduling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 512
+
+
+def real_scheduler(
+    model_dir: Path,
+    kv_role: str,
+    *,
+    engine_id: str,
+    num_blocks: int = 64,
+    policy: str = "fail",
+    extra: dict[str, Any] | None = None,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = MAX_MODEL_LEN,
+    async_scheduling: bool = False,
+    sliding_window: int = 0,
+) -> Any:
+    """vLLM's Scheduler (AsyncScheduler with ``async_scheduling``) over ``num_blocks`` blocks
+    of BLOCK_SIZE tokens, connector configured by ``extra``; with ``sliding_window``, a
+    hybrid model (layer 0 full attention, layer 1 sliding window, a KV-cache group each)
+    under vLLM's hybrid KV-cache manager."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from hixl_connector.connector.leases.guarded_read import LeaseWords, words_path
+
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            seed=0,
+            enforce_eager=True,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+            async_scheduling=async_scheduling,
+            disable_hybrid_kv_cache_manager=not sliding_window,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HixlConnector",
+            kv_connector_module_path="hixl_connector.connector.facade",
+            kv_role=kv_role,
+            engine_id=engine_id,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config=dict(extra or {}),
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
+    )
+    groups = [KVCacheGroupSpec(["layers.0", "layers.1"], spec)]
+    if sliding_window:
+        window = SlidingWindowSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=2,
+            head_size=16,
+            dtype=torch.float32,
+            sliding_window=sliding_window,
+        )
+        groups = [KVCacheGroupSpec(["layers.0"], spec), KVCacheGroupSpec(["layers.1"], window)]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    if kv_role != "kv_consumer" and not words_path(engine_id, 0, 0).exists():
+        # What P's worker does when it registers its KV caches, before vLLM builds the
+        # scheduler (which maps the words, then unlinks the file).
+        LeaseWords.create(words_path(engine_id, 0, 0), num_blocks).close()
+    scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+    return scheduler_class(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
