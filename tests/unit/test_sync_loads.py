@@ -21,6 +21,7 @@ from vllm_harness import (
     make_scheduler,
     metadata,
     prefill_params,
+    prompt,
     runner_output,
     served_locally,
     step,
@@ -37,10 +38,6 @@ PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNAT
 BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
 SMALL_BLOCKS = 3  # sync_load_bytes below: reads of up to 3 blocks go in the step
 EXTRA = {"sync_load_bytes": SMALL_BLOCKS * BLOCK_BYTES}
-
-
-def prompt(num_tokens: int, seed: int = 0) -> list[int]:
-    return [(seed * 31 + i * 7) % 300 + 3 for i in range(num_tokens)]
 
 
 def admit(

@@ -191,3 +191,16 @@ def finished_outputs(engine_outputs: dict[int, Any]) -> dict[str, Any]:
         for out in client.outputs
         if out.finish_reason is not None
     }
+
+
+def prompt(num_tokens: int, seed: int = 0) -> list[int]:
+    return [(seed * 31 + i * 7) % 300 + 3 for i in range(num_tokens)]
+
+
+def run_until_finished(scheduler: Scheduler, request_id: str, max_steps: int = 20) -> Any:
+    for _ in range(max_steps):
+        _, engine_outputs = step(scheduler)
+        finished = finished_outputs(engine_outputs)
+        if request_id in finished:
+            return finished[request_id]
+    raise AssertionError(f"{request_id} did not finish in {max_steps} steps")

@@ -1,4 +1,5 @@
-"""HixlScheduler inside vLLM's real Scheduler (CPU, one process, no worker).
+"""D's scheduler half inside vLLM's real Scheduler (CPU, one process, no worker): what a
+decode engine asks for, reads, renews and gives back.
 
 The worker side is played by hand: each step the test returns a ModelRunnerOutput with the
 KVConnectorOutput a worker would report (finished_recving, failed_recving, finished_sending).
@@ -7,15 +8,12 @@ KVConnectorOutput a worker would report (finished_recving, failed_recving, finis
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
-    EXTRA_CONFIG,
     P_INCARNATION,
     block_ids,
     decode_side,
@@ -27,35 +25,18 @@ from vllm_harness import (
     make_scheduler,
     metadata,
     prefill_params,
-    prefill_side,
-    runner_output,
+    prompt,
+    run_until_finished,
     served_locally,
     step,
 )
 
-from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
-from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, SendSpec, WaitingRead
-from hixl_connector.connector.peers.rank_addresses import rank_address
-from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
+from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, WaitingRead
 
 pytestmark = pytest.mark.usefixtures("scheduling")
 
 PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
-
-
-def prompt(num_tokens: int, seed: int = 0) -> list[int]:
-    return [(seed * 31 + i * 7) % 300 + 3 for i in range(num_tokens)]
-
-
-def run_until_finished(scheduler: Scheduler, request_id: str, max_steps: int = 20) -> Any:
-    for _ in range(max_steps):
-        _, engine_outputs = step(scheduler)
-        finished = finished_outputs(engine_outputs)
-        if request_id in finished:
-            return finished[request_id]
-    raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
 
 
 def test_remote_prefill_lifecycle(tiny_model_dir: Path) -> None:
@@ -287,111 +268,6 @@ def test_larger_or_non_dividing_prefill_blocks_are_refused(tiny_model_dir: Path)
         assert spec.remote == PREFILL and spec.remote_block_ids == ()  # P is told to free
 
 
-def test_producer_lifecycle(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="prefill-1")
-    config = HixlConfig.from_dict(EXTRA_CONFIG, "prefill-1")
-    idle = free_blocks(scheduler)
-    for request_id, seed in (("p1", 0), ("p2", 5)):
-        scheduler.add_request(
-            make_request(
-                request_id, prompt(40, seed), max_tokens=1, params=dict(PREFILL_LEG_PARAMS)
-            )
-        )
-    output = scheduler.schedule()
-    blocks = {rid: block_ids(scheduler, rid) for rid in ("p1", "p2")}
-    finished = finished_outputs(scheduler.update_from_output(output, runner_output(output)))
-    assert set(finished) == {"p1", "p2"}
-    leases = {rid: out.kv_transfer_params["remote_lease_id"] for rid, out in finished.items()}
-    assert len(set(leases.values())) == 2
-    params = dict(finished["p1"].kv_transfer_params)
-    # vLLM itself adds P's local cache hits for D's usage report.
-    assert params.pop("remote_prefill_cached_tokens") == 0
-    assert params == {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_size": [16],
-        "remote_block_ids": [blocks["p1"]],
-        "remote_engine_id": "prefill-1",
-        "remote_request_id": "p1",
-        "remote_host": "10.0.0.7",
-        "remote_port": 6100,
-        "tp_size": 1,
-        "dcp_size": 1,
-        "pp_size": 1,
-        "remote_num_tokens": 40,
-        "remote_blocks_expiry_time": None,
-        "transfer_mode": "pull",
-        "remote_cluster_id": rank_address(config, 0, 0, 1).cluster_id,
-        "remote_lease_id": leases["p1"],
-        "remote_lease_slot": 0,
-        "remote_incarnation": prefill_side(scheduler).incarnation,
-    }
-    assert finished["p2"].kv_transfer_params["remote_lease_slot"] == 1
-    assert rank_address(config, 0, 0, 1).cluster_id == 4096
-    assert free_blocks(scheduler) == idle - 6  # delay-free: both requests keep 3 blocks
-
-    output, _ = step(scheduler)
-    assert metadata(output).to_send == [
-        SendSpec(
-            rid,
-            leases[rid],
-            slot,
-            lease_word(leases[rid], [blocks[rid]], prefill_side(scheduler).incarnation),
-        )
-        for slot, rid in enumerate(("p1", "p2"))
-    ]
-    assert len(prefill_side(scheduler).leased) == 2
-    step(scheduler, finished_sending={"p1"})
-    assert free_blocks(scheduler) == idle - 3
-    step(scheduler, finished_sending={"p2"})
-    assert free_blocks(scheduler) == idle
-    assert scheduler.requests == {} and len(prefill_side(scheduler).leased) == 0
-    assert metadata(scheduler.schedule()).to_send == []
-
-
-def test_a_lease_is_published_before_its_params_leave_and_its_slot_reused_after(
-    tiny_model_dir: Path,
-) -> None:
-    words = LeaseWords.create(words_path("prefill-w", 0, 0), 64)  # as P's worker does
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="prefill-w")
-    slots = []
-    for request_id in ("p1", "p2"):
-        params = dict(PREFILL_LEG_PARAMS)
-        scheduler.add_request(make_request(request_id, prompt(40, 1), max_tokens=1, params=params))
-        (out,) = finished_outputs(step(scheduler)[1]).values()
-        sent = out.kv_transfer_params
-        slot = sent["remote_lease_slot"]
-        word = lease_word(
-            sent["remote_lease_id"], sent["remote_block_ids"], sent["remote_incarnation"]
-        )
-        assert words[slot] == word  # D can check it as soon as it has the params
-        assert words.incarnation == sent["remote_incarnation"]  # what P's handshake announces
-        words.clear(slot, word)  # P's worker: cleared before it reports the lease ended
-        step(scheduler, finished_sending={request_id})
-        slots.append(slot)
-    assert slots[0] == slots[1]  # freed once reported, and taken again
-    words.close()
-
-
-def test_producer_abort_frees_at_once(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer")
-    idle = free_blocks(scheduler)
-    scheduler.add_request(make_request("p3", prompt(40), params={"do_remote_decode": True}))
-    scheduler.schedule()
-    scheduler.finish_requests("p3", RequestStatus.FINISHED_ABORTED)
-    assert free_blocks(scheduler) == idle
-    assert metadata(scheduler.schedule()).to_send == []
-
-
-def test_producer_computes_a_remote_prefill_request_itself(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer")
-    scheduler.add_request(make_request("x", prompt(40), params=prefill_params(3)))
-    output, _ = step(scheduler)
-    assert output.num_scheduled_tokens == {"x": 40}
-    assert metadata(output).to_recv == [] and metadata(output).waiting == []
-    assert hixl(scheduler).get_finished_count() is None
-
-
 def test_abort_while_pulling_keeps_blocks_until_the_pull_ends(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
     idle = free_blocks(scheduler)
@@ -407,77 +283,3 @@ def test_abort_while_pulling_keeps_blocks_until_the_pull_ends(tiny_model_dir: Pa
     step(scheduler, finished_recving={"d9"})
     assert free_blocks(scheduler) == idle
     assert scheduler.requests == {}
-
-
-def test_kv_both_serves_as_prefill_and_decode(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_both")
-    scheduler.add_request(make_request("d", prompt(40), params=prefill_params(3)))
-    scheduler.add_request(
-        make_request("p", prompt(40, seed=9), max_tokens=1, params={"do_remote_decode": True})
-    )
-    output, engine_outputs = step(scheduler)
-    assert [spec.request_id for spec in metadata(output).to_recv] == ["d"]
-    assert output.num_scheduled_tokens == {"p": 40}
-    params = finished_outputs(engine_outputs)["p"].kv_transfer_params
-    assert params["do_remote_prefill"] is True and params["remote_request_id"] == "p"
-    assert [spec.request_id for spec in metadata(step(scheduler)[0]).to_send] == ["p"]
-
-
-def test_misconfigured_requests_are_counted_by_kind_and_said_once(
-    tiny_model_dir: Path, caplog: Any
-) -> None:
-    """Requests that show a misconfigured deployment, through vLLM's real scheduler: counted
-    by kind in the connector's stats, and each kind said once with its cause."""
-    import logging
-
-    logger = logging.getLogger("hixl_connector.connector.scheduler.misconfig")
-    logger.addHandler(caplog.handler)
-
-    def said(kind: str) -> list[str]:
-        # One record (seen once more where the logger also propagates to caplog's root).
-        records = {r for r in caplog.records if f"{{kind={kind}}}" in r.getMessage()}
-        return [r.getMessage() for r in records]
-
-    def misconfigured(scheduler: Scheduler) -> dict[str, int]:
-        stats: Any = scheduler.connector.get_kv_connector_stats()  # type: ignore[union-attr]
-        return {} if stats is None else stats.misconfigured()
-
-    try:
-        decode = make_scheduler(tiny_model_dir, "kv_consumer")
-        for i in range(3):  # straight to D: it computes the whole prompt
-            decode.add_request(make_request(f"plain{i}", prompt(20, seed=i)))
-        decode.add_request(make_request("d1", prompt(40), params=prefill_params(3)))
-        decode.add_request(make_request("local", prompt(20), params={"do_remote_prefill": False}))
-        asked = {"do_remote_decode": True, "do_remote_prefill": False}
-        decode.add_request(make_request("as-p", prompt(20), params=asked))
-        nixl = {k: v for k, v in prefill_params(3).items() if "lease" not in k}
-        nixl = {
-            k: v for k, v in nixl.items() if k not in ("remote_cluster_id", "remote_incarnation")
-        }
-        decode.add_request(make_request("nixl", prompt(40), params=nixl))
-        assert misconfigured(decode) == {
-            "decode_without_params": 3,
-            "consumer_asked_to_produce": 1,
-            "foreign_params": 1,
-        }
-        assert misconfigured(decode) == {}  # counted since the last stats
-        (without,) = said("decode_without_params")
-        assert "request plain0" in without and "must reach D unchanged" in without
-        (as_p,) = said("consumer_asked_to_produce")
-        assert "request as-p" in as_p and "set kv_role to kv_producer" in as_p
-        (foreign,) = said("foreign_params")
-        assert "remote_lease_slot" in foreign and "HixlConnector on the prefill side" in foreign
-
-        prefill = make_scheduler(tiny_model_dir, "kv_producer", engine_id="other-p")
-        prefill.add_request(make_request("plain", prompt(20)))  # P's everyday request
-        prefill.add_request(make_request("as-d", prompt(40), params=prefill_params(3)))
-        assert misconfigured(prefill) == {"producer_asked_to_consume": 1}
-        (as_d,) = said("producer_asked_to_consume")
-        assert "request as-d" in as_d and "set kv_role to kv_consumer" in as_d
-
-        both = make_scheduler(tiny_model_dir, "kv_both", engine_id="other-both")
-        both.add_request(make_request("plain", prompt(20)))
-        both.add_request(make_request("as-p", prompt(20), params=asked))
-        assert misconfigured(both) == {}  # kv_both serves either way
-    finally:
-        logger.removeHandler(caplog.handler)
