@@ -2,11 +2,14 @@
 
 It lets the connector's "ascend" back-end (``hixl_connector.datadist.ascend``) run on a host
 without CANN. It behaves as CANN's Python layer (``src/python/llm_datadist`` of hicann/hixl)
-does, with the native engine in place of CANN's compiled wrapper, and it is no stricter than
-that layer: option keys are forwarded whatever their prefix, unknown ``LLMConfig`` attributes
-are stored and ignored, ``pull_blocks`` reads its keyword arguments with ``dict.get`` (a
-misspelt one is dropped and its default applies), and empty layer ranges mean all layers. The
-project's own checks on these live in ``hixl_connector.datadist`` (``ascend_checks``), not here.
+does, written from that layer's documented behaviour (the reference's sections 2-6) and
+sharing no code with ``hixl_connector.datadist``: its types, checks and calls are its own, and
+the project's C++ engine (``hixl_connector._native``) plays CANN's compiled layer. It is no
+stricter than CANN's Python layer: option keys are forwarded whatever their prefix, unknown
+``LLMConfig`` attributes are stored and ignored, ``pull_blocks`` reads its keyword arguments
+with ``dict.get`` (a misspelt one is dropped and its default applies), and empty layer ranges
+mean all layers. The project's own checks on these live in ``hixl_connector.datadist``
+(``ascend_checks``), not here.
 
 Where CANN decides in C++, the stand-in follows the rules the reference documents:
 
@@ -29,7 +32,10 @@ every ``pull_blocks`` wait ``s`` first, as a slow device would.
 
 from __future__ import annotations
 
-from hixl_connector.datadist import (
+from .cache_manager import CacheManager, set_pull_delay
+from .config import LLMConfig, LlmConfig
+from .llm_datadist import TRANSPORT_ENV, LLMDataDist
+from .llm_types import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -37,19 +43,13 @@ from hixl_connector.datadist import (
     CacheKeyByIdAndIndex,
     DataType,
     LLMClusterInfo,
-    LLMException,
     LLMRole,
-    LLMStatusCode,
     Memtype,
     Placement,
     RegisterMemStatus,
-    Status,
 )
-
-from .cache_manager import CacheManager, set_pull_delay
-from .config import LLMConfig, LlmConfig
-from .llm_datadist import TRANSPORT_ENV, LLMDataDist
 from .recorder import calls, pull_kwargs
+from .status import LLMException, LLMStatusCode, Status
 
 STANDIN = True
 

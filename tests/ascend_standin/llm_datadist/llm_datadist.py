@@ -1,54 +1,75 @@
-"""CANN's ``LLMDataDist`` as its Python layer behaves, over the project's native engine."""
+"""CANN's ``LLMDataDist`` as its Python layer behaves, with the project's C++ engine
+(``hixl_connector._native``) where CANN has its compiled layer."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from hixl_connector.datadist import LLMClusterInfo, LLMRole, LLMStatusCode, RegisterMemStatus
-from hixl_connector.datadist import LLMDataDist as _NativeLLMDataDist
-from hixl_connector.datadist.checks import check_isinstance
-from hixl_connector.datadist.status import raise_if_false
+from hixl_connector import _native
 
-from .cache_manager import CacheManager, _not_emulated
+from .cache_manager import CacheManager, int64, not_emulated
+from .llm_types import LLMClusterInfo, LLMRole, RegisterMemStatus, ip_text
 from .recorder import record
+from .status import (
+    LLMStatusCode,
+    check_isinstance,
+    check_uint,
+    raise_if_false,
+    status_of,
+)
 
 # Native transport under the stand-in ("tcp" lets a stopped peer time a pull out).
 TRANSPORT_ENV = "HIXL_STANDIN_TRANSPORT"
+MAX_CLUSTERS_PER_CALL = 16
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+_initialized: list[LLMDataDist] = []  # CANN allows one LLMDataDist per process
 
 
-def check_listen_ip_info(value: str) -> None:
+def check_listen_ip_info(value: str) -> tuple[str, int]:
     """CANN splits "ip:port" on every colon, so an IPv6 address fails ``init``; the address
     itself is not checked in Python."""
     parts = value.split(":")
     raise_if_false(
         len(parts) == 2, f'llm.listenIpInfo "{value}" is invalid, format should be "ip:port"'
     )
-    int(parts[1])  # CANN: int(port), so a non-number raises ValueError
+    return parts[0], int(parts[1])  # CANN: int(port), so a non-number raises ValueError
 
 
 class LLMDataDist:
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
         record("LLMDataDist")
-        self._native = _NativeLLMDataDist(role, cluster_id)
+        check_isinstance("role", role, LLMRole)
+        check_uint("cluster_id", cluster_id, 64)
+        self._role = role
+        self._cluster_id = cluster_id
+        self._engine: Any = None
         self._cache_manager: CacheManager | None = None
 
     def init(self, options: dict[str, str]) -> None:
-        """Every option key is forwarded, as CANN forwards it; the engine ignores those it
-        does not know."""
+        """Every option key is forwarded, as CANN forwards it; those the engine has no use
+        for are ignored."""
         record("init")
         if self._cache_manager is not None:
             return
         check_isinstance("options", options, dict)
-        if "llm.listenIpInfo" in options:
-            check_listen_ip_info(options["llm.listenIpInfo"])
-        native_options = dict(options)
-        native_options["hixl.transport"] = os.environ.get(TRANSPORT_ENV, "auto")
-        self._native.init(native_options)  # a second instance raises LLM_FAILED here
-        accessible = native_options.get("llm.EnableRemoteCacheAccessible") == "1" or bool(
-            native_options.get("llm.LocalCommRes") or native_options.get("llm.TransferBackend")
+        raise_if_false(
+            not _initialized,
+            "Cannot init multiple LLMDataDists",
+            status_code=LLMStatusCode.LLM_FAILED,
         )
-        self._cache_manager = CacheManager(self._native.cache_manager, accessible)
+        raise_if_false("ge.exec.deviceId" in options, "ge.exec.deviceId is required")
+        host, port = "", -1
+        if "llm.listenIpInfo" in options:
+            host, port = check_listen_ip_info(options["llm.listenIpInfo"])
+        accessible = options.get("llm.EnableRemoteCacheAccessible") == "1" or bool(
+            options.get("llm.LocalCommRes") or options.get("llm.TransferBackend")
+        )
+        timeout_ms = int(options.get("llm.SyncKvCacheWaitTime", DEFAULT_SYNC_KV_TIMEOUT_MS))
+        transport = os.environ.get(TRANSPORT_ENV, "auto")
+        self._engine = _native.Engine(int64(self._cluster_id), host, port, "", transport)
+        self._cache_manager = CacheManager(self._engine, accessible, timeout_ms)
+        _initialized.append(self)
 
     @property
     def cache_manager(self) -> CacheManager:
@@ -60,7 +81,15 @@ class LLMDataDist:
         self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...], timeout: int = 3000
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         record("link_clusters")
-        status, per_cluster = self._native.link_clusters(clusters, timeout)
+
+        def link(cluster: LLMClusterInfo) -> int:
+            if not cluster.remote_ip_info_list:
+                return int(LLMStatusCode.LLM_PARAM_INVALID)
+            ip, port = cluster.remote_ip_info_list[0]
+            remote = int64(cluster.remote_cluster_id or 0)
+            return int(self._engine.link(remote, ip_text(ip), port, timeout)[0])
+
+        status, per_cluster = self._each(clusters, timeout, link)
         if any(code == LLMStatusCode.LLM_SUCCESS for code in per_cluster):
             self.cache_manager.linked = True
         return status, per_cluster
@@ -72,21 +101,44 @@ class LLMDataDist:
         force: bool = False,
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         record("unlink_clusters(force)" if force else "unlink_clusters")
-        return self._native.unlink_clusters(clusters, timeout, force)
+        check_isinstance("force", force, bool)
+
+        def unlink(cluster: LLMClusterInfo) -> int:
+            remote = int64(cluster.remote_cluster_id or 0)
+            return int(self._engine.unlink(remote, timeout, bool(force))[0])
+
+        return self._each(clusters, timeout, unlink)
+
+    def _each(
+        self, clusters: Any, timeout: Any, action: Any
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        raise_if_false(self._engine is not None, "llm datadist is not initialized")
+        check_isinstance("clusters", clusters, (list, tuple), LLMClusterInfo)
+        check_uint("timeout", timeout, 31)
+        raise_if_false(timeout > 0, "Param timeout should be greater than 0.")
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, []
+        per_cluster = [status_of(action(cluster)) for cluster in clusters]
+        failed = [code for code in per_cluster if code != LLMStatusCode.LLM_SUCCESS]
+        return (failed[-1] if failed else LLMStatusCode.LLM_SUCCESS), per_cluster
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
-        raise _not_emulated("switch_role")
+        raise not_emulated("switch_role")
 
     def link(self, *args: Any) -> int:
-        raise _not_emulated("link (ranktable mode)")
+        raise not_emulated("link (ranktable mode)")
 
     def unlink(self, *args: Any) -> None:
-        raise _not_emulated("unlink (ranktable mode)")
+        raise not_emulated("unlink (ranktable mode)")
 
     def query_register_mem_status(self, *args: Any) -> RegisterMemStatus:
-        raise _not_emulated("query_register_mem_status")
+        raise not_emulated("query_register_mem_status")
 
     def finalize(self) -> None:
         record("finalize")
-        self._native.finalize()
+        if self._engine is not None:
+            self._engine.close()
+        if self in _initialized:
+            _initialized.remove(self)
+        self._engine = None
         self._cache_manager = None
