@@ -6,12 +6,14 @@ a 2048-token request with fresh random block ids each iteration, 1-block and 8-b
 and the planning time of 128 blocks x 64 tensors. Each request is paired with an in-process
 scatter memcpy of a request of the same shape (same chunking, same thread count), run back to
 back in rotating order; "ratio" is the median of the per-pair ratios, so load from other
-processes that changes during the run affects both sides of a pair alike. For cma, each pull
-is also paired with bare process_vm_readv calls reading the same shape from the server
-process on the same schedule: the kernel's ceiling for one-sided reads ("pvm ratio" is its
-ratio to memcpy, "of pvm" the engine's ratio to it). Every pool (server source, client
-destination, the memcpy's source) is the same kind of memory: anonymous, advised
-MADV_HUGEPAGE, tensors 2 MiB aligned.
+processes that changes during the run affects both sides of a pair alike. Each pull is also
+paired with a bare reference of its transport moving the same shape: for cma, bare
+process_vm_readv calls reading from the server process on the same schedule (the kernel's
+ceiling for one-sided reads); for tcp, bare loopback sockets, as many connections as the
+engine's, one sending and one receiving thread each, no requests and no framing ("bare
+ratio" is the reference's ratio to memcpy, "of bare" the engine's ratio to it). Every pool
+(server source, client destination, the memcpy's source) is the same kind of memory:
+anonymous, advised MADV_HUGEPAGE, tensors 2 MiB aligned.
 
     python -m hixl_connector bench [--quick] [--json PATH] [--plot PATH]
 """
@@ -129,13 +131,22 @@ def _bases(tensors: list[np.ndarray]) -> list[int]:
 
 class Measurement:
     """Pulls of a linked client, each paired with an in-process scatter memcpy of a request of
-    the same shape between pools of the same memory kind (and, for cma, with bare
-    process_vm_readv calls from the server's pool), run back to back in rotating order so
-    that all of them see the same load on a shared machine."""
+    the same shape between pools of the same memory kind and with the transport's bare
+    reference, run back to back in rotating order so that all of them see the same load on a
+    shared machine."""
 
-    def __init__(self, refs: Any, dd: Any, layout: Layout, threads: int, server: Server) -> None:
+    def __init__(
+        self,
+        refs: Any,
+        dd: Any,
+        layout: Layout,
+        threads: int,
+        server: Server,
+        transport: str,
+        connections: int,
+    ) -> None:
         self.refs, self.dd, self.layout, self.threads = refs, dd, layout, threads
-        self.server = server
+        self.server, self.transport, self.connections = server, transport, connections
         self.key = datadist_api().BlocksCacheKey(SERVER_CLUSTER, 0)
         self.pool = _alloc_pool(layout, fill=False)
         self.cache = _register(dd, layout, self.pool, None)
@@ -163,20 +174,26 @@ class Measurement:
         )
         return float(self.refs.scatter_copy(*ops, self.threads))
 
-    def raw_read(self, count: int) -> float:
+    def bare(self, count: int) -> float:
+        """The transport's bare reference: process_vm_readv from the server's pool (cma), or
+        the same bytes over bare loopback sockets of this process (tcp)."""
         src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
-        ops = _ops(self.refs, src, dst, self.server.bases, self.pool_bases, self.layout.block_bytes)
-        elapsed = float(self.refs.scatter_read_process(self.server.pid, *ops, self.threads))
+        if self.transport == "cma":
+            bases = self.server.bases
+            ops = _ops(self.refs, src, dst, bases, self.pool_bases, self.layout.block_bytes)
+            elapsed = float(self.refs.scatter_read_process(self.server.pid, *ops, self.threads))
+        else:
+            bases = self.replica_bases
+            ops = _ops(self.refs, src, dst, bases, self.pool_bases, self.layout.block_bytes)
+            elapsed = float(self.refs.tcp_stream(*ops, self.connections))
         if elapsed < 0:
-            raise RuntimeError("process_vm_readv from the benchmark server failed")
+            raise RuntimeError(f"the bare {self.transport} reference failed")
         return elapsed
 
-    def interleaved(self, count: int, iters: int, raw: bool) -> dict[str, list[float]]:
-        """Times per kind ("pull", "copy", and "raw" when asked), one of each per iteration,
-        in an order that rotates so that no kind always runs first."""
-        runs = {"pull": self.pull, "copy": self.copy}
-        if raw:
-            runs["raw"] = self.raw_read
+    def interleaved(self, count: int, iters: int) -> dict[str, list[float]]:
+        """Times per kind ("pull", "copy", "bare"), one of each per iteration, in an order
+        that rotates so that no kind always runs first."""
+        runs = {"pull": self.pull, "copy": self.copy, "bare": self.bare}
         for run in runs.values():
             run(count)  # warm-up: first touch of pages and of the engine's paths
         kinds = list(runs)
@@ -202,10 +219,12 @@ def measure_transport(
     dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
     dd.init(engine_options(transport, threads, None, connections))
     try:
-        m = Measurement(refs, dd, layout, threads, server)
+        m = Measurement(
+            refs, dd, layout, threads, server, transport, connections or min(threads, 16)
+        )
         info = link(dd, SERVER_CLUSTER, server.port)
         count = tokens // layout.block_tokens
-        times = m.interleaved(count, iters, raw=transport == "cma")
+        times = m.interleaved(count, iters)
         pulls, copies = times["pull"], times["copy"]
         one = [m.pull(1) for _ in range(lat_iters)]
         eight = [m.pull(8) for _ in range(lat_iters)]
@@ -222,11 +241,10 @@ def measure_transport(
             "eight_blocks_us_p50": statistics.median(eight) * 1e6,
             "client_peak_internal_bytes": int(stats.get("peak_internal_bytes", 0)),
         }
-        if "raw" in times:
-            raws = times["raw"]
-            result["raw_pvm_gbps"] = request_bytes / statistics.median(raws) / 1e9
-            result["raw_pvm_ratio_to_memcpy"] = median_ratio(copies, raws)
-            result["ratio_to_raw_pvm"] = median_ratio(raws, pulls)
+        bares = times["bare"]
+        result["bare_gbps"] = request_bytes / statistics.median(bares) / 1e9
+        result["bare_ratio_to_memcpy"] = median_ratio(copies, bares)
+        result["ratio_to_bare"] = median_ratio(bares, pulls)
         dd.unlink_clusters([info], 5000)
         return result
     finally:

@@ -5,21 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 COLUMNS: tuple[str, ...] = (
-    *("transport", "block", "GB/s", "memcpy GB/s", "ratio", "pvm ratio", "of pvm"),
+    *("transport", "block", "GB/s", "memcpy GB/s", "ratio", "bare ratio", "of bare"),
     *("req ms", "1 blk us", "8 blk us", "peak int. KiB (cli/srv)"),
 )
 
 
 def _row(transport: str, name: str, f: dict[str, Any]) -> tuple[str, ...]:
-    raw = "raw_pvm_ratio_to_memcpy" in f  # the bare-syscall reference (cma only)
     return (
         transport,
         name.removeprefix("block"),
         f"{f['request_gbps']:.2f}",
         f"{f['memcpy_gbps']:.2f}",
         f"{f['ratio_to_memcpy']:.2f}",
-        f"{f['raw_pvm_ratio_to_memcpy']:.2f}" if raw else "-",
-        f"{f['ratio_to_raw_pvm']:.2f}" if raw else "-",
+        f"{f['bare_ratio_to_memcpy']:.2f}",
+        f"{f['ratio_to_bare']:.2f}",
         f"{f['request_ms_p50']:.1f}",
         f"{f['one_block_us_p50']:.0f}",
         f"{f['eight_blocks_us_p50']:.0f}",
@@ -42,8 +41,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"planning 128 blocks x 64 tensors: {report['plan_us_128_blocks_x_64_tensors']:.1f} us"
     )
     lines.append(
-        "ratio: GB/s over memcpy GB/s at the same thread count; pvm ratio: bare "
-        "process_vm_readv over memcpy (the kernel's ceiling for cma); of pvm: the engine over it"
+        "ratio: GB/s over memcpy GB/s at the same thread count; bare ratio: the transport's "
+        "bare reference (cma: process_vm_readv; tcp: loopback sockets, as many connections) "
+        "over memcpy; of bare: the engine over it"
     )
     return "\n".join(lines)
 
@@ -59,9 +59,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     series = {
         t: [report["transports"][t][n]["request_gbps"] for n in names] for t in report["transports"]
     }
-    if "cma" in report["transports"]:
-        cma = report["transports"]["cma"]
-        series["bare process_vm_readv"] = [cma[n]["raw_pvm_gbps"] for n in names]
+    for transport, blocks in report["transports"].items():
+        series[f"bare {transport}"] = [blocks[n]["bare_gbps"] for n in names]
     series["memcpy (limit)"] = [report["memcpy_gbps"][n] for n in names]
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):

@@ -1,8 +1,14 @@
-// Planner timing, an in-process copy reference, a bare process_vm_readv reference and the
-// thread pool's self-test.
+// Planner timing, an in-process copy reference, bare process_vm_readv and bare socket
+// references, and the thread pool's self-test.
 #include "bench_helpers.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
+
+#include <cerrno>
+#include <future>
 
 #include <algorithm>
 #include <atomic>
@@ -148,6 +154,96 @@ double scatter_read_process(int pid, const std::vector<uint64_t>& dst,
     return ok && (count == 0 || flush());
   };
   return timed_schedule(dst, src, lengths, threads, read_chunk);
+}
+
+namespace {
+
+bool send_all(int fd, uint64_t from, uint64_t len) {
+  const char* p = reinterpret_cast<const char*>(from);
+  while (len > 0) {
+    ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    len -= static_cast<uint64_t>(n);
+  }
+  return true;
+}
+
+bool recv_all(int fd, uint64_t to, uint64_t len) {
+  char* p = reinterpret_cast<char*>(to);
+  while (len > 0) {
+    ssize_t n = ::recv(fd, p, len, MSG_WAITALL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    len -= static_cast<uint64_t>(n);
+  }
+  return true;
+}
+
+// `count` connected loopback pairs: (sending end, receiving end) each.
+bool loopback_pairs(size_t count, std::vector<UniqueFd>* out, std::vector<UniqueFd>* in) {
+  UniqueFd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  auto* any = reinterpret_cast<sockaddr*>(&addr);
+  if (!listener.valid() || ::bind(listener.get(), any, sizeof(addr)) != 0 ||
+      ::listen(listener.get(), static_cast<int>(count)) != 0 ||
+      ::getsockname(listener.get(), any, &len) != 0) {
+    return false;
+  }
+  for (size_t c = 0; c < count; ++c) {
+    UniqueFd sending(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!sending.valid() || ::connect(sending.get(), any, sizeof(addr)) != 0) return false;
+    UniqueFd receiving(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!receiving.valid()) return false;
+    wire::set_nodelay(sending.get());
+    wire::set_nodelay(receiving.get());
+    out->push_back(std::move(sending));
+    in->push_back(std::move(receiving));
+  }
+  return true;
+}
+
+}  // namespace
+
+double tcp_stream(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
+                  const std::vector<uint64_t>& lengths, int connections) {
+  if (dst.size() != src.size() || dst.size() != lengths.size() || connections < 1) return -1.0;
+  std::vector<Op> ops(dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) ops[i] = {dst[i], src[i], lengths[i]};
+  std::vector<OpCursor> cuts = cut_ops(ops, static_cast<size_t>(connections));
+  size_t shares = cuts.size() - 1;
+  std::vector<UniqueFd> out, in;
+  if (!loopback_pairs(shares, &out, &in)) return -1.0;
+  std::promise<void> go;
+  std::shared_future<void> started = go.get_future().share();
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> threads;
+  for (size_t s = 0; s < shares; ++s) {
+    threads.emplace_back([&, s] {
+      started.wait();
+      bool ok = for_each_piece(ops, cuts[s], cuts[s + 1], [&](uint64_t, uint64_t from, uint64_t n) {
+        return send_all(out[s].get(), from, n);
+      });
+      if (!ok) failed.store(true);
+    });
+    threads.emplace_back([&, s] {
+      started.wait();
+      bool ok = for_each_piece(ops, cuts[s], cuts[s + 1], [&](uint64_t to, uint64_t, uint64_t n) {
+        return recv_all(in[s].get(), to, n);
+      });
+      if (!ok) failed.store(true);
+    });
+  }
+  auto start = Clock::now();
+  go.set_value();
+  for (auto& t : threads) t.join();
+  std::chrono::duration<double> elapsed = Clock::now() - start;
+  return failed.load() ? -1.0 : elapsed.count();
 }
 
 }  // namespace hixl

@@ -84,6 +84,14 @@ NB_MODULE(_native_bench, m) {
       },
       nb::arg("pid"), nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"),
       nb::arg("threads"));
+  m.def(
+      "tcp_stream",
+      [](nb::handle dst, nb::handle src, nb::handle lengths, int connections) {
+        OpLists ops(dst, src, lengths);
+        nb::gil_scoped_release release;
+        return hixl::tcp_stream(ops.dst, ops.src, ops.lengths, connections);
+      },
+      nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("connections"));
   m.def("thread_pool_selftest", [] {
     nb::gil_scoped_release release;
     return hixl::thread_pool_selftest();

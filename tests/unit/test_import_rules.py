@@ -116,6 +116,7 @@ BENCH_MODULE = "hixl_connector._native_bench"
 BENCH_ONLY = (
     "scatter_copy",
     "scatter_read_process",
+    "tcp_stream",
     "thread_pool_selftest",
     "time_plan",
     "plan_runs",
