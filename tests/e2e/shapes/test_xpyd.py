@@ -1,7 +1,9 @@
-"""Several prefill instances serving one decode instance, and the reverse, behind vllm-router.
+"""Several prefill instances serving one decode instance, the reverse, and two prefill
+instances serving three decode instances, behind vllm-router.
 
-The fleet mixes TP sizes on purpose: P tp 1 and P tp 2 feed one D, and one P feeds D tp 1
-and D tp 2, so each D handshakes with (and each P leases to) peers of more than one shape.
+The fleet mixes TP sizes and block sizes on purpose: P tp 1 and P tp 2 feed one D, one P
+feeds D tp 1 and D tp 2, and in 2P x 3D the third D has 64-token blocks, so each D handshakes
+with (and each P leases to) peers of more than one shape.
 """
 
 from __future__ import annotations
@@ -75,6 +77,27 @@ def test_one_prefill_instance_serves_two_decodes(
     for decode in (fleet.d1, fleet.d2):
         assert wait_for_pulls(decode, before[decode.name] + 1)[0] > before[decode.name]
     wait_kv_idle(fleet.p1)
+
+
+def test_two_prefill_instances_serve_three_decodes(
+    fleet: Fleet, plain_outputs: dict[Any, Generation]
+) -> None:
+    """2P x 3D: the router's round robin sends each P three of the six prompts and each D
+    two; every output is token-identical, every instance does its part, and every P's KV
+    cache is back to empty."""
+    prefills, decodes = [fleet.p1, fleet.p2], [fleet.d1, fleet.d2, fleet.pd64]
+    router = fleet.launcher.router("router_2p3d", prefills, decodes)
+    served_before = {p.name: served(p) for p in prefills}
+    pulls_before = {d.name: pulled(d)[0] for d in decodes}
+    outputs = generate_all(router.url)
+    for n in LENGTHS:
+        assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
+    for prefill in prefills:
+        assert served(prefill) > served_before[prefill.name], f"{prefill.name} served nothing"
+        wait_kv_idle(prefill)
+    for decode in decodes:
+        before = pulls_before[decode.name]
+        assert wait_for_pulls(decode, before + 1)[0] > before, f"{decode.name} read nothing"
 
 
 def test_tp_sizes_that_cannot_map_fail_the_request_and_free_the_prefill(
