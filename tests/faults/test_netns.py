@@ -297,7 +297,9 @@ def test_reads_queued_behind_a_killed_prefill_all_end_within_one_timeout(
 ) -> None:
     # Twelve reads under way: two moving (one per transfer thread), ten queued behind them.
     reads_under_way = QUEUED_BEHIND_KILL + 2
-    prompts = [token_prompt(120, seed=60 + i) for i in range(reads_under_way)]
+    # Seeds no other prompt of this module uses: a prefix D already holds would be read in
+    # part only, and could land before the kill.
+    prompts = [token_prompt(120, seed=100 + i) for i in range(reads_under_way)]
     with reading(pd, net, pool, prompts) as reads:
         pd.kill("prefill", signal.SIGKILL)
         killed_at = time.monotonic()
