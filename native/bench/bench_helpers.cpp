@@ -158,28 +158,36 @@ double scatter_read_process(int pid, const std::vector<uint64_t>& dst,
 
 namespace {
 
-bool send_all(int fd, uint64_t from, uint64_t len) {
-  const char* p = reinterpret_cast<const char*>(from);
-  while (len > 0) {
-    ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+// Moves every byte of `iov` through `fd` with writev (send) or readv (receive), up to IOV_MAX
+// ranges a call, resuming after partial transfers.
+bool transfer_all(int fd, std::vector<iovec>& iov, bool send) {
+  size_t i = 0;
+  while (i < iov.size()) {
+    int count = static_cast<int>(std::min<size_t>(iov.size() - i, kIovMax));
+    ssize_t n = send ? ::writev(fd, &iov[i], count) : ::readv(fd, &iov[i], count);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;
-    p += n;
-    len -= static_cast<uint64_t>(n);
+    for (auto left = static_cast<uint64_t>(n); left > 0;) {
+      uint64_t step = std::min<uint64_t>(left, iov[i].iov_len);
+      iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + step;
+      iov[i].iov_len -= step;
+      left -= step;
+      if (iov[i].iov_len == 0) ++i;
+    }
+    while (i < iov.size() && iov[i].iov_len == 0) ++i;
   }
   return true;
 }
 
-bool recv_all(int fd, uint64_t to, uint64_t len) {
-  char* p = reinterpret_cast<char*>(to);
-  while (len > 0) {
-    ssize_t n = ::recv(fd, p, len, MSG_WAITALL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    len -= static_cast<uint64_t>(n);
-  }
-  return true;
+// The ranges of one share, on the sending (`from`) or the receiving (`to`) side.
+std::vector<iovec> share_ranges(const std::vector<Op>& ops, OpCursor begin, OpCursor end,
+                                bool sending) {
+  std::vector<iovec> iov;
+  for_each_piece(ops, begin, end, [&](uint64_t to, uint64_t from, uint64_t len) {
+    iov.push_back({reinterpret_cast<void*>(sending ? from : to), len});
+    return true;
+  });
+  return iov;
 }
 
 // `count` connected loopback pairs: (sending end, receiving end) each.
@@ -224,20 +232,13 @@ double tcp_stream(const std::vector<uint64_t>& dst, const std::vector<uint64_t>&
   std::atomic<bool> failed{false};
   std::vector<std::thread> threads;
   for (size_t s = 0; s < shares; ++s) {
-    threads.emplace_back([&, s] {
-      started.wait();
-      bool ok = for_each_piece(ops, cuts[s], cuts[s + 1], [&](uint64_t, uint64_t from, uint64_t n) {
-        return send_all(out[s].get(), from, n);
+    for (bool sending : {true, false}) {
+      threads.emplace_back([&, s, sending] {
+        std::vector<iovec> iov = share_ranges(ops, cuts[s], cuts[s + 1], sending);
+        started.wait();
+        if (!transfer_all((sending ? out : in)[s].get(), iov, sending)) failed.store(true);
       });
-      if (!ok) failed.store(true);
-    });
-    threads.emplace_back([&, s] {
-      started.wait();
-      bool ok = for_each_piece(ops, cuts[s], cuts[s + 1], [&](uint64_t to, uint64_t, uint64_t n) {
-        return recv_all(in[s].get(), to, n);
-      });
-      if (!ok) failed.store(true);
-    });
+    }
   }
   auto start = Clock::now();
   go.set_value();

@@ -23,8 +23,8 @@ double scatter_read_process(int pid, const std::vector<uint64_t>& dst,
                             const std::vector<uint64_t>& lengths, int threads);
 // The tcp transport's ceiling: the same bytes streamed over `connections` bare loopback TCP
 // connections of this process (TCP_NODELAY, as the engine's), one sender and one receiver
-// thread each, sending straight from `src` and receiving straight into `dst`; no requests,
-// no framing. Seconds, -1 on bad input or a failed socket call.
+// thread each, writev straight from `src` and readv straight into `dst` (IOV_MAX ranges a
+// call); no requests, no framing. Seconds, -1 on bad input or a failed socket call.
 double tcp_stream(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
                   const std::vector<uint64_t>& lengths, int connections);
 // Exercises ThreadPool and run_shares with throwing tasks and shares on real threads;
