@@ -255,6 +255,7 @@ def test_prefill_frozen_mid_read(
 def test_prefill_killed_mid_read_then_restarted(
     pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
 ) -> None:
+    timed_two_legs(pd, seed=33)  # D is linked to P before the read (the case stands alone)
     prompt = token_prompt(160, seed=7)
     failed = hixl_counter(pd["decode"], "failed_pulls")
     with reading(pd, net, pool, [prompt]) as [(future, params)]:
@@ -295,6 +296,7 @@ def test_prefill_killed_mid_read_then_restarted(
 def test_reads_queued_behind_a_killed_prefill_all_end_within_one_timeout(
     pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, fault_report: FaultReport
 ) -> None:
+    timed_two_legs(pd, seed=34)  # D is linked to P before the reads (the case stands alone)
     # Twelve reads under way: two moving (one per transfer thread), ten queued behind them.
     reads_under_way = QUEUED_BEHIND_KILL + 2
     # Seeds no other prompt of this module uses: a prefix D already holds would be read in
