@@ -10,12 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
+from registry_support import make_registry
 
-from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.link_reports import LinkReporter
 from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers.compatibility import PeerError
-from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
 from hixl_connector.connector.peers.registry import PeerRegistry
 
 TIMEOUT_S = 1.0
@@ -34,26 +32,8 @@ def silent_port() -> Iterator[int]:
 
 
 def registry(context: zmq.Context) -> PeerRegistry:
-    config = HixlConfig.from_dict({"handshake_timeout_s": TIMEOUT_S}, "decode-0")
-    local = HandshakePayload(
-        schema_version=SCHEMA_VERSION,
-        compatibility_hash="",
-        compatibility={},
-        engine_id="decode-0",
-        tp_rank=0,
-        tp_size=1,
-        cluster_id=1,
-        engine_host="127.0.0.1",
-        engine_port=1,
-        num_blocks=8,
-        units_per_block=2,
-        block_sizes=[16],
-        slice_bytes=0,
-        incarnation=0,
-    )
-    return PeerRegistry(
-        None, None, context, local, config, lambda _: False, lambda _: None, LinkReporter(0)
-    )
+    """D's registry; nothing ever answers its handshakes, so it never reaches the engine."""
+    return make_registry(None, context, handshake_timeout_s=TIMEOUT_S)
 
 
 def test_requests_queued_behind_a_dead_peer_all_end_within_one_timeout(
