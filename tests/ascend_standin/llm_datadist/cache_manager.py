@@ -102,10 +102,10 @@ class CacheManager:
         check_isinstance("remote_accessible", remote_accessible, bool)
         raise_if_false(len(addrs) > 0, "addrs can not be empty.")
         # Peers find a blocks cache under (this engine's cluster id, model id).
-        own = blocks_cache_key is not None and (
-            int64(blocks_cache_key.cluster_id) == self._engine.cluster_id
-        )
-        model_id = int64(blocks_cache_key.model_id) if own and blocks_cache_key else -1
+        model_id = -1
+        key = blocks_cache_key
+        if key is not None and int64(key.cluster_id) == self._engine.cluster_id:
+            model_id = int64(key.model_id)
         return self._register(
             "register_blocks_cache", cache_desc, addrs, True, model_id, [], remote_accessible
         )
