@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from hixl_connector.datadist.config import MAX_TCP_CONNECTIONS
 from hixl_connector.tools.bench_common import (
     LAYERS,
     NUM_TENSORS,
@@ -219,9 +220,9 @@ def measure_transport(
     dd = api.LLMDataDist(api.LLMRole.DECODER, CLIENT_CLUSTER)
     dd.init(engine_options(transport, threads, None, connections))
     try:
-        m = Measurement(
-            refs, dd, layout, threads, server, transport, connections or min(threads, 16)
-        )
+        # As many bare connections as the engine opens: one per thread unless set.
+        bare_connections = connections or min(threads, MAX_TCP_CONNECTIONS)
+        m = Measurement(refs, dd, layout, threads, server, transport, bare_connections)
         info = link(dd, SERVER_CLUSTER, server.port)
         count = tokens // layout.block_tokens
         times = m.interleaved(count, iters)
