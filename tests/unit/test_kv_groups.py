@@ -55,31 +55,48 @@ blocks = st.lists(
 )
 
 
-@given(st.lists(blocks, min_size=1, max_size=3))
-def test_an_asynchronous_read_fills_the_uncached_blocks_a_group_holds(
-    groups: list[list[tuple[object, bool]]],
+@given(st.lists(blocks, min_size=1, max_size=3), st.integers(0, 12 * 16))
+def test_an_asynchronous_read_fills_the_uncached_prompt_blocks_a_group_holds(
+    groups: list[list[tuple[object, bool]]], prompt_tokens: int
 ) -> None:
     made = [
         [Block(100 * g + i, h, null) for i, (h, null) in enumerate(flags)]
         for g, flags in enumerate(groups)
     ]
-    filled = blocks_to_fill(made, None, 16)
+    filled = blocks_to_fill(made, None, [16] * len(made), prompt_tokens)
     assert len(filled) == len(made)
+    prompt_blocks = -(-prompt_tokens // 16)
     for (positions, ids), group_blocks in zip(filled, made, strict=True):
-        wanted = [i for i, b in enumerate(group_blocks) if b.block_hash is None and not b.is_null]
+        wanted = [
+            i
+            for i, b in enumerate(group_blocks)
+            if b.block_hash is None and not b.is_null and i < prompt_blocks
+        ]
         assert positions == tuple(wanted)
         assert ids == tuple(group_blocks[i].block_id for i in wanted)
 
 
-@given(st.integers(0, 12), st.integers(0, 12), st.sampled_from([16, 32]))
-def test_a_synchronous_read_fills_every_block_past_the_local_hit(
-    count: int, hit_blocks: int, block_size: int
+@given(st.integers(0, 12), st.integers(0, 12), st.integers(1, 12 * 32), st.sampled_from([16, 32]))
+def test_a_synchronous_read_fills_every_prompt_block_past_the_local_hit(
+    count: int, hit_blocks: int, prompt_tokens: int, block_size: int
 ) -> None:
     # vLLM hashes a synchronous load's blocks at once: the hashes say nothing here.
     made = [Block(i, "hash") for i in range(count)]
-    ((positions, ids),) = blocks_to_fill([made], hit_blocks * block_size, block_size)
-    assert positions == tuple(range(hit_blocks, count))
+    ((positions, ids),) = blocks_to_fill(
+        [made], hit_blocks * block_size, [block_size], prompt_tokens
+    )
+    prompt_blocks = -(-prompt_tokens // block_size)
+    assert positions == tuple(range(hit_blocks, min(count, prompt_blocks)))
     assert ids == positions
+
+
+def test_lookahead_slots_of_a_speculative_decoder_are_not_read() -> None:
+    """A 64-token prompt in 32-token blocks, loaded in the step with 3 lookahead tokens:
+    vLLM allocates a third block for them, which P never computed and never offers."""
+    hashed = [Block(7, "hash"), Block(8, "hash"), Block(9, "hash")]
+    assert blocks_to_fill([hashed], 0, [32], 64) == [((0, 1), (7, 8))]
+    unhashed = [Block(7), Block(8), Block(9)]
+    assert blocks_to_fill([unhashed], None, [32], 64) == [((0, 1), (7, 8))]
 
 
 def test_state_that_is_not_attention_kv_is_refused_naming_it() -> None:

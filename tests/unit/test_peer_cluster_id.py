@@ -3,6 +3,7 @@ kv_transfer_params name for that rank (``remote_cluster_id`` + rank)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -84,14 +85,16 @@ def test_a_restarted_prefill_is_another_peer_and_params_of_its_last_start_are_re
 
 
 class SlowUnlinks(LinkRecorder):
-    """Each unlink waits ``wait_s`` for a goodbye that never comes (a dead peer)."""
+    """Each unlink waits ``wait_s`` for a goodbye that never comes (a dead peer), or until
+    ``release``: the test ends the threads it left behind, so none outlives it."""
 
     def __init__(self, wait_s: float) -> None:
         super().__init__()
         self.wait_s = wait_s
+        self.release = threading.Event()
 
     def unlink_clusters(self, infos: list, timeout_ms: int, force: bool) -> None:
-        time.sleep(self.wait_s)
+        self.release.wait(self.wait_s)
         super().unlink_clusters(infos, timeout_ms, force)
 
 
@@ -114,3 +117,7 @@ def test_shutdown_unlinks_every_peer_at_once_within_a_bound(
     assert took < bound_s, f"shutdown took {took:.1f} s"
     if wait_s < UNLINK_BOUND_S:
         assert sorted(datadist.unlinked) == [(100 * i, False) for i in range(12)]
+    datadist.release.set()
+    for thread in threading.enumerate():
+        if thread.name == "hixl-unlink":
+            thread.join(timeout=5.0)

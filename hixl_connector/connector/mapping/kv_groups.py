@@ -73,16 +73,26 @@ def one_group_block_bytes(kv_cache_config: Any) -> int:
 
 
 def blocks_to_fill(
-    groups: Sequence[Sequence[Any]], local_hit: int | None, block_size: int
+    groups: Sequence[Sequence[Any]],
+    local_hit: int | None,
+    block_sizes: Sequence[int],
+    prompt_tokens: int,
 ) -> list[Unfilled]:
-    """Each group's blocks of a request that its read fills. An asynchronous load
-    (``local_hit`` None) fills the blocks vLLM has not cached; vLLM caches a synchronous
-    load's blocks at once, so one (of a single group) fills those past the ``local_hit``
-    tokens of the local prefix cache."""
+    """Each group's blocks of a request that its read fills: only blocks that hold prompt
+    tokens, never the slots vLLM adds past the prompt (a speculative decoder's lookahead
+    tokens, allocated with a synchronous load). An asynchronous load (``local_hit`` None)
+    fills the blocks vLLM has not cached; vLLM caches a synchronous load's blocks at once, so
+    one (of a single group) fills those past the ``local_hit`` tokens of the local prefix
+    cache."""
     if local_hit is None:
-        return [_uncached(group) for group in groups]
+        return [
+            _uncached(group[: blocks_for_tokens(prompt_tokens, size)])
+            for group, size in zip(groups, block_sizes, strict=True)
+        ]
     (group,) = groups
-    positions = tuple(range(local_hit // block_size, len(group)))
+    size = block_sizes[0]
+    end = min(len(group), blocks_for_tokens(prompt_tokens, size))
+    positions = tuple(range(local_hit // size, end))
     return [(positions, tuple(group[p].block_id for p in positions))]
 
 

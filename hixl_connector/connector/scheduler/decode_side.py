@@ -110,7 +110,9 @@ class DecodeSide:
         request_id = request.request_id
         local_hit = self.loads.allocated(request_id)
         synchronous = local_hit is not None
-        unfilled = blocks_to_fill(blocks.blocks, local_hit, self._group_block_sizes[0])
+        unfilled = blocks_to_fill(
+            blocks.blocks, local_hit, self._group_block_sizes, request.num_prompt_tokens
+        )
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         try:
             prefill = parse_remote_prefill(params)
