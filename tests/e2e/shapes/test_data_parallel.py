@@ -1,0 +1,119 @@
+"""Data parallel on both sides behind the real vllm-router: P and D each run
+``--data-parallel-size 2``, two engines behind one API server.
+
+Each engine of P serves its own side channel and transfer engine (its ports are the base plus
+its DP rank times the TP size) under its own engine id, which vLLM suffixes with the rank
+(``_dp0``, ``_dp1``); each engine of D links with whichever P engine prefilled its request.
+The oracle is the plain server. Beside it: both of D's engines read, vLLM counts every prompt
+token of a read as loaded through the connector, and the corrupted-KV control (a D of the
+same shape) changes the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hixl_connector.tools.demo.client import Generation, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
+
+from ..harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    NamedFleet,
+    PDLauncher,
+    ProcessRegistry,
+    external_prompt_tokens,
+    settled,
+    wait_kv_idle,
+)
+from .conftest import hixl_connector_config
+
+DP_SIZE = 2
+LENGTHS = (33, 64, 97, 129, 160, 230)
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
+) -> Iterator[NamedFleet]:
+    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "data_parallel", process_registry)
+    # One engine per core, as vLLM binds the OpenMP threads of each rank.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in range(DP_SIZE))}
+    args = ["--data-parallel-size", str(DP_SIZE)]
+    try:
+        configs = {
+            "p": hixl_connector_config("prefill"),
+            "d": hixl_connector_config("decode"),
+            "d_corrupt": hixl_connector_config("decode", test_corrupt_received_kv=True),
+        }
+        servers = {
+            name: launcher.server(name, config, args=args, env=env)
+            for name, config in configs.items()
+        }
+        pairs = {"dp": ("p", "d"), "corrupt": ("p", "d_corrupt")}
+        yield NamedFleet(servers, launcher.pairs(servers, pairs))
+    finally:
+        launcher.stop_all()
+
+
+def per_engine(server: VllmServer, name: str) -> list[float]:
+    samples = read_metrics(server.url)
+    return [metric_total(samples, name, engine=str(rank)) for rank in range(DP_SIZE)]
+
+
+def pulls_per_engine(server: VllmServer) -> list[float]:
+    return per_engine(server, "vllm:hixl_pulls_total")
+
+
+def generate_all(url: str) -> dict[int, Generation]:
+    """Every prompt at once, so both engines of each side take some."""
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        futures = {
+            n: pool.submit(
+                complete, url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
+            )
+            for n in LENGTHS
+        }
+        return {n: future.result(timeout=180) for n, future in futures.items()}
+
+
+def test_both_sides_data_parallel_token_identical(
+    fleet: NamedFleet, plain_outputs: dict[Any, Generation]
+) -> None:
+    decode, prefill = fleet.servers["d"], fleet.servers["p"]
+    served = per_engine(prefill, "vllm:request_success_total")
+    before = pulls_per_engine(decode)
+    external = external_prompt_tokens(decode.url)
+    outputs = generate_all(fleet.routers["dp"].url)
+    for n in LENGTHS:
+        assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
+    after = settled(
+        lambda: pulls_per_engine(decode),
+        lambda now: sum(now) - sum(before) >= len(LENGTHS),
+    )
+    assert sum(after) - sum(before) == len(LENGTHS)
+    assert all(a > b for a, b in zip(after, before, strict=True)), (
+        f"pulls per D engine before {before}, after {after}: one engine read nothing"
+    )
+    # Every prompt token came through the connector, but the last of a read in the step.
+    loaded = external_prompt_tokens(decode.url) - external
+    assert sum(LENGTHS) - len(LENGTHS) <= loaded <= sum(LENGTHS)
+    now_served = per_engine(prefill, "vllm:request_success_total")
+    assert all(a > b for a, b in zip(now_served, served, strict=True)), (
+        f"prefills per P engine before {served}, after {now_served}: one engine served none"
+    )
+    wait_kv_idle(prefill)
+
+
+def test_corrupted_kv_changes_the_output(
+    fleet: NamedFleet, plain_outputs: dict[Any, Generation]
+) -> None:
+    outputs = generate_all(fleet.routers["corrupt"].url)
+    differ = [n for n in LENGTHS if outputs[n].token_ids != plain_outputs[n].token_ids]
+    assert len(differ) >= len(LENGTHS) - 1, f"only {differ} differ"
+    wait_kv_idle(fleet.servers["p"])
