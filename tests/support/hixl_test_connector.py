@@ -1,40 +1,78 @@
-"""TEST ONLY: HixlConnector with the corrupted-KV control the tests need; never shipped.
+"""TEST ONLY: HixlConnector with the controls the tests need; never shipped.
 
 vLLM loads it through ``kv_connector_module_path`` (``tests/support`` is on the tests'
-PYTHONPATH). Its control travels in ``kv_connector_extra_config`` and is taken out before
-HixlConnector validates the rest: with ``test_corrupt_received_kv``, D overwrites what it
-received with noise before vLLM uses it, which must change the output. ``true`` corrupts
-every layer; a string, only the layers whose names start with it (a speculative draft's,
-say). Everything else is the production connector, reads included.
+PYTHONPATH). Its controls travel in ``kv_connector_extra_config`` and are taken out before
+HixlConnector validates the rest:
+
+- ``test_corrupt_received_kv``: D overwrites what it received with noise before vLLM uses
+  it, which must change the output. ``true`` corrupts every layer; a string, only the layers
+  whose names start with it (a speculative draft's, say).
+- ``test_log_kv_digests``: the bytes themselves, compared across processes. P logs a digest
+  of each request's prompt blocks as its forward left them (every TP rank its own), and D a
+  digest of the blocks it received, before vLLM uses them, under P's request id
+  (``DIGEST_LOG``).
+
+Everything else is the production connector, reads included.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from hixl_connector.connector.facade import HixlConnector
 from hixl_connector.connector.metadata import RecvSpec
 from hixl_connector.connector.worker.receiver import Receiver
 
-CONTROL = "test_corrupt_received_kv"
+CORRUPT = "test_corrupt_received_kv"
+DIGESTS = "test_log_kv_digests"
+CONTROLS = (CORRUPT, DIGESTS)
 MODULE = "hixl_test_connector"
+# P: "<side> <request> <rank> <blocks> <sha256>"; side is "prefill" or "decode".
+DIGEST_LOG = "hixl-test kv digest: %s %s %d %d %s"
+
+logger = logging.getLogger("hixl_test_connector")
 
 
 def with_controls(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` (a --kv-transfer-config) naming this connector when its extra config holds
-    the control; unchanged otherwise."""
-    if CONTROL not in config.get("kv_connector_extra_config", {}):
+    a control; unchanged otherwise."""
+    if not set(CONTROLS) & set(config.get("kv_connector_extra_config", {})):
         return config
     return {**config, "kv_connector": "HixlTestConnector", "kv_connector_module_path": MODULE}
 
 
-class CorruptingReceiver(Receiver):
-    # The registered layers (in registration order) to corrupt; all if None.
-    corrupted_layers: tuple[int, ...] | None = None
+def digest(views: Sequence[Any], block_ids: Sequence[int]) -> str:
+    """sha256 of the blocks' bytes in every registered view, in registration order."""
+    import torch
+
+    index = torch.tensor(list(block_ids), dtype=torch.long)
+    sha = hashlib.sha256()
+    for view in views:
+        sha.update(view[index].contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+class CheckingReceiver(Receiver):
+    # The registered layers (in registration order) to corrupt: all if None, none if ().
+    corrupted_layers: tuple[int, ...] | None = ()
+    log_digests = False
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         import torch
 
+        if self.log_digests:
+            blocks = spec.local_block_ids
+            logger.warning(
+                DIGEST_LOG,
+                "decode",
+                spec.remote_request_id,
+                self._tp_rank,
+                len(blocks),
+                digest(self._layout.views, blocks),
+            )
         index = torch.tensor(spec.local_block_ids, dtype=torch.long)
         chosen = self.corrupted_layers
         per_layer = self._layout.tensors_per_layer
@@ -50,30 +88,86 @@ def layers_named(names: list[str], prefix: str) -> tuple[int, ...]:
     control that corrupts nothing cannot pass for one that does."""
     layers = tuple(i for i, name in enumerate(names) if name.startswith(prefix))
     if not layers:
-        raise ValueError(f"{CONTROL}: no KV layer starts with {prefix!r}; layers: {names}")
+        raise ValueError(f"{CORRUPT}: no KV layer starts with {prefix!r}; layers: {names}")
     return layers
 
 
 class HixlTestConnector(HixlConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        corrupt = extra.pop(CONTROL, False)
+        controls = {key: extra.pop(key, False) for key in CONTROLS}
+        corrupt, digests = controls[CORRUPT], controls[DIGESTS]
         if not isinstance(corrupt, (bool, str)) or corrupt == "":
-            raise ValueError(f"{CONTROL} must be a bool or a layer-name prefix, got {corrupt!r}")
+            raise ValueError(f"{CORRUPT} must be a bool or a layer-name prefix, got {corrupt!r}")
+        if not isinstance(digests, bool):
+            raise ValueError(f"{DIGESTS} must be a bool, got {digests!r}")
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
-            extra[CONTROL] = corrupt  # the other role's connector takes it too
+            extra.update(controls)  # the other role's connector takes them too
         self._corrupt = corrupt
-        if self._worker is not None and corrupt:
-            self._worker.receiver_cls = CorruptingReceiver
+        self._digests = digests
+        # Scheduler (P): prompt blocks of requests finished since the last step's metadata.
+        self._finished_blocks: dict[str, list[int]] = {}
+        if self._worker is not None:
+            self._worker.receiver_cls = type(
+                "TestReceiver",
+                (CheckingReceiver,),
+                {"corrupted_layers": None if corrupt is True else (), "log_digests": digests},
+            )
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._worker is not None and isinstance(self._corrupt, str):
             # The layout registers the layers in the order vLLM hands them over (no buffer
             # is shared without the hybrid manager, which this control is not used with).
             chosen = layers_named(list(kv_caches), self._corrupt)
+            receiver = self._worker.receiver_cls
             self._worker.receiver_cls = type(
-                "LayerCorruptingReceiver", (CorruptingReceiver,), {"corrupted_layers": chosen}
+                "LayerCorruptingReceiver", (receiver,), {"corrupted_layers": chosen}
             )
         super().register_kv_caches(kv_caches)
+
+    # -- P's digests: the scheduler names the blocks, each worker hashes its own ----------
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        self._note_leased(request, list(block_ids), delay)
+        return delay, params
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        self._note_leased(request, list(block_ids[0]), delay)
+        return delay, params
+
+    def _note_leased(self, request: Any, block_ids: list[int], leased: bool) -> None:
+        if self._digests and leased:
+            block_size = self._vllm_config.cache_config.block_size
+            prompt_blocks = -(-request.num_prompt_tokens // block_size)
+            self._finished_blocks[request.request_id] = block_ids[:prompt_blocks]
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        metadata = super().build_connector_meta(scheduler_output)
+        # Leased blocks: the next forward cannot overwrite them before the workers hash.
+        metadata.test_digest_blocks, self._finished_blocks = self._finished_blocks, {}
+        return metadata
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        blocks = getattr(self._get_connector_metadata(), "test_digest_blocks", {})
+        if not blocks or self._worker is None:
+            return
+        worker = self._worker
+        for request_id, block_ids in blocks.items():
+            views = worker._layout.views
+            logger.warning(
+                DIGEST_LOG,
+                "prefill",
+                request_id,
+                worker._tp_rank,
+                len(block_ids),
+                digest(views, block_ids),
+            )

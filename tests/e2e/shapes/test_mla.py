@@ -8,16 +8,24 @@ the tiny random model amplifies that into other tokens. (vLLM's ExampleConnector
 no extra package, saves and loads no KV with vLLM's CPU MLA backend.) Beside it: every prompt
 token the connector should move counted by vLLM on D, exactly the latent's bytes read, and
 the corrupted-KV control changing the outputs.
+
+P with TP 2 and D with TP 1: every rank of P holds the whole latent, and D reads one
+replica. No output oracle exists here (a TP-2 prefill rounds differently from a TP-1 one,
+and a NIXL TP-2 server starves a 2-core host), so the check is on the bytes: the test
+connector logs a digest of each request's prompt blocks on every P rank, as P's forward left
+them, and on D, as they landed (before the control overwrites them); they must be equal.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hixl_test_connector import DIGEST_LOG
 
 from hixl_connector.tools.demo.client import complete
 from hixl_connector.tools.demo.processes import free_port
@@ -57,18 +65,22 @@ def fleet(
         pytest.skip("the MLA oracle needs NIXL (bash .ci/setup installs it)")
     launcher = PDLauncher(model, e2e_log_dir / "mla", process_registry)
     try:
-        corrupt = hixl_connector_config("decode", test_corrupt_received_kv=True)
+        corrupt = hixl_connector_config(
+            "decode", test_corrupt_received_kv=True, test_log_kv_digests=True
+        )
         configs = {
             "p_hixl": hixl_connector_config("prefill"),
             "d_hixl": hixl_connector_config("decode"),
             "d_corrupt": corrupt,
             "p_nixl": NIXL_CONFIG,
             "d_nixl": NIXL_CONFIG,
+            "p_tp2": hixl_connector_config("prefill", ranks=2, test_log_kv_digests=True),
         }
         servers = {
             name: launcher.server(
                 name,
                 config,
+                tp=2 if name == "p_tp2" else 1,
                 block_size=MLA_BLOCK_SIZE,
                 env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if "nixl" in name else {},
             )
@@ -78,6 +90,7 @@ def fleet(
             "hixl": ("p_hixl", "d_hixl"),
             "corrupt": ("p_hixl", "d_corrupt"),
             "nixl": ("p_nixl", "d_nixl"),
+            "tp2": ("p_tp2", "d_corrupt"),
         }
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
     finally:
@@ -125,3 +138,35 @@ def test_corrupted_latent_changes_the_output(fleet: NamedFleet) -> None:
     for n in (64, 160, 230):
         assert generate(fleet.routers["corrupt"], n) != generate(fleet.routers["nixl"], n), n
     assert wait_for_pulls(decode, pulls + 3)[0] == pulls + 3
+
+
+DIGEST_LINE = re.compile(DIGEST_LOG.replace("%s", r"(\S+)").replace("%d", r"(\d+)"))
+
+
+def digests(server_log: Path, side: str) -> dict[str, dict[int, tuple[int, str]]]:
+    """{P's request id: {rank: (blocks, sha256)}} a server's log holds for ``side``."""
+    found: dict[str, dict[int, tuple[int, str]]] = {}
+    for match in DIGEST_LINE.finditer(server_log.read_text(errors="replace")):
+        logged_side, request, rank, blocks, sha = match.groups()
+        if logged_side == side:
+            found.setdefault(request, {})[int(rank)] = (int(blocks), sha)
+    return found
+
+
+def test_a_tp1_decoder_reads_one_replica_of_a_tp2_prefill_byte_for_byte(
+    fleet: NamedFleet,
+) -> None:
+    prefill, decode = fleet.servers["p_tp2"], fleet.servers["d_corrupt"]
+    pulls = pulled(decode)[0]
+    for n in LENGTHS:
+        generate(fleet.routers["tp2"], n)
+    wait_for_pulls(decode, pulls + len(LENGTHS))
+    wait_kv_idle(prefill)
+    prefilled = digests(prefill.log_path, "prefill")
+    received = digests(decode.log_path, "decode")
+    assert len(prefilled) == len(LENGTHS), f"P logged {len(prefilled)} requests"
+    for request, ranks in prefilled.items():
+        assert sorted(ranks) == [0, 1], f"{request}: digests of P ranks {sorted(ranks)}"
+        # MLA keeps the same latent on every rank: both replicas hold the same bytes.
+        assert ranks[0] == ranks[1], f"{request}: P's replicas differ"
+        assert received.get(request) == {0: ranks[0]}, f"{request}: D received other bytes"
