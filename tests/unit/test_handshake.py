@@ -136,3 +136,33 @@ def test_describe_mismatch_names_each_field_with_both_values() -> None:
 def test_compatibility_hash_refuses_non_plain_values() -> None:
     with pytest.raises(ValueError, match="plain values"):
         compatibility_hash({"blob": b"raw"})
+
+
+MLA_FIELDS = {**FIELDS, "kv_split": "replicated", "num_kv_heads": 1, "head_size": 576}
+
+
+@pytest.mark.parametrize(("p_size", "d_size", "refused"), [(16, 16, False), (16, 32, True)])
+def test_mla_reads_equal_block_sizes_and_refuses_others_naming_them(
+    p_size: int, d_size: int, refused: bool
+) -> None:
+    """MLA's latent is not registered in slices, which assembling a D block out of smaller
+    P blocks needs: unequal sizes are refused at the handshake, naming both and the layout."""
+    from hixl_connector.connector.metadata import RemoteEndpoint
+    from hixl_connector.connector.peers.compatibility import PeerError, check_compatible
+
+    def mla(block_size: int, rank: int) -> HandshakePayload:
+        fields = {"compatibility": MLA_FIELDS, "tp_rank": rank, "tp_size": 1}
+        return HandshakePayload.from_dict(
+            wire(payload_dict(**fields, block_sizes=[block_size], slice_bytes=0))
+        )
+
+    prefill = mla(p_size, 0)
+    target = RemoteEndpoint("prefill-0", "10.0.0.1", 5701, 1, 4097, 0x5EED).rank(0)
+    if not refused:
+        check_compatible(target, prefill, mla(d_size, 0))
+        return
+    with pytest.raises(PeerError) as refusal:
+        check_compatible(target, prefill, mla(d_size, 0))
+    message = str(refusal.value)
+    assert f"block_size [{p_size}]" in message and f"[{d_size}]" in message
+    assert "LBHNC" in message and "use equal block sizes" in message
