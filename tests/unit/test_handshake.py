@@ -166,3 +166,21 @@ def test_mla_reads_equal_block_sizes_and_refuses_others_naming_them(
     message = str(refusal.value)
     assert f"block_size [{p_size}]" in message and f"[{d_size}]" in message
     assert "LBHNC" in message and "use equal block sizes" in message
+
+
+def test_kv_in_other_memory_is_refused_naming_both() -> None:
+    """P's KV on an NPU and D's in host memory (or the reverse) would make every read
+    host-to-device, which CANN serves only through a device memory pool: refused."""
+    from hixl_connector.connector.metadata import RemoteEndpoint
+    from hixl_connector.connector.peers.compatibility import PeerError, check_compatible
+
+    def side(memory: str) -> HandshakePayload:
+        fields = {**FIELDS, "kv_memory": memory}
+        return HandshakePayload.from_dict(
+            wire(payload_dict(compatibility=fields, tp_rank=0, tp_size=1, units_per_block=2))
+        )
+
+    target = RemoteEndpoint("prefill-0", "10.0.0.1", 5701, 1, 4097, 0x5EED).rank(0)
+    check_compatible(target, side("device"), side("device"))
+    with pytest.raises(PeerError, match="kv_memory: local='host' remote='device'"):
+        check_compatible(target, side("device"), side("host"))

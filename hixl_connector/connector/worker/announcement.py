@@ -37,6 +37,9 @@ def handshake_payload(
         "head_size": int(model.get_head_size()),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "kv_cache_groups": describe_groups(kv_cache_config),
+        # Both sides' KV in the same memory: no read is ever host-to-device or back, which
+        # CANN serves only through a device memory pool (and between blocks caches only).
+        "kv_memory": kv_memory(layout),
         **layout.compatibility_fields(block_size),
     }
     return HandshakePayload(
@@ -55,6 +58,12 @@ def handshake_payload(
         slice_bytes=layout.slice_bytes,
         incarnation=0,
     )
+
+
+def kv_memory(layout: KVLayout) -> str:
+    """"device" when the KV cache lives on an accelerator (an NPU), else "host"."""
+    device = getattr(layout.views[0], "device", None) if layout.views else None
+    return "device" if device is not None and device.type != "cpu" else "host"
 
 
 def describe_groups(kv_cache_config: Any) -> list[str]:
