@@ -61,7 +61,7 @@ def handshake_payload(
 
 
 def kv_memory(layout: KVLayout) -> str:
-    """"device" when the KV cache lives on an accelerator (an NPU), else "host"."""
+    """Where the KV cache lives: "device" on an accelerator (an NPU), else "host"."""
     device = getattr(layout.views[0], "device", None) if layout.views else None
     return "device" if device is not None and device.type != "cpu" else "host"
 
