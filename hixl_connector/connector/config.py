@@ -33,6 +33,10 @@ AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
 # The native engine's limit (hixl_connector.datadist.config.MAX_TCP_CONNECTIONS), repeated
 # here because the scheduler half must not import the engine's package.
 MAX_TCP_CONNECTIONS = 16
+# So are the native engine's listener caps (hixl_connector.datadist.config).
+DEFAULT_SERVER_HANDSHAKES = 1024
+DEFAULT_SERVER_CONNECTIONS = 4096
+MAX_SERVER_CONNECTIONS = 1 << 20
 TOKEN_RECIPE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 BACKENDS = ("auto", "native", "ascend")
 TRANSPORTS = ("auto", "cma", "tcp")
@@ -65,6 +69,10 @@ class HixlConfig:
     link_idle_s: float = DEFAULT_LINK_IDLE_S
     transfer_threads: int = 2
     tcp_connections: int = 2
+    # P's engine listener: connections in the handshake at once, authenticated connections
+    # (a D rank's link holds 1 + tcp_connections of them).
+    server_handshakes: int = DEFAULT_SERVER_HANDSHAKES
+    server_connections: int = DEFAULT_SERVER_CONNECTIONS
     lease_s: float = 30.0
     heartbeat_s: float = 5.0
     auth_token: str = ""
@@ -119,6 +127,20 @@ class HixlConfig:
                 min(threads, MAX_TCP_CONNECTIONS),
                 low=1,
                 high=MAX_TCP_CONNECTIONS,
+            ),
+            server_handshakes=_int(
+                extra,
+                "server_handshakes",
+                DEFAULT_SERVER_HANDSHAKES,
+                low=1,
+                high=MAX_SERVER_CONNECTIONS,
+            ),
+            server_connections=_int(
+                extra,
+                "server_connections",
+                DEFAULT_SERVER_CONNECTIONS,
+                low=1 + MAX_TCP_CONNECTIONS,
+                high=MAX_SERVER_CONNECTIONS,
             ),
             lease_s=lease_s,
             heartbeat_s=heartbeat_s,

@@ -24,10 +24,19 @@ from hixl_connector.datadist.status import raise_if_false
 OPT_AUTH_TOKEN = "hixl.authToken"
 OPT_TRANSPORT = "hixl.transport"
 OPT_TCP_CONNECTIONS = "hixl.tcpConnections"
-# A link takes one control and this many data connections of the 64 a native engine serves.
+# A link takes one control and this many data connections of those its peer serves.
 MAX_TCP_CONNECTIONS = 16
 OPT_TRANSFER_THREADS = "hixl.transferThreads"
 MAX_TRANSFER_THREADS = 64
+# The listener's caps (connections in the handshake at once, authenticated connections) and
+# its event-loop threads; refusals at a cap name its option.
+OPT_SERVER_HANDSHAKES = "hixl.serverHandshakes"
+OPT_SERVER_CONNECTIONS = "hixl.serverConnections"
+OPT_SERVER_THREADS = "hixl.serverThreads"
+DEFAULT_SERVER_HANDSHAKES = 1024
+DEFAULT_SERVER_CONNECTIONS = 4096
+MAX_SERVER_CONNECTIONS = 1 << 20
+MAX_SERVER_THREADS = 64
 TRANSPORTS = ("auto", "cma", "tcp")
 
 
@@ -145,6 +154,9 @@ class LLMConfig:
         self._hixl_transport: str | None = None
         self._hixl_tcp_connections: int | None = None
         self._hixl_transfer_threads: int | None = None
+        self._hixl_server_handshakes: int | None = None
+        self._hixl_server_connections: int | None = None
+        self._hixl_server_threads: int | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         check_option_name(self, name)
@@ -312,9 +324,9 @@ class LLMConfig:
         )
         self._hixl_transport = value
 
-    def _count_setter(self, name: str, value: int, high: int) -> None:
+    def _count_setter(self, name: str, value: int, high: int, low: int = 1) -> None:
         check_isinstance(name, value, int, allow_none=False)
-        raise_if_false(1 <= value <= high, f"{name} must be in [1, {high}], got {value}")
+        raise_if_false(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}")
         setattr(self, f"_{name}", value)
 
     hixl_tcp_connections = property(
@@ -324,6 +336,20 @@ class LLMConfig:
     hixl_transfer_threads = property(
         lambda self: self._hixl_transfer_threads,
         lambda self, v: self._count_setter("hixl_transfer_threads", v, MAX_TRANSFER_THREADS),
+    )
+    hixl_server_handshakes = property(
+        lambda self: self._hixl_server_handshakes,
+        lambda self, v: self._count_setter("hixl_server_handshakes", v, MAX_SERVER_CONNECTIONS),
+    )
+    hixl_server_connections = property(
+        lambda self: self._hixl_server_connections,
+        lambda self, v: self._count_setter(
+            "hixl_server_connections", v, MAX_SERVER_CONNECTIONS, 1 + MAX_TCP_CONNECTIONS
+        ),
+    )
+    hixl_server_threads = property(
+        lambda self: self._hixl_server_threads,
+        lambda self, v: self._count_setter("hixl_server_threads", v, MAX_SERVER_THREADS, 0),
     )
 
     # --- options --------------------------------------------------------------------------
@@ -361,6 +387,9 @@ class LLMConfig:
             OPT_TRANSPORT: self._hixl_transport,
             OPT_TCP_CONNECTIONS: self._hixl_tcp_connections,
             OPT_TRANSFER_THREADS: self._hixl_transfer_threads,
+            OPT_SERVER_HANDSHAKES: self._hixl_server_handshakes,
+            OPT_SERVER_CONNECTIONS: self._hixl_server_connections,
+            OPT_SERVER_THREADS: self._hixl_server_threads,
         }
         options.update({key: str(value) for key, value in optional.items() if value is not None})
         if self._enable_switch_role:

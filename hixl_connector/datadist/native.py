@@ -13,9 +13,16 @@ from typing import Any, ClassVar
 from hixl_connector.datadist.cache_manager import CacheManager
 from hixl_connector.datadist.checks import check_int32, check_isinstance, check_uint64, to_int64
 from hixl_connector.datadist.config import (
+    DEFAULT_SERVER_CONNECTIONS,
+    DEFAULT_SERVER_HANDSHAKES,
+    MAX_SERVER_CONNECTIONS,
+    MAX_SERVER_THREADS,
     MAX_TCP_CONNECTIONS,
     MAX_TRANSFER_THREADS,
     OPT_AUTH_TOKEN,
+    OPT_SERVER_CONNECTIONS,
+    OPT_SERVER_HANDSHAKES,
+    OPT_SERVER_THREADS,
     OPT_TCP_CONNECTIONS,
     OPT_TRANSFER_THREADS,
     OPT_TRANSPORT,
@@ -169,7 +176,7 @@ class LLMDataDist:
         return opts
 
     @staticmethod
-    def _engine_args(opts: dict[str, str]) -> tuple[str, int, str, str, int, int]:
+    def _engine_args(opts: dict[str, str]) -> tuple[str, int, str, str, int, int, int, int, int]:
         host, port = "", -1
         if opts.get("llm.listenIpInfo"):
             host, port = _parse_listen_ip_info(opts["llm.listenIpInfo"])
@@ -184,7 +191,18 @@ class LLMDataDist:
         # once instead of queueing on two sockets.
         default = min(threads, MAX_TCP_CONNECTIONS)
         connections = _int_option(opts, OPT_TCP_CONNECTIONS, default, 1, MAX_TCP_CONNECTIONS)
-        return host, port, token, transport, connections, threads
+        handshakes = _int_option(
+            opts, OPT_SERVER_HANDSHAKES, DEFAULT_SERVER_HANDSHAKES, 1, MAX_SERVER_CONNECTIONS
+        )
+        served = _int_option(
+            opts,
+            OPT_SERVER_CONNECTIONS,
+            DEFAULT_SERVER_CONNECTIONS,
+            1 + MAX_TCP_CONNECTIONS,
+            MAX_SERVER_CONNECTIONS,
+        )
+        loops = _int_option(opts, OPT_SERVER_THREADS, 0, 0, MAX_SERVER_THREADS)
+        return host, port, token, transport, connections, threads, handshakes, served, loops
 
     def _check_is_inited(self) -> None:
         if not self._is_initialized:

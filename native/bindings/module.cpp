@@ -114,7 +114,8 @@ NB_MODULE(_native, m) {
           "__init__",
           [](hixl::Engine* self, int64_t cluster_id, std::string listen_host, int listen_port,
              std::string auth_token, std::string transport, int tcp_connections,
-             int transfer_threads) {
+             int transfer_threads, int server_handshakes, int server_connections,
+             int server_threads) {
             hixl::EngineOptions o;
             o.cluster_id = cluster_id;
             o.listen_host = std::move(listen_host);
@@ -123,11 +124,16 @@ NB_MODULE(_native, m) {
             o.transport = std::move(transport);
             o.tcp_connections = tcp_connections;
             o.transfer_threads = transfer_threads;
+            o.server_handshakes = server_handshakes;
+            o.server_connections = server_connections;
+            o.server_threads = server_threads;
             new (self) hixl::Engine(o);
           },
           nb::arg("cluster_id"), nb::arg("listen_host") = "", nb::arg("listen_port") = -1,
           nb::arg("auth_token") = "", nb::arg("transport") = "auto",
-          nb::arg("tcp_connections") = 2, nb::arg("transfer_threads") = 2)
+          nb::arg("tcp_connections") = 2, nb::arg("transfer_threads") = 2,
+          nb::arg("server_handshakes") = 1024, nb::arg("server_connections") = 4096,
+          nb::arg("server_threads") = 0)
       .def_prop_ro("cluster_id", &hixl::Engine::cluster_id)
       .def_prop_ro("listen_port", &hixl::Engine::listen_port)
       .def(

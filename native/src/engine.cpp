@@ -18,10 +18,11 @@
 namespace hixl {
 namespace {
 
-// A link takes one control and tcp_connections data connections of the peer's 64.
+// A link takes one control and tcp_connections data connections of the peer's cap.
 constexpr int kMaxTcpConnections = 16;
-static_assert(1 + kMaxTcpConnections <= Server::kMaxConnections, "one link must fit a peer");
 constexpr int kMaxTransferThreads = 64;
+constexpr int kMaxServerConnections = 1 << 20;
+constexpr int kMaxServerThreads = 64;
 // A same-host batch under this many bytes is copied on the caller's thread (copies_here):
 // under ~100 us at a host's memory bandwidth.
 constexpr uint64_t kCopyHereBytes = 1u << 20;
@@ -37,6 +38,20 @@ void validate(const EngineOptions& o) {
   if (o.transfer_threads < 1 || o.transfer_threads > kMaxTransferThreads) {
     throw std::invalid_argument("transfer_threads must be in [1, " +
                                 std::to_string(kMaxTransferThreads) + "]");
+  }
+  if (o.server_handshakes < 1 || o.server_handshakes > kMaxServerConnections) {
+    throw std::invalid_argument("server_handshakes must be in [1, " +
+                                std::to_string(kMaxServerConnections) + "]");
+  }
+  if (o.server_connections < 1 + kMaxTcpConnections ||
+      o.server_connections > kMaxServerConnections) {
+    throw std::invalid_argument("server_connections must be in [" +
+                                std::to_string(1 + kMaxTcpConnections) + ", " +
+                                std::to_string(kMaxServerConnections) + "] (one link must fit)");
+  }
+  if (o.server_threads < 0 || o.server_threads > kMaxServerThreads) {
+    throw std::invalid_argument("server_threads must be in [0, " +
+                                std::to_string(kMaxServerThreads) + "] (0: one per core)");
   }
   if (o.listen_port < -1 || o.listen_port > 65535) {
     throw std::invalid_argument("listen_port must be -1 (no listener) or in [0, 65535]");
@@ -71,8 +86,12 @@ class Engine::Impl {
     mine.transfer_threads = o.transfer_threads;
     links = std::make_unique<LinkSet>(mine, identity, *pool, meter, stats);
     if (o.listen_port >= 0) {
+      ServerLimits limits;
+      limits.max_handshaking = o.server_handshakes;
+      limits.max_connections = o.server_connections;
+      limits.threads = o.server_threads;
       server = std::make_unique<Server>(o.listen_host, o.listen_port, identity, o.auth_token,
-                                        table, stats, meter);
+                                        table, stats, meter, limits);
     }
   }
 

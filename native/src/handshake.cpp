@@ -45,7 +45,8 @@ Status expect_frame(int fd, uint16_t type, std::vector<uint8_t>* payload, uint64
   if (!io.ok()) return io_failure(what, io);
   if (h.type == wire::kError) {
     Status s = wire::decode_error(*payload, what);
-    if (s.code != status::kTimeout) s.code = status::kLinkFailed;
+    // A server at a cap says busy (try again later), distinct from a failed link.
+    if (s.code != status::kTimeout && s.code != status::kLinkBusy) s.code = status::kLinkFailed;
     return s;
   }
   if (h.type != type) return link_failed(what + ": unexpected frame type " + std::to_string(h.type));
@@ -61,12 +62,8 @@ Status pending_refusal(int fd, Deadline deadline, const std::string& what) {
     return Status::Ok();
   }
   Status s = wire::decode_error(payload, what);
-  s.code = status::kLinkFailed;
+  if (s.code != status::kLinkBusy) s.code = status::kLinkFailed;
   return s;
-}
-
-void refuse(int fd, int64_t code, const std::string& msg, Deadline deadline) {
-  wire::send_frame(fd, wire::kError, wire::error_payload(code, msg), deadline);
 }
 
 Status client_steps(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
@@ -129,60 +126,51 @@ Status client_steps(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_
   return Status::Ok();
 }
 
-std::string server_steps(int fd, const Identity& me, const std::string& token,
-                         Deadline deadline, const Admission& admit, bool* auth_refused) {
-  wire::Header h;
-  std::vector<uint8_t> payload;
-  wire::IoResult io = wire::recv_frame(fd, &h, &payload, 1024, deadline);
-  if (!io.ok()) {
-    refuse(fd, status::kLinkFailed, "handshake: " + io.reason, deadline);
-    return io.reason;
-  }
+}  // namespace
+
+bool ServerHandshake::on_hello(const Identity& me, const std::string& token,
+                               const wire::Header& h, const std::vector<uint8_t>& payload,
+                               std::vector<uint8_t>* challenge, std::string* why) {
   wire::Decoder dec(payload.data(), payload.size());
   int64_t client_cluster = 0, expected = 0;
   uint8_t channel = 0;
-  Nonce client_nonce{};
   if (h.type != wire::kHello || !dec.i64(&client_cluster) || !dec.i64(&expected) ||
-      !dec.u8(&channel) || !dec.raw(client_nonce.data(), client_nonce.size()) ||
+      !dec.u8(&channel) || !dec.raw(client_nonce_.data(), client_nonce_.size()) ||
       dec.remaining() != 0 || channel > wire::kDataChannel) {
-    refuse(fd, status::kLinkFailed, "malformed hello", deadline);
-    return "malformed hello";
+    *why = "malformed hello";
+    return false;
   }
   if (expected != me.cluster_id) {
-    std::string why = "this is cluster " + std::to_string(me.cluster_id) + ", not " +
-                      std::to_string(expected);
-    refuse(fd, status::kLinkFailed, why, deadline);
-    return why;
+    *why = "this is cluster " + std::to_string(me.cluster_id) + ", not " + std::to_string(expected);
+    return false;
   }
-  Nonce server_nonce = make_nonce();
+  server_nonce_ = make_nonce();
   Digest proof{};
-  if (!token.empty()) proof = server_proof(token, client_nonce, server_nonce);
-  wire::Encoder challenge;
-  challenge.u8(token.empty() ? 0 : 1);
-  challenge.raw(server_nonce.data(), server_nonce.size());
-  challenge.raw(proof.data(), proof.size());
-  io = wire::send_frame(fd, wire::kChallenge, challenge.bytes(), deadline);
-  if (!io.ok()) return io.reason;
+  if (!token.empty()) proof = server_proof(token, client_nonce_, server_nonce_);
+  wire::Encoder enc;
+  enc.u8(token.empty() ? 0 : 1);
+  enc.raw(server_nonce_.data(), server_nonce_.size());
+  enc.raw(proof.data(), proof.size());
+  *challenge = std::move(enc.bytes());
+  return true;
+}
 
-  io = wire::recv_frame(fd, &h, &payload, 1024, deadline);
-  if (!io.ok()) return io.reason;
+bool ServerHandshake::on_auth(const std::string& token, const wire::Header& h,
+                              const std::vector<uint8_t>& payload, std::string* why) const {
   Digest client{};
   if (h.type != wire::kAuth || payload.size() != client.size()) {
-    *auth_refused = true;
-    refuse(fd, status::kLinkFailed, "authentication failed: malformed auth frame", deadline);
-    return "malformed auth";
+    *why = "authentication failed: malformed auth frame";
+    return false;
   }
   std::memcpy(client.data(), payload.data(), client.size());
-  if (!token.empty() && !digests_equal(client, client_proof(token, client_nonce, server_nonce))) {
-    *auth_refused = true;
-    refuse(fd, status::kLinkFailed, "authentication failed", deadline);
-    return "authentication failed";
+  if (!token.empty() && !digests_equal(client, client_proof(token, client_nonce_, server_nonce_))) {
+    *why = "authentication failed";
+    return false;
   }
-  std::string refusal = admit();
-  if (!refusal.empty()) {
-    refuse(fd, status::kLinkBusy, refusal, deadline);
-    return refusal;
-  }
+  return true;
+}
+
+std::vector<uint8_t> welcome_payload(const Identity& me) {
   wire::Encoder welcome;
   welcome.i64(me.cluster_id);
   welcome.i64(me.pid);
@@ -192,10 +180,9 @@ std::string server_steps(int fd, const Identity& me, const std::string& token,
   welcome.u64(me.probe_addr);
   welcome.raw(me.probe.data(), me.probe.size());
   welcome.u64(me.unregistrations_addr);
-  return wire::send_frame(fd, wire::kWelcome, welcome.bytes(), deadline).reason;
+  return std::move(welcome.bytes());
 }
 
-}  // namespace
 
 Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
                         const std::string& token, Deadline deadline, Identity* peer) {
@@ -205,19 +192,6 @@ Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, ui
   } catch (const std::exception& e) {
     return link_failed("handshake with cluster " + std::to_string(expected_cluster) + ": " +
                        e.what());
-  }
-}
-
-std::string server_handshake(int fd, const Identity& me, const std::string& token,
-                             Deadline deadline, const Admission& admit, bool* auth_refused) {
-  *auth_refused = false;
-  // Runs on a connection thread, where an escaping exception would end the process.
-  try {
-    return server_steps(fd, me, token, deadline, admit, auth_refused);
-  } catch (const std::exception& e) {
-    std::string why = std::string("handshake: internal error: ") + e.what();
-    refuse(fd, status::kFailed, why, deadline);
-    return why;
   }
 }
 

@@ -3,8 +3,8 @@
 
 #include <array>
 #include <cstdint>
-#include <functional>
 #include <string>
+#include <vector>
 
 #include "hixl/engine.h"
 #include "wire.h"
@@ -30,13 +30,24 @@ Identity local_identity(int64_t cluster_id, const uint8_t* probe, uint64_t unreg
 Status client_handshake(int fd, int64_t my_cluster, int64_t expected_cluster, uint8_t channel,
                         const std::string& token, Deadline deadline, Identity* peer);
 
-// Called once the client proved the token, before WELCOME: "" admits the connection, any
-// other text is sent as a LINK_BUSY refusal in place of WELCOME.
-using Admission = std::function<std::string()>;
+// Server side, a frame at a time: the serving loop does the I/O (HELLO -> CHALLENGE,
+// AUTH -> WELCOME). A step that fails sets *why, which goes to the client in an ERROR frame.
+class ServerHandshake {
+ public:
+  // Checks HELLO and fills the CHALLENGE payload; throws std::system_error when the kernel
+  // has no randomness for the nonce.
+  bool on_hello(const Identity& me, const std::string& token, const wire::Header& h,
+                const std::vector<uint8_t>& payload, std::vector<uint8_t>* challenge,
+                std::string* why);
+  // True when the client proved the token (or neither side has one).
+  bool on_auth(const std::string& token, const wire::Header& h,
+               const std::vector<uint8_t>& payload, std::string* why) const;
 
-// Server side: "" on success, else the reason; an error frame was already sent.
-// *auth_refused is set when the client failed authentication.
-std::string server_handshake(int fd, const Identity& me, const std::string& token,
-                             Deadline deadline, const Admission& admit, bool* auth_refused);
+ private:
+  std::array<uint8_t, 32> client_nonce_{};
+  std::array<uint8_t, 32> server_nonce_{};
+};
+
+std::vector<uint8_t> welcome_payload(const Identity& me);
 
 }  // namespace hixl

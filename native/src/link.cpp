@@ -74,6 +74,9 @@ Status Link::open(const LinkOptions& o, Deadline deadline, const Identity& me, T
       UniqueFd fd;
       Identity again;
       s = connect_and_greet(o, wire::kDataChannel, deadline, &fd, &again);
+      // A server at its connection cap keeps the link with the data connections it took:
+      // connections per link shrink as a server fills up, never below one.
+      if (s.code == status::kLinkBusy && !conns.empty()) break;
       if (!s.ok()) return s;
       if (again.pid != peer_id.pid || again.boot_id != peer_id.boot_id) {
         return Status::Error(status::kLinkFailed, peer + " changed process during link");

@@ -159,13 +159,22 @@ def main() -> None:
     parser.add_argument("--block-bytes", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--row-bytes", type=int, default=65536)
+    parser.add_argument("--server-handshakes", type=int, default=1024)
+    parser.add_argument("--server-connections", type=int, default=4096)
+    parser.add_argument("--server-threads", type=int, default=0)
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO_ROOT))
     from hixl_connector import _native
 
     engine = _native.Engine(
-        args.cluster_id, listen_host="127.0.0.1", listen_port=0, auth_token=args.token
+        args.cluster_id,
+        listen_host="127.0.0.1",
+        listen_port=0,
+        auth_token=args.token,
+        server_handshakes=args.server_handshakes,
+        server_connections=args.server_connections,
+        server_threads=args.server_threads,
     )
     blocks_bytes = args.blocks * args.block_bytes
     blocks = _tensors(args.cluster_id, BLOCKS_CACHE_ID, args.tensors, blocks_bytes)

@@ -252,6 +252,17 @@ def test_config_generates_cann_option_keys() -> None:
     assert (options["hixl.transport"], options["hixl.tcpConnections"]) == ("tcp", "4")
     with pytest.raises(LLMException, match=r"\[1, 16\]"):
         config.hixl_tcp_connections = 17
+    config.hixl_server_handshakes = 64
+    config.hixl_server_connections = 20000
+    config.hixl_server_threads = 3
+    options = config.generate_options()
+    assert options["hixl.serverHandshakes"] == "64"
+    assert options["hixl.serverConnections"] == "20000"
+    assert options["hixl.serverThreads"] == "3"
+    with pytest.raises(LLMException, match=r"\[17, "):
+        config.hixl_server_connections = 16  # a link holds up to 1 + 16 connections
+    with pytest.raises(LLMException, match=r"\[0, 64\]"):
+        config.hixl_server_threads = 65
     with pytest.raises(AttributeError, match="'sync_kv_timout'.*sync_kv_timeout"):
         config.sync_kv_timout = 5000  # a misspelled option
     with pytest.raises(LLMException):

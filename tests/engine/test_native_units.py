@@ -45,7 +45,13 @@ def test_engine_options_and_bind_errors() -> None:
     with pytest.raises(ValueError):
         _native.Engine(1, tcp_connections=0)
     with pytest.raises(ValueError, match=r"\[1, 16\]"):
-        _native.Engine(1, tcp_connections=17)  # a link must fit in the peer's 64 connections
+        _native.Engine(1, tcp_connections=17)
+    with pytest.raises(ValueError, match="one link must fit"):
+        _native.Engine(1, server_connections=16)  # a link holds up to 1 + 16 connections
+    with pytest.raises(ValueError, match="server_handshakes"):
+        _native.Engine(1, server_handshakes=0)
+    with pytest.raises(ValueError, match="server_threads"):
+        _native.Engine(1, server_threads=65)
     with pytest.raises(ValueError):
         _native.Engine(1, listen_port=0)  # listening needs an explicit host
     with pytest.raises(ValueError, match="at least 32 characters"):

@@ -57,9 +57,11 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {f.name for f in dataclasses.fields(HixlConfig)} == {
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
         "transport", "pull_timeout_s", "handshake_timeout_s", "link_idle_s", "transfer_threads",
-        "tcp_connections", "lease_s", "heartbeat_s", "auth_token", "cluster_id_base",
-        "sync_load_bytes", "ascend_local_comm_res", "ascend_hccs",
+        "tcp_connections", "server_handshakes", "server_connections", "lease_s",
+        "heartbeat_s", "auth_token", "cluster_id_base", "sync_load_bytes",
+        "ascend_local_comm_res", "ascend_hccs",
     }  # fmt: skip
+    assert (config.server_handshakes, config.server_connections) == (1024, 4096)
     assert config.sync_load_bytes == 1 << 20
     assert config.link_idle_s == 300.0
 
@@ -223,6 +225,25 @@ def test_connection_limit_matches_the_engines() -> None:
 
     assert MAX_TCP_CONNECTIONS == ENGINE_LIMIT
     HixlConfig.from_dict({"tcp_connections": ENGINE_LIMIT}, "e")
+
+
+def test_listener_caps_match_the_engines_and_are_checked() -> None:
+    from hixl_connector.connector import config as connector
+    from hixl_connector.datadist import config as engine
+
+    for name in (
+        "DEFAULT_SERVER_HANDSHAKES",
+        "DEFAULT_SERVER_CONNECTIONS",
+        "MAX_SERVER_CONNECTIONS",
+    ):
+        assert getattr(connector, name) == getattr(engine, name), name
+    config = HixlConfig.from_dict({"server_connections": 20000, "server_handshakes": 64}, "e")
+    assert (config.server_connections, config.server_handshakes) == (20000, 64)
+    # A link holds one control and up to 16 data connections: a smaller cap fits no link.
+    with pytest.raises(ValueError, match="'server_connections'"):
+        HixlConfig.from_dict({"server_connections": 16}, "e")
+    with pytest.raises(ValueError, match="'server_handshakes'"):
+        HixlConfig.from_dict({"server_handshakes": 0}, "e")
 
 
 def test_the_auth_token_variable_is_the_engines() -> None:

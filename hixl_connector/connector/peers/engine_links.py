@@ -4,6 +4,7 @@ one prefill rank, by what its handshake announced."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from hixl_connector.connector.peers.compatibility import PeerError
@@ -14,6 +15,10 @@ logger = logging.getLogger(__name__)
 
 # An unlink waits this long for the peer's goodbye (a dead peer never answers).
 UNLINK_TIMEOUT_MS = 1000
+# A prefill engine at its connection cap answers busy: the link waits its turn, trying
+# again after these pauses (doubling), within the link's own bound.
+BUSY_FIRST_PAUSE_S = 0.02
+BUSY_MAX_PAUSE_S = 0.25
 
 
 class EngineLinks:
@@ -27,18 +32,35 @@ class EngineLinks:
         self._timeout_ms = int(timeout_s * 1000)
 
     def link(self, payload: HandshakePayload) -> None:
-        """Links the prefill rank ``payload`` announced; raises PeerError."""
+        """Links the prefill rank ``payload`` announced; raises PeerError. A busy engine (at
+        its connection cap) is asked again until the link's bound passes."""
         info = self._cluster_info(payload)
-        status, per_cluster = self._datadist.link_clusters([info], self._timeout_ms)
         codes = self._api.LLMStatusCode
-        result = per_cluster[0] if per_cluster else status
-        # ALREADY_LINK is a failure too: stale links are torn down before linking, so another
-        # engine holds this cluster id.
-        if status != codes.LLM_SUCCESS or result != codes.LLM_SUCCESS:
-            raise PeerError(
-                f"link_clusters to cluster {payload.cluster_id} at "
-                f"{payload.engine_host}:{payload.engine_port} failed: {status!r} {per_cluster!r}"
-            )
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        pause = BUSY_FIRST_PAUSE_S
+        while True:
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            status, per_cluster = self._datadist.link_clusters([info], left_ms)
+            result = per_cluster[0] if per_cluster else status
+            # ALREADY_LINK is a failure too: stale links are torn down before linking, so
+            # another engine holds this cluster id.
+            if status == codes.LLM_SUCCESS and result == codes.LLM_SUCCESS:
+                return
+            busy = codes.LLM_LINK_BUSY in (status, result)
+            if not busy or time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, BUSY_MAX_PAUSE_S)
+        why = (
+            f"busy for {self._timeout_ms} ms: the prefill engine is at its connection cap "
+            "(its kv_connector_extra_config 'server_connections' raises it)"
+            if busy
+            else f"failed: {status!r} {per_cluster!r}"
+        )
+        raise PeerError(
+            f"link_clusters to cluster {payload.cluster_id} at "
+            f"{payload.engine_host}:{payload.engine_port} {why}"
+        )
 
     def unlink(self, payload: HandshakePayload, force: bool) -> None:
         """Unlinks it; never raises (the link is gone locally either way)."""

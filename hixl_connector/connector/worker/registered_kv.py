@@ -177,6 +177,8 @@ def _configure(api: Backend, config: HixlConfig, layout: KVLayout) -> Any:
         llm_config.hixl_transport = config.transport
         llm_config.hixl_tcp_connections = config.tcp_connections
         llm_config.hixl_transfer_threads = config.transfer_threads
+        llm_config.hixl_server_handshakes = config.server_handshakes
+        llm_config.hixl_server_connections = config.server_connections
         # Always set, even empty: the connector's config is the one source of the token, so
         # the engine never falls back to HIXL_AUTH_TOKEN behind an explicit "auth_token": "".
         llm_config.hixl_auth_token = config.auth_token

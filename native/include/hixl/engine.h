@@ -43,6 +43,11 @@ struct EngineOptions {
   std::string transport = "auto";  // auto | cma | tcp
   int tcp_connections = 2;
   int transfer_threads = 2;
+  // The listener's caps: connections in the handshake at once, authenticated connections
+  // (a link holds 1 + tcp_connections), and its event-loop threads (0: one per core, <= 8).
+  int server_handshakes = 1024;
+  int server_connections = 4096;
+  int server_threads = 0;
 };
 
 struct CacheKey {
