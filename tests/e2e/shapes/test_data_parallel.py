@@ -7,6 +7,11 @@ its DP rank times the TP size) under its own engine id, which vLLM suffixes with
 The oracle is the plain server. Beside it: both of D's engines read, vLLM counts every prompt
 token of a read as loaded through the connector, and the corrupted-KV control (a D of the
 same shape) changes the outputs.
+
+The leases here outlast a stall of vLLM's data-parallel engines: on a loaded 2-core host
+their first requests were seen to wait about 30 s before D's scheduler took them, silent
+all the while, and a lease of the default 30 s then expired under them (D's read was
+refused, as it must be).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .conftest import hixl_connector_config
 
 DP_SIZE = 2
 LENGTHS = (33, 64, 97, 129, 160, 230)
+LEASE_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +52,13 @@ def fleet(
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in range(DP_SIZE))}
     args = ["--data-parallel-size", str(DP_SIZE)]
     try:
+        # Every DP engine of P has its own side-channel port: DP_SIZE of them.
         configs = {
-            "p": hixl_connector_config("prefill"),
-            "d": hixl_connector_config("decode"),
-            "d_corrupt": hixl_connector_config("decode", test_corrupt_received_kv=True),
+            "p": hixl_connector_config("prefill", ranks=DP_SIZE, lease_s=LEASE_S),
+            "d": hixl_connector_config("decode", lease_s=LEASE_S),
+            "d_corrupt": hixl_connector_config(
+                "decode", lease_s=LEASE_S, test_corrupt_received_kv=True
+            ),
         }
         servers = {
             name: launcher.server(name, config, args=args, env=env)
