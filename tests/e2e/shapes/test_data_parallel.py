@@ -5,8 +5,8 @@ Each engine of P serves its own side channel and transfer engine (its ports are 
 its DP rank times the TP size) under its own engine id, which vLLM suffixes with the rank
 (``_dp0``, ``_dp1``); each engine of D links with whichever P engine prefilled its request.
 The oracle is the plain server. Beside it: both of D's engines read, vLLM counts every prompt
-token of a read as loaded through the connector, and the corrupted-KV control (a D of the
-same shape) changes the outputs.
+token of a read as loaded through the connector, and the corrupted-KV control (a one-engine
+D reading from P's DP engines) changes the outputs.
 
 The leases here outlast a stall of vLLM's data-parallel engines: on a loaded 2-core host
 their first requests were seen to wait about 30 s before D's scheduler took them, silent
@@ -48,22 +48,29 @@ def fleet(
     tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
 ) -> Iterator[NamedFleet]:
     launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "data_parallel", process_registry)
-    # One engine per core, as vLLM binds the OpenMP threads of each rank.
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in range(DP_SIZE))}
+    # One engine per core, as vLLM binds the OpenMP threads of each rank; D's ranks the other
+    # way round from P's, so no core carries both first ranks (vLLM's CPU workers spin while
+    # they wait, and a core shared by two of them starved a side channel for seconds).
+    cores = [str(c) for c in range(DP_SIZE)]
+    bind = {"p": "|".join(cores), "d": "|".join(reversed(cores))}
     args = ["--data-parallel-size", str(DP_SIZE)]
     try:
         # Every DP engine of P has its own side-channel port: DP_SIZE of them.
         configs = {
             "p": hixl_connector_config("prefill", ranks=DP_SIZE, lease_s=LEASE_S),
             "d": hixl_connector_config("decode", lease_s=LEASE_S),
-            "d_corrupt": hixl_connector_config(
-                "decode", lease_s=LEASE_S, test_corrupt_received_kv=True
-            ),
         }
         servers = {
-            name: launcher.server(name, config, args=args, env=env)
+            name: launcher.server(
+                name, config, args=args, env={"VLLM_CPU_OMP_THREADS_BIND": bind[name]}
+            )
             for name, config in configs.items()
         }
+        # The control: a one-engine D reading from P's DP engines, corrupting what it received.
+        servers["d_corrupt"] = launcher.server(
+            "d_corrupt",
+            hixl_connector_config("decode", lease_s=LEASE_S, test_corrupt_received_kv=True),
+        )
         pairs = {"dp": ("p", "d"), "corrupt": ("p", "d_corrupt")}
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
     finally:
