@@ -16,13 +16,20 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from hixl_test_connector import with_controls
 
-from hixl_connector.tools.demo.client import RequestFailed, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.client import (
+    Generation,
+    RequestFailed,
+    complete,
+    metric_total,
+    read_metrics,
+)
 from hixl_connector.tools.demo.processes import ManagedProcess, free_port_range
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
@@ -108,6 +115,19 @@ def sync_load_requests(server: VllmServer, tp_size: int = 1) -> float:
 
 def wait_for_counter(server: VllmServer, name: str, at_least: float) -> float:
     return settled(lambda: hixl_counter(server, name), lambda value: value >= at_least)
+
+
+def generate_all(url: str, lengths: Sequence[int], timeout_s: float) -> dict[int, Generation]:
+    """The ``PROMPTS`` of ``lengths`` sent at once, so peers and engines are used
+    concurrently; each must finish within ``timeout_s``."""
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        futures = {
+            n: pool.submit(
+                complete, url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
+            )
+            for n in lengths
+        }
+        return {n: future.result(timeout=timeout_s) for n, future in futures.items()}
 
 
 def wait_kv_idle(server: VllmServer) -> None:

@@ -17,22 +17,20 @@ refused, as it must be).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hixl_connector.tools.demo.client import Generation, complete, metric_total, read_metrics
-from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
+from hixl_connector.tools.demo.client import Generation, metric_total, read_metrics
+from hixl_connector.tools.demo.servers import VllmServer
 
 from ..harness import (
-    MAX_TOKENS,
-    PROMPTS,
     NamedFleet,
     PDLauncher,
     ProcessRegistry,
     external_prompt_tokens,
+    generate_all,
     settled,
     wait_kv_idle,
 )
@@ -86,18 +84,6 @@ def pulls_per_engine(server: VllmServer) -> list[float]:
     return per_engine(server, "vllm:hixl_pulls_total")
 
 
-def generate_all(url: str) -> dict[int, Generation]:
-    """Every prompt at once, so both engines of each side take some."""
-    with ThreadPoolExecutor(len(LENGTHS)) as pool:
-        futures = {
-            n: pool.submit(
-                complete, url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
-            )
-            for n in LENGTHS
-        }
-        return {n: future.result(timeout=180) for n, future in futures.items()}
-
-
 def test_both_sides_data_parallel_token_identical(
     fleet: NamedFleet, plain_outputs: dict[Any, Generation]
 ) -> None:
@@ -105,7 +91,7 @@ def test_both_sides_data_parallel_token_identical(
     served = per_engine(prefill, "vllm:request_success_total")
     before = pulls_per_engine(decode)
     external = external_prompt_tokens(decode.url)
-    outputs = generate_all(fleet.routers["dp"].url)
+    outputs = generate_all(fleet.routers["dp"].url, LENGTHS, 180)
     for n in LENGTHS:
         assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
     after = settled(
@@ -129,7 +115,7 @@ def test_both_sides_data_parallel_token_identical(
 def test_corrupted_kv_changes_the_output(
     fleet: NamedFleet, plain_outputs: dict[Any, Generation]
 ) -> None:
-    outputs = generate_all(fleet.routers["corrupt"].url)
+    outputs = generate_all(fleet.routers["corrupt"].url, LENGTHS, 180)
     differ = [n for n in LENGTHS if outputs[n].token_ids != plain_outputs[n].token_ids]
     assert len(differ) >= len(LENGTHS) - 1, f"only {differ} differ"
     wait_kv_idle(fleet.servers["p"])

@@ -8,7 +8,6 @@ with (and each P leases to) peers of more than one shape.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hixl_connector.tools.demo.client import (
@@ -21,8 +20,8 @@ from hixl_connector.tools.demo.client import (
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
 
 from ..harness import (
-    MAX_TOKENS,
     PROMPTS,
+    generate_all,
     hixl_counter,
     pulled,
     request_fails,
@@ -39,25 +38,13 @@ def served(server: VllmServer) -> float:
     return metric_total(read_metrics(server.url), "vllm:request_success_total")
 
 
-def generate_all(url: str) -> dict[int, Generation]:
-    """Every prompt of LENGTHS at once, so peers are handshaken and used concurrently."""
-    with ThreadPoolExecutor(len(LENGTHS)) as pool:
-        futures = {
-            n: pool.submit(
-                complete, url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
-            )
-            for n in LENGTHS
-        }
-        return {n: future.result(timeout=120) for n, future in futures.items()}
-
-
 def test_two_prefill_instances_serve_one_decode(
     fleet: Fleet, plain_outputs: dict[Any, Generation]
 ) -> None:
     router = fleet.launcher.router("router_2p1d", [fleet.p1, fleet.p2], [fleet.d1])
     before = {p.name: served(p) for p in (fleet.p1, fleet.p2)}
     pulls = pulled(fleet.d1)[0]
-    outputs = generate_all(router.url)
+    outputs = generate_all(router.url, LENGTHS, 120)
     for n in LENGTHS:
         assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
     for prefill in (fleet.p1, fleet.p2):
@@ -71,7 +58,7 @@ def test_one_prefill_instance_serves_two_decodes(
 ) -> None:
     router = fleet.launcher.router("router_1p2d", [fleet.p1], [fleet.d1, fleet.d2])
     before = {d.name: pulled(d)[0] for d in (fleet.d1, fleet.d2)}
-    outputs = generate_all(router.url)
+    outputs = generate_all(router.url, LENGTHS, 120)
     for n in LENGTHS:
         assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
     for decode in (fleet.d1, fleet.d2):
@@ -89,7 +76,7 @@ def test_two_prefill_instances_serve_three_decodes(
     router = fleet.launcher.router("router_2p3d", prefills, decodes)
     served_before = {p.name: served(p) for p in prefills}
     pulls_before = {d.name: pulled(d)[0] for d in decodes}
-    outputs = generate_all(router.url)
+    outputs = generate_all(router.url, LENGTHS, 120)
     for n in LENGTHS:
         assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
     for prefill in prefills:
