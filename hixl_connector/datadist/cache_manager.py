@@ -38,6 +38,7 @@ from hixl_connector.datadist.validation import (
     check_cache_key_ids,
     check_kwargs,
     validate_pull_blocks,
+    validate_push_blocks,
 )
 
 _NOT_ON_THIS_BUILD = LLMStatusCode.LLM_FEATURE_NOT_ENABLED
@@ -267,10 +268,39 @@ class CacheManager:
         raise _feature_not_enabled("pull_cache into a contiguous cache (use pull_blocks)")
 
     def push_blocks(
-        self, dst_cache_key: BlocksCacheKey, src_cache: Cache, *args: Any, **kwargs: Any
+        self,
+        dst_cache_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: list[int] | tuple[int, ...] = (),
+        dst_blocks: list[int] | tuple[int, ...] = (),
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = DEFAULT_TENSOR_NUM_PER_LAYER,
     ) -> None:
+        """Write local blocks into a linked peer's blocks cache (reference section 6.5):
+        ``src_blocks[i]`` of ``src_cache`` lands on ``dst_blocks[i]`` of the peer's cache
+        registered under ``dst_cache_key``, for the layers of the ranges (all by default).
+
+        The peer's engine pins its cache and checks every range before a byte lands; on
+        the same host it copies the bytes in from this process, over TCP it receives them.
+        After a failed push the destination blocks hold undefined content."""
         self._check_is_inited()
-        raise _feature_not_enabled("push_blocks (one-sided write; pull with pull_blocks instead)")
+        raise_if_false(
+            self._remote_cache_accessible,
+            "push_blocks needs enable_remote_cache_accessible (llm.EnableRemoteCacheAccessible)",
+        )
+        args = validate_push_blocks(
+            dst_cache_key,
+            src_cache,
+            src_blocks,
+            dst_blocks,
+            src_layer_range,
+            dst_layer_range,
+            tensor_num_per_layer,
+            self._caches,
+        )
+        status, message = self._engine.push(*args.native_args(self._timeout_ms))
+        check_status(status, "[push_blocks]", f"dst_cache_key = {dst_cache_key}: {message}")
 
     def push_cache(
         self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, *args: Any, **kwargs: Any

@@ -272,3 +272,120 @@ def _to_pull_args(
         dst_tensor_first=dst_first,
         dst_tensor_count=dst_count,
     )
+
+
+@dataclass(frozen=True)
+class PushArgs:
+    """A validated push, in the form the native engine takes it."""
+
+    remote_cluster_id: int
+    model_id: int
+    src_cache_id: int
+    src_blocks: list[int] | tuple[int, ...]
+    dst_blocks: list[int] | tuple[int, ...]
+    src_tensor_first: int
+    src_tensor_count: int
+    dst_tensor_first: int
+    dst_tensor_count: int
+
+    def native_args(self, timeout_ms: int) -> tuple[Any, ...]:
+        return (
+            to_int64(self.remote_cluster_id),
+            to_int64(self.model_id),
+            self.src_cache_id,
+            self.src_blocks,
+            self.dst_blocks,
+            self.src_tensor_first,
+            self.src_tensor_count,
+            self.dst_tensor_first,
+            self.dst_tensor_count,
+            timeout_ms,
+        )
+
+
+def _push_layers(name: str, layer_range: Any, default: range, n: int) -> range:
+    """CANN's check_layer_range for push_blocks: unlike pull_blocks, an empty range is refused."""
+    check_isinstance(name, layer_range, range)
+    chosen = default if layer_range is None else layer_range
+    raise_if_true(chosen.step != 1, f"param check failed, {name} step must be 1.")
+    raise_if_true(chosen.start < 0, f"{name} is invalid, the start value:{chosen.start} is < 0")
+    raise_if_true(len(chosen) == 0, f"{name} {chosen} is empty")
+    check_uint32(name, chosen.start)
+    check_uint32(name, chosen[-1])
+    return chosen
+
+
+def validate_push_blocks(
+    dst_cache_key: Any,
+    src_cache: Any,
+    src_blocks: Any,
+    dst_blocks: Any,
+    src_layer_range: Any,
+    dst_layer_range: Any,
+    tensor_num_per_layer: Any,
+    registered: dict[int, Cache],
+) -> PushArgs:
+    """push_blocks' checks (reference section 6.5), in pull_blocks' order where they share one.
+    ``registered``: this process's live caches by id."""
+    check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
+    check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+    check_block_list("src_blocks", src_blocks)
+    check_block_list("dst_blocks", dst_blocks)
+    raise_if_false(
+        src_cache.is_blocks_cache, "param check failed, src_cache should be blocks cache."
+    )
+    raise_if_false(len(dst_blocks) > 0, "dst_blocks can not be empty.")
+    raise_if_false(len(src_blocks) > 0, "src_blocks can not be empty.")
+    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+    num_tensors = src_cache.cache_desc.num_tensors
+    raise_if_false(
+        tensor_num_per_layer > 0,
+        f"[push_blocks] param check failed, tensor_num_per_layer ({tensor_num_per_layer}) is "
+        f"invalid, should [1, {num_tensors}]",
+    )
+    every_layer = range(num_tensors // tensor_num_per_layer)
+    src_layers = _push_layers("src_layer_range", src_layer_range, every_layer, tensor_num_per_layer)
+    dst_layers = _push_layers("dst_layer_range", dst_layer_range, every_layer, tensor_num_per_layer)
+    raise_if_false(
+        len(src_layers) == len(dst_layers),
+        f"src_layer_range {src_layers} and dst_layer_range {dst_layers} differ in length",
+    )
+    _check_block_ids("src_blocks", src_blocks)
+    _check_block_ids("dst_blocks", dst_blocks)
+    raise_if_false(
+        registered.get(src_cache.cache_id) is src_cache,
+        f"local cache {src_cache.cache_id} does not exist (unregistered or from another engine)",
+        status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    )
+    num_blocks = src_cache.cache_desc.batch_size
+    bad = [b for b in src_blocks if b >= num_blocks]
+    raise_if_true(
+        bool(bad),
+        f"src block id {bad[0] if bad else 0} out of range [0, {num_blocks}) of cache "
+        f"{src_cache.cache_id}",
+    )
+    raise_if_true(
+        len(src_blocks) != len(dst_blocks),
+        f"src_blocks size {len(src_blocks)} != dst_blocks size {len(dst_blocks)}",
+    )
+    raise_if_true(
+        max(dst_blocks) > INT64_MAX,
+        f"dst block id {max(dst_blocks)} is out of range of any cache",
+    )
+    count = len(src_layers) * tensor_num_per_layer
+    raise_if_true(
+        src_layers.start * tensor_num_per_layer + count > num_tensors,
+        f"src_layer_range {src_layers} with tensor_num_per_layer {tensor_num_per_layer} is "
+        f"out of range of cache {src_cache.cache_id} ({num_tensors} tensors)",
+    )
+    return PushArgs(
+        remote_cluster_id=dst_cache_key.cluster_id,
+        model_id=dst_cache_key.model_id,
+        src_cache_id=src_cache.cache_id,
+        src_blocks=src_blocks,
+        dst_blocks=dst_blocks,
+        src_tensor_first=src_layers.start * tensor_num_per_layer,
+        src_tensor_count=count,
+        dst_tensor_first=dst_layers.start * tensor_num_per_layer,
+        dst_tensor_count=count,
+    )

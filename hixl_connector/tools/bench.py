@@ -1,4 +1,5 @@
-"""Benchmark of ``pull_blocks`` between two processes on the native engine.
+"""Benchmark of ``pull_blocks`` (and ``push_blocks``) between two processes on the native
+engine.
 
 Layout: Llama-8B KV cache (32 layers, K and V as separate tensors = 64 tensors, 8 KV heads,
 head_dim 128, bf16), blocks of 16 and 128 tokens, a 1 GiB pool per side. Measured per transport:
@@ -151,8 +152,10 @@ class Measurement:
         self.key = datadist_api().BlocksCacheKey(SERVER_CLUSTER, 0)
         self.pool = _alloc_pool(layout, fill=False)
         self.cache = _register(dd, layout, self.pool, None)
-        # The same bytes as the server's pool, so a copy from it is the pull's physical limit.
+        # The same bytes as the server's pool, so a copy from it is the pull's physical limit,
+        # and a push from it leaves the server's bytes as they were.
         self.replica = _alloc_pool(layout, fill=True)
+        self.replica_cache = _register(dd, layout, self.replica, None)
         self.pool_bases, self.replica_bases = _bases(self.pool), _bases(self.replica)
         self.rng = np.random.default_rng(11)
 
@@ -167,6 +170,12 @@ class Measurement:
         if int(probe[offset]) != NUM_TENSORS & 0xFF:
             raise RuntimeError("pulled bytes do not match the server's pool")
         return elapsed
+
+    def push(self, count: int) -> float:
+        src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
+        start = time.perf_counter()
+        self.dd.cache_manager.push_blocks(self.key, self.replica_cache, src, dst)
+        return time.perf_counter() - start
 
     def copy(self, count: int) -> float:
         src, dst = _random_pairs(self.rng, self.layout.num_blocks, count)
@@ -192,9 +201,9 @@ class Measurement:
         return elapsed
 
     def interleaved(self, count: int, iters: int) -> dict[str, list[float]]:
-        """Times per kind ("pull", "copy", "bare"), one of each per iteration, in an order
-        that rotates so that no kind always runs first."""
-        runs = {"pull": self.pull, "copy": self.copy, "bare": self.bare}
+        """Times per kind ("pull", "push", "copy", "bare"), one of each per iteration, in an
+        order that rotates so that no kind always runs first."""
+        runs = {"pull": self.pull, "push": self.push, "copy": self.copy, "bare": self.bare}
         for run in runs.values():
             run(count)  # warm-up: first touch of pages and of the engine's paths
         kinds = list(runs)
@@ -242,6 +251,12 @@ def measure_transport(
             "eight_blocks_us_p50": statistics.median(eight) * 1e6,
             "client_peak_internal_bytes": int(stats.get("peak_internal_bytes", 0)),
         }
+        pushes = times["push"]
+        result["push_gbps"] = request_bytes / statistics.median(pushes) / 1e9
+        result["push_ratio_to_memcpy"] = median_ratio(copies, pushes)
+        result["push_one_block_us_p50"] = (
+            statistics.median(m.push(1) for _ in range(lat_iters)) * 1e6
+        )
         bares = times["bare"]
         result["bare_gbps"] = request_bytes / statistics.median(bares) / 1e9
         result["bare_ratio_to_memcpy"] = median_ratio(copies, bares)

@@ -6,7 +6,8 @@ from typing import Any
 
 COLUMNS: tuple[str, ...] = (
     *("transport", "block", "GB/s", "memcpy GB/s", "ratio", "bare ratio", "of bare"),
-    *("req ms", "1 blk us", "8 blk us", "peak int. KiB (cli/srv)"),
+    *("req ms", "1 blk us", "8 blk us", "push ratio", "push 1 blk us"),
+    "peak int. KiB (cli/srv)",
 )
 
 
@@ -22,6 +23,8 @@ def _row(transport: str, name: str, f: dict[str, Any]) -> tuple[str, ...]:
         f"{f['request_ms_p50']:.1f}",
         f"{f['one_block_us_p50']:.0f}",
         f"{f['eight_blocks_us_p50']:.0f}",
+        f"{f['push_ratio_to_memcpy']:.2f}",
+        f"{f['push_one_block_us_p50']:.0f}",
         f"{f['client_peak_internal_bytes'] >> 10}/{f['server_peak_internal_bytes'] >> 10}",
     )
 
@@ -43,7 +46,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(
         "ratio: GB/s over memcpy GB/s at the same thread count; bare ratio: the transport's "
         "bare reference (cma: process_vm_readv; tcp: loopback sockets, as many connections) "
-        "over memcpy; of bare: the engine over it"
+        "over memcpy; of bare: the engine over it; push ratio: push_blocks of the same request "
+        "over memcpy"
     )
     return "\n".join(lines)
 

@@ -94,7 +94,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 3;  // 3: one asynchronous batch call (no pull_batch, submit_pull)
+  m.attr("ABI_VERSION") = 4;  // 4: push
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -184,6 +184,29 @@ NB_MODULE(_native, m) {
       .def("pull",
            pull_binding([](hixl::Engine& e, hixl::PullRequest r) { return to_result(e.pull(r)); }),
            PULL_ARGS)
+      .def(
+          "push",
+          [](hixl::Engine& e, int64_t remote, int64_t model_id, int64_t src_cache_id,
+             nb::handle src, nb::handle dst, int64_t src_first, int64_t src_count,
+             int64_t dst_first, int64_t dst_count, int64_t timeout_ms) {
+            hixl::PushRequest r;
+            r.remote_cluster_id = remote;
+            r.model_id = model_id;
+            r.src_cache_id = src_cache_id;
+            r.src_blocks = to_vector<int64_t>(src, "src_blocks");
+            r.dst_blocks = to_vector<int64_t>(dst, "dst_blocks");
+            r.src_tensor_first = src_first;
+            r.src_tensor_count = src_count;
+            r.dst_tensor_first = dst_first;
+            r.dst_tensor_count = dst_count;
+            r.timeout_ms = timeout_ms;
+            nb::gil_scoped_release release;
+            return to_result(e.push(r));
+          },
+          nb::arg("remote_cluster_id"), nb::arg("model_id"), nb::arg("src_cache_id"),
+          nb::arg("src_blocks"), nb::arg("dst_blocks"), nb::arg("src_tensor_first"),
+          nb::arg("src_tensor_count"), nb::arg("dst_tensor_first"), nb::arg("dst_tensor_count"),
+          nb::arg("timeout_ms"))
       .def(
           "submit_pull_batch",
           [](hixl::Engine& e, const std::vector<nb::tuple>& pulls) {

@@ -138,21 +138,103 @@ class Engine::Impl {
     if (!link) {
       return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(r.remote_cluster_id));
     }
-    s = link->begin_pull();
+    return on_link(*link, r.remote_cluster_id,
+                   [&] { return pull_over(*link, r, *dst, dst_range, deadline); });
+  }
+
+  // Runs one transfer on `link`, counted so an unlink waits for it; a timeout or transport
+  // failure leaves the link broken (LLM-DataDist: it cannot be recovered).
+  template <class Transfer>
+  static Status on_link(Link& link, int64_t remote, Transfer&& transfer) {
+    Status s = link.begin_transfer();
     if (!s.ok()) return s;
-    struct EndPull {
+    struct EndTransfer {
       Link& l;
-      ~EndPull() { l.end_pull(); }
-    } end_pull{*link};
-    s = pull_over(*link, r, *dst, dst_range, deadline);
+      ~EndTransfer() { l.end_transfer(); }
+    } end_transfer{link};
+    s = transfer();
     if (!s.ok()) {
       if (s.code == status::kTimeout || s.code == status::kFailed ||
-          !link->transport().usable()) {
-        link->mark_broken(s.message);
+          !link.transport().usable()) {
+        link.mark_broken(s.message);
       }
-      s.message = cluster_name(r.remote_cluster_id) + ": " + s.message;
+      s.message = cluster_name(remote) + ": " + s.message;
     }
     return s;
+  }
+
+  Status push(const PushRequest& r) {
+    stats.pushes++;
+    Status s;
+    try {
+      s = run_push(r);
+    } catch (const std::exception& e) {
+      s = Status::Error(status::kFailed, std::string("internal error: ") + e.what());
+    } catch (...) {
+      s = Status::Error(status::kFailed, "internal error");
+    }
+    if (!s.ok()) {
+      stats.failures++;
+      if (s.code == status::kTimeout) stats.timeouts++;
+    }
+    return s;
+  }
+
+  Status run_push(const PushRequest& push) {
+    if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+    if (push.timeout_ms <= 0) {
+      return Status::Error(status::kParamInvalid,
+                           "timeout_ms must be > 0, got " + std::to_string(push.timeout_ms));
+    }
+    const Deadline deadline = deadline_after_ms(push.timeout_ms);
+    const CacheTable::Pin src_pin = table.pin_by_id(push.src_cache_id);
+    if (!src_pin) {
+      return Status::Error(status::kKvCacheNotExist,
+                           "src cache " + std::to_string(push.src_cache_id) + " is not registered");
+    }
+    const PullRequest planned = as_planned(push);
+    ResolvedRange src_range;
+    Status s = check_local(planned, src_pin.info(), &src_range, Direction::kPush);
+    if (!s.ok()) return s;
+    std::shared_ptr<Link> link = links->find(push.remote_cluster_id);
+    if (!link) {
+      return Status::Error(status::kNotYetLink,
+                           "not linked to " + cluster_name(push.remote_cluster_id));
+    }
+    return on_link(*link, push.remote_cluster_id,
+                   [&] { return push_over(*link, planned, src_pin.info(), src_range, deadline); });
+  }
+
+  // Plans from the link's copy of the peer's table and writes; when the peer's server says
+  // the destination is gone, the copy drops what the peer unregistered and the push is
+  // planned again (a bounded number of times).
+  Status push_over(Link& link, const PullRequest& planned, const CacheInfo& src,
+                   const ResolvedRange& src_range, Deadline deadline) {
+    constexpr int kMaxPlans = 4;
+    for (int attempt = 1;; ++attempt) {
+      std::shared_ptr<const RemoteTable> remote = link.table();
+      const CacheInfo* dst = remote->by_blocks_model(planned.model_id);
+      if (dst == nullptr) return remote_missing(planned);
+      std::vector<Op> ops;
+      uint64_t runs = 0;
+      Status s = build_ops(planned, src, src_range, *dst, &ops, &runs, Direction::kPush);
+      if (!s.ok()) return s;
+      MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
+      s = link.transport().push(ops, dst->serial, deadline);
+      if (s.code == plan::kStale) {
+        Status checked = link.drop_unregistered(remote.get(), 0, deadline);
+        if (!checked.ok()) return checked;
+        if (attempt < kMaxPlans) continue;
+        return Status::Error(status::kKvCacheNotExist,
+                             "the peer unregistered caches during each of " +
+                                 std::to_string(kMaxPlans) + " attempts");
+      }
+      if (!s.ok()) return s;
+      stats.pushed_bytes += static_cast<int64_t>(total_bytes(ops));
+      stats.ops += static_cast<int64_t>(ops.size());
+      stats.runs += static_cast<int64_t>(runs);
+      return Status::Ok();
+    }
   }
 
   // Plans from the link's copy of the peer's table and pulls. When the peer unregistered
@@ -326,6 +408,7 @@ std::string Engine::peer_transport(int64_t remote) const {
 }
 
 Status Engine::pull(const PullRequest& request) { return impl_->pull(request); }
+Status Engine::push(const PushRequest& request) { return impl_->push(request); }
 Status Engine::submit_pull_batch(std::vector<PullRequest> requests, uint64_t* handle) {
   return impl_->submit(std::move(requests), handle);
 }
@@ -351,6 +434,10 @@ std::map<std::string, int64_t> Engine::stats() const {
           {"served_requests", s.served_requests},
           {"rejected_requests", s.rejected_requests},
           {"caller_batches", s.caller_batches},
+          {"pushes", s.pushes},
+          {"pushed_bytes", s.pushed_bytes},
+          {"received_writes", s.received_writes},
+          {"received_bytes", s.received_bytes},
           {"peak_internal_bytes", impl_->meter.peak()}};
 }
 

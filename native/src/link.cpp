@@ -41,10 +41,10 @@ Status Link::open(const LinkOptions& o, Deadline deadline, const Identity& me, T
   std::unique_ptr<Link> link(new Link());
   link->cluster_ = o.remote_cluster;
   Identity peer_id;
-  Status s = connect_and_greet(o, wire::kControlChannel, deadline, &link->control_, &peer_id);
+  Status s = connect_and_greet(o, wire::kControlChannel, deadline, &link->control_.fd, &peer_id);
   if (!s.ok()) return s;
   auto table = std::make_shared<RemoteTable>();
-  s = fetch_table(link->control_.get(), deadline, table.get(), peer);
+  s = fetch_table(link->control_.fd.get(), deadline, table.get(), peer);
   if (!s.ok()) return s;
   link->table_ = std::move(table);
 
@@ -62,7 +62,8 @@ Status Link::open(const LinkOptions& o, Deadline deadline, const Identity& me, T
     if (cma_refusal.ok()) {
       link->transport_ =
           make_cma_transport(static_cast<int>(peer_id.pid), std::move(pidfd),
-                             peer_id.unregistrations_addr, pool, o.transfer_threads, meter);
+                             peer_id.unregistrations_addr, link->control_, me, pool,
+                             o.transfer_threads, meter);
     } else if (o.transport == "cma") {
       cma_refusal.message = "cma transport unavailable: " + cma_refusal.message;
       return cma_refusal;
@@ -99,11 +100,11 @@ std::shared_ptr<const RemoteTable> Link::table() const {
 }
 
 Status Link::drop_unregistered(const RemoteTable* checked, uint64_t seen, Deadline deadline) {
-  std::lock_guard<std::mutex> control(control_mu_);
+  std::lock_guard<std::mutex> control(control_.mu);
   std::shared_ptr<const RemoteTable> copy = table();
   if (copy.get() != checked && copy->unregistrations() >= seen) return Status::Ok();
   RemoteTable current;
-  Status s = fetch_table(control_.get(), deadline, &current, "cluster " + std::to_string(cluster_));
+  Status s = fetch_table(control_.fd.get(), deadline, &current, "cluster " + std::to_string(cluster_));
   if (!s.ok()) {
     mark_broken(s.message);
     return s;
@@ -114,7 +115,7 @@ Status Link::drop_unregistered(const RemoteTable* checked, uint64_t seen, Deadli
   return Status::Ok();
 }
 
-Status Link::begin_pull() {
+Status Link::begin_transfer() {
   std::lock_guard<std::mutex> lock(mu_);
   if (closing_) {
     return Status::Error(status::kLinkBusy,
@@ -125,13 +126,13 @@ Status Link::begin_pull() {
                                                   " is broken (" + broken_reason_ +
                                                   "): unlink(force=True) and link again");
   }
-  ++active_pulls_;
+  ++active_transfers_;
   return Status::Ok();
 }
 
-void Link::end_pull() {
+void Link::end_transfer() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (--active_pulls_ == 0) idle_cv_.notify_all();
+  if (--active_transfers_ == 0) idle_cv_.notify_all();
 }
 
 void Link::mark_broken(const std::string& reason) {
@@ -151,16 +152,16 @@ bool Link::close_and_drain(Deadline deadline) {
   }
   transport_->abort();
   std::unique_lock<std::mutex> lock(mu_);
-  return idle_cv_.wait_until(lock, deadline, [this] { return active_pulls_ == 0; });
+  return idle_cv_.wait_until(lock, deadline, [this] { return active_transfers_ == 0; });
 }
 
 std::string Link::say_goodbye(Deadline deadline) {
-  std::lock_guard<std::mutex> control(control_mu_);
-  wire::IoResult io = wire::send_frame(control_.get(), wire::kBye, {}, deadline);
+  std::lock_guard<std::mutex> control(control_.mu);
+  wire::IoResult io = wire::send_frame(control_.fd.get(), wire::kBye, {}, deadline);
   if (!io.ok()) return io.reason;
   wire::Header h;
   std::vector<uint8_t> payload;
-  io = wire::recv_frame(control_.get(), &h, &payload, 1024, deadline);
+  io = wire::recv_frame(control_.fd.get(), &h, &payload, 1024, deadline);
   if (!io.ok()) return io.reason;
   return h.type == wire::kByeAck ? "" : "unexpected reply to BYE";
 }

@@ -44,11 +44,11 @@ class Link {
   Transport& transport() { return *transport_; }
   const char* transport_name() const { return transport_->name(); }
 
-  // Pull accounting: begin() refuses when the link is closing or broken.
-  Status begin_pull();
-  void end_pull();
+  // Transfer accounting: begin() refuses when the link is closing or broken.
+  Status begin_transfer();
+  void end_transfer();
   void mark_broken(const std::string& reason);
-  // Fails in-flight pulls fast, waits for them (bounded); false when they did not finish.
+  // Fails in-flight transfers fast, waits for them (bounded); false when they did not finish.
   bool close_and_drain(Deadline deadline);
   // BYE on the control connection so the server drops our connections; "" on success.
   std::string say_goodbye(Deadline deadline);
@@ -57,13 +57,12 @@ class Link {
   Link() = default;
 
   int64_t cluster_ = 0;
-  std::mutex control_mu_;  // one exchange at a time on the control connection
-  UniqueFd control_;
+  ControlChannel control_;  // declared before transport_, which may use it
   std::shared_ptr<const RemoteTable> table_;  // guarded by mu_
   std::unique_ptr<Transport> transport_;
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
-  int active_pulls_ = 0;
+  int active_transfers_ = 0;
   bool closing_ = false;
   bool broken_ = false;
   std::string broken_reason_;

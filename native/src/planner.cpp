@@ -47,7 +47,47 @@ Status source_row(const PullRequest& req, const CacheInfo& src, uint64_t* row) {
   return invalid(key + " is not a key of " + sname);
 }
 
+// How the caller named what the planner calls local and remote.
+struct Names {
+  std::string local_cache;
+  const char* local_blocks;
+  const char* remote_blocks;
+  const char* local_tensors;
+  const char* remote_tensors;
+};
+
+Names names(Direction direction, const CacheInfo& local) {
+  const std::string id = std::to_string(local.cache_id);
+  if (direction == Direction::kPush) {
+    return {"src cache " + id, "src_blocks", "dst_blocks", "src", "dst"};
+  }
+  return {"dst cache " + id, "dst_blocks", "src_blocks", "dst", "src"};
+}
+
+// The tensor-count mismatch as the caller sees it: a pull's source is remote, a push's local.
+Status count_mismatch(Direction direction, uint64_t remote, uint64_t local) {
+  const bool pull = direction == Direction::kPull;
+  return invalid("src tensor count " + std::to_string(pull ? remote : local) +
+                 " != dst tensor count " + std::to_string(pull ? local : remote));
+}
+
 }  // namespace
+
+PullRequest as_planned(const PushRequest& push) {
+  PullRequest r;
+  r.remote_cluster_id = push.remote_cluster_id;
+  r.remote_kind = kBlocksByModel;
+  r.model_id = push.model_id;
+  r.dst_cache_id = push.src_cache_id;
+  r.src_blocks = push.dst_blocks;
+  r.dst_blocks = push.src_blocks;
+  r.src_tensor_first = push.dst_tensor_first;
+  r.src_tensor_count = push.dst_tensor_count;
+  r.dst_tensor_first = push.src_tensor_first;
+  r.dst_tensor_count = push.src_tensor_count;
+  r.timeout_ms = push.timeout_ms;
+  return r;
+}
 
 std::vector<BlockRun> plan_runs(const int64_t* src, const int64_t* dst, size_t count) {
   std::vector<BlockRun> runs;
@@ -65,71 +105,79 @@ std::vector<BlockRun> plan_runs(const int64_t* src, const int64_t* dst, size_t c
   return runs;
 }
 
-Status check_local(const PullRequest& req, const CacheInfo& dst, ResolvedRange* dst_range) {
-  const std::string dname = "dst cache " + std::to_string(dst.cache_id);
-  if (!dst.is_blocks) return invalid(dname + " is not a blocks cache");
-  if (req.dst_blocks.empty()) return invalid("dst_blocks is empty");
+Status check_local(const PullRequest& req, const CacheInfo& local, ResolvedRange* local_range,
+                   Direction direction) {
+  const Names name = names(direction, local);
+  const std::string& dname = name.local_cache;
+  if (!local.is_blocks) return invalid(dname + " is not a blocks cache");
+  if (req.dst_blocks.empty()) return invalid(std::string(name.local_blocks) + " is empty");
   if (req.remote_kind == kBlocksByModel) {
-    if (req.src_blocks.empty()) return invalid("src_blocks is empty for a blocks cache key");
+    if (req.src_blocks.empty()) {
+      return invalid(std::string(name.remote_blocks) + " is empty for a blocks cache key");
+    }
     if (req.src_blocks.size() != req.dst_blocks.size()) {
-      return invalid("len(src_blocks)=" + std::to_string(req.src_blocks.size()) +
-                     " != len(dst_blocks)=" + std::to_string(req.dst_blocks.size()));
+      return invalid("len(" + std::string(name.remote_blocks) + ")=" +
+                     std::to_string(req.src_blocks.size()) + " != len(" + name.local_blocks +
+                     ")=" + std::to_string(req.dst_blocks.size()));
     }
     for (size_t i = 0; i < req.src_blocks.size(); ++i) {
-      if (req.src_blocks[i] < 0) return invalid(list_entry("src_blocks", i, req.src_blocks[i]));
+      if (req.src_blocks[i] < 0) {
+        return invalid(list_entry(name.remote_blocks, i, req.src_blocks[i]));
+      }
     }
   } else if (!req.src_blocks.empty()) {
     return invalid("src_blocks must be empty unless the source is a blocks cache key");
   }
   for (size_t i = 0; i < req.dst_blocks.size(); ++i) {
     int64_t b = req.dst_blocks[i];
-    if (b < 0 || static_cast<uint64_t>(b) >= dst.num_blocks) {
-      return invalid(list_entry("dst_blocks", i, b) + " is outside " + dname + " with " +
-                     std::to_string(dst.num_blocks) + " blocks");
+    if (b < 0 || static_cast<uint64_t>(b) >= local.num_blocks) {
+      return invalid(list_entry(name.local_blocks, i, b) + " is outside " + dname + " with " +
+                     std::to_string(local.num_blocks) + " blocks");
     }
   }
-  const uint64_t n = dst.tensor_addrs.size();
+  const std::string lt = name.local_tensors, rt = name.remote_tensors;
+  const uint64_t n = local.tensor_addrs.size();
   if (req.dst_tensor_first < 0 || static_cast<uint64_t>(req.dst_tensor_first) >= n) {
-    return invalid("dst tensor first " + std::to_string(req.dst_tensor_first) + " outside " +
+    return invalid(lt + " tensor first " + std::to_string(req.dst_tensor_first) + " outside " +
                    dname + " with " + std::to_string(n) + " tensors");
   }
   uint64_t count = req.dst_tensor_count == -1 ? n - req.dst_tensor_first
                                               : static_cast<uint64_t>(req.dst_tensor_count);
   if (req.dst_tensor_count == 0 || req.dst_tensor_count < -1 ||
       req.dst_tensor_first + count > n) {
-    return invalid("dst tensor range [" + std::to_string(req.dst_tensor_first) + ", +" +
+    return invalid(lt + " tensor range [" + std::to_string(req.dst_tensor_first) + ", +" +
                    std::to_string(req.dst_tensor_count) + ") outside " + dname + " with " +
                    std::to_string(n) + " tensors");
   }
   if (req.src_tensor_first < 0 || req.src_tensor_count == 0 || req.src_tensor_count < -1) {
-    return invalid("src tensor range [" + std::to_string(req.src_tensor_first) + ", +" +
+    return invalid(rt + " tensor range [" + std::to_string(req.src_tensor_first) + ", +" +
                    std::to_string(req.src_tensor_count) + ") is invalid");
   }
   if (req.src_tensor_count != -1 && static_cast<uint64_t>(req.src_tensor_count) != count) {
-    return invalid("src tensor count " + std::to_string(req.src_tensor_count) +
-                   " != dst tensor count " + std::to_string(count));
+    return count_mismatch(direction, static_cast<uint64_t>(req.src_tensor_count), count);
   }
-  dst_range->first = static_cast<uint64_t>(req.dst_tensor_first);
-  dst_range->count = count;
+  local_range->first = static_cast<uint64_t>(req.dst_tensor_first);
+  local_range->count = count;
   return Status::Ok();
 }
 
+// Named as for a pull: `dst` is the local cache and `src` the remote one, also for a push.
 Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRange& dst_range,
-                 const CacheInfo& src, std::vector<Op>* ops, uint64_t* run_count) {
+                 const CacheInfo& src, std::vector<Op>* ops, uint64_t* run_count,
+                 Direction direction) {
+  const Names name = names(direction, dst);
   const std::string sname = "remote cache " + std::to_string(src.cache_id);
   const uint64_t ns = src.tensor_addrs.size();
   const uint64_t src_first = static_cast<uint64_t>(req.src_tensor_first);
   uint64_t src_count = req.src_tensor_count == -1 ? (src_first < ns ? ns - src_first : 0)
                                                   : static_cast<uint64_t>(req.src_tensor_count);
   if (src_first >= ns || src_first + src_count > ns) {
-    return invalid("src tensor range [" + std::to_string(req.src_tensor_first) + ", +" +
+    return invalid(std::string(name.remote_tensors) + " tensor range [" +
+                   std::to_string(req.src_tensor_first) + ", +" +
                    std::to_string(req.src_tensor_count) + ") outside " + sname + " with " +
                    std::to_string(ns) + " tensors");
   }
-  if (src_count != dst_range.count) {
-    return invalid("src tensor count " + std::to_string(src_count) + " != dst tensor count " +
-                   std::to_string(dst_range.count));
-  }
+  if (src_count != dst_range.count) return count_mismatch(direction, src_count, dst_range.count);
   const uint64_t dst_stride = dst.stride();
   const uint64_t src_stride = src.stride();
   uint64_t src_base = 0;       // byte offset of src "block" 0 inside a remote tensor
@@ -140,12 +188,13 @@ Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRan
     // Block i of the source lands on block j here byte for byte: unequal block sizes would
     // spread one source block over parts of two destination blocks.
     if (src_stride != dst_stride) {
-      return invalid(sname + " has blocks of " + std::to_string(src_stride) +
-                     " bytes, the destination cache blocks of " + std::to_string(dst_stride));
+      return invalid(sname + " has blocks of " + std::to_string(src_stride) + " bytes, " +
+                     name.local_cache + " blocks of " + std::to_string(dst_stride));
     }
     for (size_t i = 0; i < req.src_blocks.size(); ++i) {
       if (static_cast<uint64_t>(req.src_blocks[i]) >= src.num_blocks) {
-        return invalid(list_entry("src_blocks", i, req.src_blocks[i]) + " is outside " + sname +
+        return invalid(list_entry(name.remote_blocks, i, req.src_blocks[i]) + " is outside " +
+                       sname +
                        " with " + std::to_string(src.num_blocks) + " blocks");
       }
     }

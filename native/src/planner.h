@@ -29,13 +29,22 @@ struct ResolvedRange {
   uint64_t count = 0;
 };
 
-// Checks that need only local state, in the contract's order: dst is a blocks cache, ids and
-// lengths, tensor ranges. Fills the resolved destination tensor range.
-Status check_local(const PullRequest& req, const CacheInfo& dst, ResolvedRange* dst_range);
+// A push is planned as the pull it mirrors (as_planned): its local source in the request's
+// dst_* fields, the peer's destination in its src_* fields. The direction only names the
+// lists and caches in messages as the caller passed them.
+enum class Direction { kPull, kPush };
+PullRequest as_planned(const PushRequest& push);
 
-// Checks against the peer's cache and builds the ops (tensor-major). *runs gets the run count.
-Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRange& dst_range,
-                 const CacheInfo& src, std::vector<Op>* ops, uint64_t* runs);
+// Checks that need only local state, in the contract's order: the local cache is a blocks
+// cache, ids and lengths, tensor ranges. Fills the resolved local tensor range.
+Status check_local(const PullRequest& req, const CacheInfo& local, ResolvedRange* local_range,
+                   Direction direction = Direction::kPull);
+
+// Checks against the peer's cache and builds the ops (tensor-major): each op's local range is
+// in `local`, its remote range in `remote`. *runs gets the run count.
+Status build_ops(const PullRequest& req, const CacheInfo& local, const ResolvedRange& local_range,
+                 const CacheInfo& remote, std::vector<Op>* ops, uint64_t* runs,
+                 Direction direction = Direction::kPull);
 
 // Splits ops into at most `shares` lists of about equal bytes, cutting ops where needed.
 std::vector<std::vector<Op>> split_ops(const std::vector<Op>& ops, size_t shares);

@@ -82,6 +82,10 @@ struct ServeLoop::Conn {
   Clock::time_point last_progress;
   Deadline reply_deadline;
   uint32_t watched = 0;
+  // A WRITE between WRITE_READY and its last byte; receiving_write once its DATA header came.
+  std::unique_ptr<WriteIntake> write;
+  bool receiving_write = false;
+  ProvenWriter writer;
 
   bool reading_frame() const { return header_got > 0; }
   bool output_pending() const { return out_sent < out.size() || iov_first < iov.size(); }
@@ -221,6 +225,18 @@ void ServeLoop::on_event(Conn& c, uint32_t events) {
 
 bool ServeLoop::read_frames(Conn& c) {
   while (!c.output_pending() && !c.closing) {
+    if (c.receiving_write) {
+      c.last_progress = Clock::now();
+      int got = c.write->receive(c.fd.get());
+      if (got < 0) {
+        ctx_.stats->rejected_requests++;
+        return false;
+      }
+      if (got == 0) return true;
+      finish_write(c);
+      if (!flush(c)) return false;
+      continue;
+    }
     if (c.header_got < wire::kHeaderBytes) {
       ssize_t r = ::recv(c.fd.get(), c.header + c.header_got, wire::kHeaderBytes - c.header_got, 0);
       if (r == 0) {
@@ -247,6 +263,18 @@ bool ServeLoop::read_frames(Conn& c) {
         fail(c, c.phase == Conn::Phase::kServing ? status::kFailed : status::kLinkFailed,
              "bad frame: wrong magic or protocol version");
         return true;
+      }
+      if (c.write) {  // after WRITE_READY only the write's DATA frame may come
+        if (!c.write->expects(c.h)) {
+          ctx_.stats->rejected_requests++;
+          c.write.reset();
+          fail(c, status::kParamInvalid,
+               "expected the DATA frame of the write, got frame type " +
+                   std::to_string(c.h.type) + " of " + std::to_string(c.h.length) + " bytes");
+          return true;
+        }
+        c.receiving_write = true;
+        continue;
       }
       uint64_t limit = c.phase == Conn::Phase::kServing ? wire::kMaxControlPayload
                                                         : kHandshakeFrameBytes;
@@ -320,6 +348,10 @@ bool ServeLoop::handle_handshake(Conn& c) {
 
 bool ServeLoop::handle_request(Conn& c) {
   if (c.h.type == wire::kRead) return start_read_reply(c);
+  if (c.h.type == wire::kWrite) {
+    start_write(c);
+    return true;
+  }
   if (c.h.type == wire::kTableRequest && c.payload.empty()) {
     queue_frame(c, wire::kTable, ctx_.table->encode_remote_visible());
     return true;
@@ -375,12 +407,7 @@ bool ServeLoop::start_read_reply(Conn& c) {
     iov[i + 1] = {reinterpret_cast<void*>(addr), len};
     total += len;
   }
-  uint32_t magic = wire::kMagic;
-  uint16_t version = wire::kVersion, type = wire::kData;
-  std::memcpy(c.data_header, &magic, 4);
-  std::memcpy(c.data_header + 4, &version, 2);
-  std::memcpy(c.data_header + 6, &type, 2);
-  std::memcpy(c.data_header + 8, &total, 8);
+  wire::encode_header(c.data_header, wire::kData, total);
   iov[0] = {c.data_header, sizeof(c.data_header)};
   c.iov = std::move(iov);
   c.iov_first = 0;
@@ -392,6 +419,39 @@ bool ServeLoop::start_read_reply(Conn& c) {
   return true;
 }
 
+void ServeLoop::start_write(Conn& c) {
+  Status refusal;
+  uint64_t bytes = 0;
+  switch (WriteIntake::start(c.payload, *ctx_.table, &c.writer, *ctx_.meter, &c.write, &refusal,
+                             &bytes)) {
+    case WriteIntake::Outcome::kRefused:
+      ctx_.stats->rejected_requests++;
+      queue_frame(c, wire::kError, wire::error_payload(refusal.code, refusal.message));
+      return;
+    case WriteIntake::Outcome::kStale:
+      queue_frame(c, wire::kStale, {});
+      return;
+    case WriteIntake::Outcome::kAwaitData:
+      queue_frame(c, wire::kWriteReady, {});
+      c.reply_deadline = deadline_after_ms(kReadReplyLimitMs);
+      return;
+    case WriteIntake::Outcome::kDone:
+      ctx_.stats->received_writes++;
+      ctx_.stats->received_bytes += static_cast<int64_t>(bytes);
+      queue_frame(c, wire::kWriteDone, {});
+      return;
+  }
+}
+
+void ServeLoop::finish_write(Conn& c) {
+  ctx_.stats->received_writes++;
+  ctx_.stats->received_bytes += static_cast<int64_t>(c.write->bytes());
+  c.write.reset();  // unpins the destination
+  c.receiving_write = false;
+  c.header_got = 0;
+  queue_frame(c, wire::kWriteDone, {});
+}
+
 void ServeLoop::queue_frame(Conn& c, uint16_t type, const std::vector<uint8_t>& payload) {
   if (c.out_sent == c.out.size()) {
     c.out.clear();
@@ -399,13 +459,7 @@ void ServeLoop::queue_frame(Conn& c, uint16_t type, const std::vector<uint8_t>& 
   }
   if (!c.output_pending()) c.last_progress = Clock::now();
   uint8_t header[wire::kHeaderBytes];
-  uint32_t magic = wire::kMagic;
-  uint16_t version = wire::kVersion;
-  uint64_t length = payload.size();
-  std::memcpy(header, &magic, 4);
-  std::memcpy(header + 4, &version, 2);
-  std::memcpy(header + 6, &type, 2);
-  std::memcpy(header + 8, &length, 8);
+  wire::encode_header(header, type, payload.size());
   c.out.insert(c.out.end(), header, header + sizeof(header));
   c.out.insert(c.out.end(), payload.begin(), payload.end());
 }
@@ -469,6 +523,13 @@ void ServeLoop::sweep() {
       // of a huge reply is fine) or held it past kReadReplyLimitMs (a trickle is not).
       bool reply = !c.iov.empty();
       if (now - c.last_progress >= stall || (reply && now >= c.reply_deadline)) {
+        expired.push_back(fd);
+      }
+    } else if (c.write) {
+      // A write holds its destination pinned: its DATA must keep arriving, and all of it
+      // within kReadReplyLimitMs of WRITE_READY.
+      if (now - c.last_progress >= stall || now >= c.reply_deadline) {
+        ctx_.stats->rejected_requests++;
         expired.push_back(fd);
       }
     } else if (c.reading_frame() && past(c.frame_deadline)) {

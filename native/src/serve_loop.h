@@ -1,5 +1,5 @@
 // One event-loop thread serving many engine connections over non-blocking sockets: the
-// handshake, then READ, TABLE and BYE requests. Each connection is a state machine, so a
+// handshake, then READ, WRITE, TABLE and BYE requests. Each connection is a state machine, so a
 // server's threads do not grow with its links, and a peer that stops reading or writing
 // holds only its own connection, never a thread.
 #pragma once
@@ -19,6 +19,7 @@
 #include "handshake.h"
 #include "stats.h"
 #include "wire.h"
+#include "write_intake.h"
 
 namespace hixl {
 
@@ -60,8 +61,8 @@ struct ServeContext {
 
 class ServeLoop {
  public:
-  // A single READ reply may hold its connection (and its source cache's pin) at most this
-  // long, however slowly the reader keeps draining it.
+  // A single READ reply, or a WRITE's data, may hold its connection (and its cache's pin) at
+  // most this long, however slowly the peer keeps it moving.
   static constexpr int kReadReplyLimitMs = 10 * 60 * 1000;
 
   explicit ServeLoop(const ServeContext& context);  // throws std::system_error
@@ -88,6 +89,9 @@ class ServeLoop {
   bool handle_handshake(Conn& c);
   bool handle_request(Conn& c);
   bool start_read_reply(Conn& c);
+  // Answers a WRITE: refused, stale, copied in (same host) or ready for its DATA frame.
+  void start_write(Conn& c);
+  void finish_write(Conn& c);
   // Sends what is pending; false when the connection must close.
   bool flush(Conn& c);
   void queue_frame(Conn& c, uint16_t type, const std::vector<uint8_t>& payload);

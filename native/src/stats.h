@@ -10,6 +10,8 @@ struct EngineStats {
   std::atomic<int64_t> pulls{0}, failures{0}, bytes{0}, ops{0}, runs{0}, timeouts{0};
   std::atomic<int64_t> links{0}, served_bytes{0}, served_requests{0}, rejected_requests{0};
   std::atomic<int64_t> caller_batches{0};  // submitted batches copied on the caller's thread
+  std::atomic<int64_t> pushes{0}, pushed_bytes{0};            // this engine's writes to peers
+  std::atomic<int64_t> received_writes{0}, received_bytes{0};  // peers' writes to this engine
 };
 
 class MemoryMeter {

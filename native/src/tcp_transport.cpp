@@ -1,9 +1,11 @@
-// Socket transport: READ requests on several data connections; the server streams the bytes
-// straight from its registered memory and we readv them straight into the destination.
+// Socket transport: READ and WRITE requests on several data connections. A READ's bytes stream
+// from the server's registered memory straight into the destination; a WRITE's bytes go
+// straight from ours once the server pinned and checked the ranges they land in.
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 
 #include "transport.h"
@@ -43,23 +45,39 @@ class TcpTransport final : public Transport {
   // The server checks the source serial itself, under a pin, so `seen` stays 0.
   Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
               PeerView* /*seen*/) override {
-    try {
-      return pull_shares(ops, basis, deadline);
-    } catch (const std::exception& e) {
-      abort();  // a share may have stopped mid-stream
-      return Status::Error(status::kFailed, std::string("tcp pull failed: ") + e.what());
-    }
+    return on_shares(ops, deadline, "pull", [&](int fd, const Op* part, size_t n, bool* in_sync) {
+      return read(fd, part, n, basis, deadline, in_sync);
+    });
+  }
+
+  Status push(const std::vector<Op>& ops, uint64_t dst_serial, Deadline deadline) override {
+    return on_shares(ops, deadline, "push", [&](int fd, const Op* part, size_t n, bool* in_sync) {
+      return write(fd, part, n, dst_serial, deadline, in_sync);
+    });
   }
 
  private:
-  Status pull_shares(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline) {
+  // A share's requests, kOpsPerRequest ops each: (fd, ops, count, in_sync) -> Status.
+  using Request = std::function<Status(int, const Op*, size_t, bool*)>;
+
+  Status on_shares(const std::vector<Op>& ops, Deadline deadline, const char* what,
+                   const Request& request) {
+    try {
+      return run_shares_of(ops, deadline, request);
+    } catch (const std::exception& e) {
+      abort();  // a share may have stopped mid-stream
+      return Status::Error(status::kFailed, std::string("tcp ") + what + " failed: " + e.what());
+    }
+  }
+
+  Status run_shares_of(const std::vector<Op>& ops, Deadline deadline, const Request& request) {
     uint64_t total = total_bytes(ops);
     size_t shares =
         std::max<uint64_t>(1, std::min<uint64_t>(conns_.size(), total / kMinShareBytes));
     Status result;
     bool in_sync = true;
     if (shares == 1) {
-      result = pull_share(ops, basis, deadline, &in_sync);
+      result = share(ops, deadline, request, &in_sync);
     } else {
       MemoryCharge charge(meter_, static_cast<int64_t>((ops.size() + shares) * sizeof(Op)));
       std::vector<std::vector<Op>> parts = split_ops(ops, shares);
@@ -67,7 +85,7 @@ class TcpTransport final : public Transport {
       std::vector<char> synced(parts.size(), 1);
       run_shares(pool_, parts.size(), [&](size_t i) {
         bool ok = true;
-        results[i] = pull_share(parts[i], basis, deadline, &ok);
+        results[i] = share(parts[i], deadline, request, &ok);
         synced[i] = ok ? 1 : 0;
       });
       for (size_t i = 0; i < results.size(); ++i) {
@@ -108,14 +126,14 @@ class TcpTransport final : public Transport {
     cv_.notify_one();
   }
 
-  Status pull_share(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
-                    bool* in_sync) {
+  Status share(const std::vector<Op>& ops, Deadline deadline, const Request& request,
+               bool* in_sync) {
     Status st;
     int fd = checkout(deadline, &st);
     if (fd < 0) return st;
     for (size_t base = 0; base < ops.size() && st.ok(); base += kOpsPerRequest) {
       size_t count = std::min(kOpsPerRequest, ops.size() - base);
-      st = request(fd, ops.data() + base, count, basis, deadline, in_sync);
+      st = request(fd, ops.data() + base, count, in_sync);
     }
     checkin(fd);
     return st;
@@ -127,14 +145,14 @@ class TcpTransport final : public Transport {
       if (aborted_ && !timed_out) return Status::Error(status::kLinkBusy, "link is closing");
     }
     if (timed_out) {
-      return Status::Error(status::kTimeout, "tcp pull did not finish before the deadline");
+      return Status::Error(status::kTimeout, "tcp transfer did not finish before the deadline");
     }
-    return Status::Error(status::kFailed, "tcp pull failed: " + why);
+    return Status::Error(status::kFailed, "tcp transfer failed: " + why);
   }
 
   // *in_sync is cleared when the stream may be mid-frame (any failure but a whole refusal).
-  Status request(int fd, const Op* ops, size_t count, const PlanBasis& basis, Deadline deadline,
-                 bool* in_sync) {
+  Status read(int fd, const Op* ops, size_t count, const PlanBasis& basis, Deadline deadline,
+              bool* in_sync) {
     MemoryCharge charge(meter_, static_cast<int64_t>(count * (16 + sizeof(iovec))));
     *in_sync = false;
     wire::Encoder enc;
@@ -175,6 +193,61 @@ class TcpTransport final : public Transport {
     if (!io.ok()) return failure(io.reason, io.timed_out());
     *in_sync = true;
     return Status::Ok();
+  }
+
+  // A reply that is a whole frame: an ERROR or STALE refusal, or `expected` with no payload.
+  // *in_sync is cleared unless the stream is still in step afterwards.
+  Status await_reply(int fd, uint16_t expected, Deadline deadline, bool* in_sync) {
+    wire::Header h;
+    std::vector<uint8_t> payload;
+    wire::IoResult io = wire::recv_frame(fd, &h, &payload, wire::kMaxControlPayload, deadline);
+    if (!io.ok()) return failure(io.reason, io.timed_out());
+    if (h.type == expected && payload.empty()) {
+      *in_sync = true;
+      return Status::Ok();
+    }
+    if (h.type == wire::kError) {
+      *in_sync = true;
+      return wire::decode_error(payload, "peer refused the write");
+    }
+    if (h.type == wire::kStale && payload.empty()) {
+      *in_sync = true;
+      return Status::Error(plan::kStale, "destination cache is no longer registered on the peer");
+    }
+    return failure("unexpected reply frame type " + std::to_string(h.type), false);
+  }
+
+  // WRITE, then (once the server pinned and checked the ranges) one DATA frame straight from
+  // our memory, then WRITE_DONE when every byte landed.
+  Status write(int fd, const Op* ops, size_t count, uint64_t dst_serial, Deadline deadline,
+               bool* in_sync) {
+    MemoryCharge charge(meter_, static_cast<int64_t>(count * (16 + sizeof(iovec))));
+    *in_sync = false;
+    wire::Encoder enc;
+    enc.u64(dst_serial);
+    enc.u8(wire::kBytesFollow);
+    enc.u32(static_cast<uint32_t>(count));
+    uint64_t total = 0;
+    for (size_t i = 0; i < count; ++i) {
+      enc.u64(ops[i].remote);
+      enc.u64(ops[i].len);
+      total += ops[i].len;
+    }
+    wire::IoResult io = wire::send_frame(fd, wire::kWrite, enc.bytes(), deadline);
+    if (!io.ok()) return failure(io.reason, io.timed_out());
+    Status st = await_reply(fd, wire::kWriteReady, deadline, in_sync);
+    if (!st.ok()) return st;
+    *in_sync = false;
+    uint8_t header[wire::kHeaderBytes];
+    wire::encode_header(header, wire::kData, total);
+    std::vector<iovec> iov(count + 1);
+    iov[0] = {header, sizeof(header)};
+    for (size_t i = 0; i < count; ++i) {
+      iov[i + 1] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
+    }
+    io = wire::sendv_all(fd, iov.data(), iov.size(), deadline);
+    if (!io.ok()) return failure(io.reason, io.timed_out());
+    return await_reply(fd, wire::kWriteDone, deadline, in_sync);
   }
 
   std::vector<UniqueFd> conns_;

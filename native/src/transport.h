@@ -2,9 +2,11 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "handshake.h"
 #include "planner.h"
 #include "stats.h"
 #include "thread_pool.h"
@@ -39,6 +41,12 @@ constexpr int64_t kStale = -2;
 constexpr int64_t kTableMoved = -3;
 }  // namespace plan
 
+// A link's control connection: one exchange (request and its reply) at a time.
+struct ControlChannel {
+  std::mutex mu;
+  UniqueFd fd;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -48,6 +56,12 @@ class Transport {
   // plan::kTableMoved when the peer unregistered caches since `basis`, or the peer's refusal.
   virtual Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
                       PeerView* seen) = 0;
+  // Writes every op's local range into its remote range, all in the peer's registration
+  // `dst_serial`, before `deadline`. The peer's server pins that registration and checks
+  // every range against it before a byte lands, so a write never reaches memory the peer
+  // unregistered. Returns plan::kStale when the registration is gone, TIMEOUT, FAILED, or
+  // the peer's refusal.
+  virtual Status push(const std::vector<Op>& ops, uint64_t dst_serial, Deadline deadline) = 0;
   // Makes in-flight and later pulls fail fast (unlink, close, failure). Idempotent.
   virtual void abort() = 0;
   // False once the transport aborted itself or was aborted: the link cannot carry pulls.
@@ -56,13 +70,20 @@ class Transport {
 
 // Same-host reads with process_vm_readv from `pid`; `pidfd` guards against pid reuse, and
 // the peer's unregistration count is read at `unregistrations_addr` around every pull.
+// Writes go as WRITE requests on `control`: the peer copies the bytes in from `me`.
 std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd,
                                               uint64_t unregistrations_addr,
+                                              ControlChannel& control, const Identity& me,
                                               ThreadPool& pool, int threads,
                                               MemoryMeter& meter);
 // Reads over `conns`, data connections already authenticated to the peer's server.
 std::unique_ptr<Transport> make_tcp_transport(std::vector<UniqueFd> conns, ThreadPool& pool,
                                               MemoryMeter& meter);
+
+// Copies every op's remote range in process `pid` into its local range, on this thread;
+// FAILED when a range cannot be read or the process exited (`pidfd`), TIMEOUT past
+// `deadline`.
+Status cma_read(int pid, int pidfd, const std::vector<Op>& ops, Deadline deadline);
 
 // Link-time probe: opens a pidfd for `pid` and reads `len` bytes at `addr` of that process,
 // expecting `expected`. On success *pidfd holds the peer's pidfd.

@@ -209,16 +209,19 @@ IoResult recv_all(int fd, void* data, size_t len, Deadline deadline) {
   return recvv_all(fd, &iov, 1, deadline);
 }
 
+void encode_header(uint8_t* out, uint16_t type, uint64_t length) {
+  uint32_t magic = kMagic;
+  uint16_t version = kVersion;
+  std::memcpy(out, &magic, 4);
+  std::memcpy(out + 4, &version, 2);
+  std::memcpy(out + 6, &type, 2);
+  std::memcpy(out + 8, &length, 8);
+}
+
 IoResult send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
                     Deadline deadline) {
   uint8_t header[kHeaderBytes];
-  uint32_t magic = kMagic;
-  uint16_t version = kVersion;
-  uint64_t length = payload.size();
-  std::memcpy(header, &magic, 4);
-  std::memcpy(header + 4, &version, 2);
-  std::memcpy(header + 6, &type, 2);
-  std::memcpy(header + 8, &length, 8);
+  encode_header(header, type, payload.size());
   iovec iov[2] = {{header, kHeaderBytes},
                   {const_cast<uint8_t*>(payload.data()), payload.size()}};
   return sendv_all(fd, iov, payload.empty() ? 1 : 2, deadline);

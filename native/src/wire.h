@@ -70,11 +70,20 @@ enum FrameType : uint16_t {
   kData = 8,        // s->c: raw bytes follow, length = sum of the request's lengths
   kBye = 9,
   kByeAck = 10,
-  kStale = 11,      // s->c: the READ named a registration that is gone; refetch the table
+  kStale = 11,      // s->c: the READ or WRITE named a registration that is gone; refetch
+  // c->s: u64 destination serial, u8 source (WriteSource), u32 n, n x (u64 addr, u64 len);
+  // kFromWriter adds n x u64 source addr, i64 pid, u64 probe addr and the probe's bytes.
+  kWrite = 12,
+  kWriteReady = 13,  // s->c: the ranges are pinned and checked; send the DATA frame
+  kWriteDone = 14,   // s->c: every byte of the write landed
   kError = 15,      // u64 status code, string message
 };
 
 enum Channel : uint8_t { kControlChannel = 0, kDataChannel = 1 };
+
+// Where a WRITE's bytes come from: a DATA frame after WRITE_READY on the same connection, or
+// the writer's own memory on this host, which the destination's server copies in itself.
+enum WriteSource : uint8_t { kBytesFollow = 0, kFromWriter = 1 };
 
 // Why a socket operation or a frame failed. Callers branch on this, never on the reason text.
 enum class IoError : uint8_t {
@@ -149,6 +158,8 @@ IoResult recvv_all(int fd, iovec* iov, size_t count, Deadline deadline);
 IoResult recvv_bulk(int fd, iovec* iov, size_t count, int low_water_bytes,
                     Deadline deadline);
 
+// Writes a frame header (kHeaderBytes) for a payload of `length` bytes.
+void encode_header(uint8_t* out, uint16_t type, uint64_t length);
 IoResult send_frame(int fd, uint16_t type, const std::vector<uint8_t>& payload,
                     Deadline deadline);
 IoResult recv_header(int fd, Header* header, Deadline deadline);

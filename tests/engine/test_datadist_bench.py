@@ -21,6 +21,10 @@ FIGURES = (
     "bare_gbps",
     "bare_ratio_to_memcpy",
     "ratio_to_bare",
+    # push_blocks of the same request, in the same rotation.
+    "push_gbps",
+    "push_ratio_to_memcpy",
+    "push_one_block_us_p50",
 )
 
 
@@ -30,6 +34,7 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "GB/s" in done.stdout and "planning" in done.stdout and "bare ratio" in done.stdout
+    assert "push ratio" in done.stdout
     report = json.loads(out.read_text())
     assert report["plan_us_128_blocks_x_64_tensors"] > 0
     assert report["config"]["tensors"] == 64

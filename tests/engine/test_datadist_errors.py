@@ -205,10 +205,25 @@ def test_register_errors(env: Env) -> None:
     assert info.value.status_code == codes(env).LLM_FEATURE_NOT_ENABLED
 
 
-def test_push_blocks_not_enabled(env: Env) -> None:
-    with pytest.raises(env.api.LLMException, match="push_blocks") as info:
-        env.cm.push_blocks(env.key, env.cache, [1], [1])
+def test_push_cache_and_layer_wise_push_not_enabled(env: Env) -> None:
+    with pytest.raises(env.api.LLMException, match="push_cache") as info:
+        env.cm.push_cache(env.api.CacheKeyByIdAndIndex(env.key.cluster_id, 1), env.cache)
     assert info.value.status_code == codes(env).LLM_FEATURE_NOT_ENABLED
+    with pytest.raises(env.api.LLMException, match="transfer_cache_async") as info:
+        env.cm.transfer_cache_async()
+    assert info.value.status_code == codes(env).LLM_FEATURE_NOT_ENABLED
+
+
+def test_push_blocks_needs_remote_accessible_mode(env: Env, datadist_backend: str) -> None:
+    """Checked before anything else (reference section 6.5), so no engine is involved."""
+    if datadist_backend != "native":
+        pytest.skip("builds the native CacheManager directly")
+    from hixl_connector.datadist.cache_manager import CacheManager
+
+    manager = CacheManager(engine=None, options={}, sync_kv_timeout_ms=1000)
+    with pytest.raises(env.api.LLMException, match="enable_remote_cache_accessible") as info:
+        manager.push_blocks(env.key, env.cache, [1], [1])
+    assert info.value.status_code == codes(env).LLM_PARAM_INVALID
 
 
 def test_failed_pull_leaves_link_usable(env: Env) -> None:

@@ -14,7 +14,8 @@ import time
 HEADER = struct.Struct("<IHHQ")  # magic, version, frame type, payload length
 MAGIC, VERSION = 0x4C584948, 2
 HELLO, CHALLENGE, AUTH, WELCOME, TABLE_REQ, TABLE, READ, DATA = 1, 2, 3, 4, 5, 6, 7, 8
-STALE, ERROR = 11, 15
+STALE, WRITE, WRITE_READY, WRITE_DONE, ERROR = 11, 12, 13, 14, 15
+BYTES_FOLLOW, FROM_WRITER = 0, 1
 DATA_CHANNEL = 1
 
 
@@ -118,3 +119,10 @@ def read_request(serial: int, *ranges: tuple[int, int]) -> bytes:
     """A READ of `ranges` planned against the registration with `serial`."""
     body = struct.pack("<QI", serial, len(ranges))
     return frame(READ, body + b"".join(struct.pack("<QQ", a, n) for a, n in ranges))
+
+
+def write_request(serial: int, *ranges: tuple[int, int], source: int = BYTES_FOLLOW) -> bytes:
+    """A WRITE into `ranges` of the registration with `serial`; with FROM_WRITER the caller
+    appends the source addresses and the writer's proof to the returned frame's payload."""
+    body = struct.pack("<QBI", serial, source, len(ranges))
+    return body + b"".join(struct.pack("<QQ", a, n) for a, n in ranges)

@@ -87,6 +87,21 @@ struct PullRequest {
   int64_t timeout_ms = 1000;
 };
 
+// A write of local blocks into a linked peer's blocks cache (push_blocks): src_blocks[i] of
+// the local cache lands on dst_blocks[i] of the peer's cache registered under model_id.
+struct PushRequest {
+  int64_t remote_cluster_id = 0;
+  int64_t model_id = -1;
+  int64_t src_cache_id = 0;
+  std::vector<int64_t> src_blocks;
+  std::vector<int64_t> dst_blocks;
+  int64_t src_tensor_first = 0;
+  int64_t src_tensor_count = -1;
+  int64_t dst_tensor_first = 0;
+  int64_t dst_tensor_count = -1;
+  int64_t timeout_ms = 1000;
+};
+
 // Thread-safe engine. Constructor throws std::invalid_argument for bad options and
 // std::runtime_error when the listener cannot bind.
 class Engine {
@@ -115,6 +130,10 @@ class Engine {
   Status submit_pull_batch(std::vector<PullRequest> requests, uint64_t* handle);
   Status wait(uint64_t handle, int64_t timeout_ms, int64_t* finished_ns = nullptr);
   Status poll(uint64_t handle, int64_t* finished_ns = nullptr);
+
+  // Writes blocks into a linked peer's remote-accessible blocks cache. The peer's server pins
+  // that cache and checks every range before a byte lands in it.
+  Status push(const PushRequest& request);
 
   void close();
   std::map<std::string, int64_t> stats() const;

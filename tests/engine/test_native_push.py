@@ -1,0 +1,241 @@
+"""Native engine pushes (writes into a peer's blocks cache) under changes and faults, and the
+destination's server against hostile WRITE requests: a write lands only in a remote-accessible
+registration it pins, only inside its tensors, and a writer that stalls is dropped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from hixl_connector import _native
+
+from .native_peer import (
+    BLOCKS_CACHE_ID,
+    CONTIGUOUS_CACHE_ID,
+    MODEL_ID,
+    NativePeer,
+    pattern,
+    start_peer,
+    stop_process,
+)
+from .wire_client import (
+    DATA,
+    ERROR,
+    FROM_WRITER,
+    STALE,
+    TABLE,
+    TABLE_REQ,
+    WRITE,
+    WRITE_DONE,
+    WRITE_READY,
+    closed_by_server,
+    connect,
+    frame,
+    handshake,
+    recv_frame,
+    table_serials,
+    write_request,
+)
+
+PEER = 41
+TENSORS, BLOCKS, BLOCK_BYTES = 4, 64, 4096
+SRC_CACHE, BACK_CACHE = 70, 71
+TIMEOUT_MS = 3000
+MARGIN_S = 0.3
+STALL_S = 10.0  # wire::kSendStallTimeoutMs
+
+
+class Pusher:
+    """A client engine with a source cache of its own pattern and a read-back cache."""
+
+    def __init__(self, cluster_id: int, transport: str) -> None:
+        self.cluster_id = cluster_id
+        self.engine = _native.Engine(cluster_id, transport=transport)
+        nbytes = BLOCKS * BLOCK_BYTES
+        self.src = [pattern(cluster_id, SRC_CACHE, t, nbytes).copy() for t in range(TENSORS)]
+        self.back = [np.zeros(nbytes, np.uint8) for _ in range(TENSORS)]
+        for cache_id, tensors in ((SRC_CACHE, self.src), (BACK_CACHE, self.back)):
+            addrs = [t.ctypes.data for t in tensors]
+            status, msg = self.engine.register_cache(
+                cache_id, addrs, nbytes, BLOCKS, True, True, -1, []
+            )
+            assert status == _native.SUCCESS, msg
+
+    def link(self, peer: NativePeer) -> None:
+        assert self.engine.link(PEER, "127.0.0.1", peer.port, 3000) == (0, "")
+
+    def push(self, src: list[int], dst: list[int], timeout_ms: int = TIMEOUT_MS) -> tuple[int, str]:
+        return self.engine.push(PEER, MODEL_ID, SRC_CACHE, src, dst, 0, -1, 0, -1, timeout_ms)
+
+    def peer_blocks(self) -> list[np.ndarray]:
+        """The peer's whole blocks cache, read back with a pull."""
+        ids = list(range(BLOCKS))
+        status, msg = self.engine.pull(PEER, 0, MODEL_ID, -1, -1, -1, 0, BACK_CACHE, ids, ids,
+                                       0, -1, 0, -1, TIMEOUT_MS)  # fmt: skip
+        assert status == _native.SUCCESS, msg
+        return [t.reshape(BLOCKS, BLOCK_BYTES).copy() for t in self.back]
+
+
+def original(tensor: int) -> np.ndarray:
+    return pattern(PEER, BLOCKS_CACHE_ID, tensor, BLOCKS * BLOCK_BYTES).reshape(BLOCKS, -1)
+
+
+def assert_untouched(pusher: Pusher) -> None:
+    for t, got in enumerate(pusher.peer_blocks()):
+        assert np.array_equal(got, original(t)), f"tensor {t} of the peer changed"
+
+
+@pytest.fixture()
+def peer() -> Iterator[NativePeer]:
+    p = start_peer(PEER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(params=["cma", "tcp"])
+def pusher(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]:
+    client = Pusher(80, request.param)
+    client.link(peer)
+    assert client.engine.peer_transport(PEER) == request.param
+    yield client
+    client.engine.close()
+
+
+def test_push_lands_and_the_peer_counts_it(peer: NativePeer, pusher: Pusher) -> None:
+    assert pusher.push([5, 6, 7, 60], [10, 11, 12, 0]) == (0, "")
+    mine = [t.reshape(BLOCKS, -1) for t in pusher.src]
+    for t, got in enumerate(pusher.peer_blocks()):
+        want = original(t).copy()
+        want[[10, 11, 12, 0]] = mine[t][[5, 6, 7, 60]]
+        assert np.array_equal(got, want), t
+    stats = peer.stats()
+    assert stats["received_writes"] >= 1
+    assert stats["received_bytes"] == 4 * TENSORS * BLOCK_BYTES
+
+
+def test_push_to_an_unregistered_cache_is_refused_and_the_link_stays_up(
+    peer: NativePeer, pusher: Pusher
+) -> None:
+    assert pusher.push([1], [1]) == (0, "")
+    assert peer.command("drop") == "ok"
+    status, msg = pusher.push([2], [2])
+    assert status == _native.KV_CACHE_NOT_EXIST, msg
+    # The link still serves the peer's other cache.
+    status, msg = pusher.engine.pull(PEER, 1, -1, CONTIGUOUS_CACHE_ID, -1, -1, 0, BACK_CACHE,
+                                     [], [0], 0, -1, 0, -1, TIMEOUT_MS)  # fmt: skip
+    assert status == _native.SUCCESS, msg
+
+
+def test_stopped_peer_times_out_the_push_then_relinks(peer: NativePeer, pusher: Pusher) -> None:
+    stop_process(peer.pid)
+    try:
+        start = time.monotonic()
+        status, msg = pusher.push([0], [0], timeout_ms=400)
+        assert status == _native.TIMEOUT, msg
+        assert time.monotonic() - start < 0.4 + MARGIN_S
+        status, msg = pusher.push([0], [0])
+        assert status == _native.NOT_YET_LINK and "broken" in msg
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+    assert pusher.engine.unlink(PEER, 1000, True) == (0, "")
+    pusher.link(peer)
+    assert pusher.push([3], [4]) == (0, "")
+
+
+def _serials(peer: NativePeer) -> dict[int, int]:
+    with connect(peer.port) as s:
+        handshake(s, PEER)
+        return table_serials(s)
+
+
+def test_hostile_writes_are_refused_and_nothing_lands(peer: NativePeer) -> None:
+    serials = _serials(peer)
+    base, tensor_bytes = peer.info["blocks_addrs"][0], peer.info["blocks_tensor_bytes"]
+    blocks = serials[BLOCKS_CACHE_ID]
+    with connect(peer.port) as s:
+        handshake(s, PEER)
+        # Past the end of a tensor: refused, and the connection stays in step.
+        s.sendall(frame(WRITE, write_request(blocks, (base + tensor_bytes - 8, 16))))
+        kind, payload = recv_frame(s)
+        assert kind == ERROR and b"outside the tensors" in payload
+        # A cache that is not remote-accessible is not writable, even under its serial (the
+        # one after the table's: it was registered last).
+        private = max(serials.values()) + 1
+        s.sendall(frame(WRITE, write_request(private, (peer.info["private_addr"], 8))))
+        assert recv_frame(s)[0] == STALE
+        # A same-host writer whose proof does not read back is refused.
+        proof = struct.pack("<QqQ", base, os.getpid(), base) + bytes(16)
+        s.sendall(frame(WRITE, write_request(blocks, (base, 8), source=FROM_WRITER) + proof))
+        kind, payload = recv_frame(s)
+        assert kind == ERROR and b"cannot copy from the writer" in payload
+        s.sendall(frame(TABLE_REQ))
+        assert recv_frame(s)[0] == TABLE
+    # After WRITE_READY only the write's DATA frame may come, of exactly its length.
+    for wrong in (frame(TABLE_REQ), frame(DATA, bytes(9))):
+        with connect(peer.port) as s:
+            handshake(s, PEER)
+            s.sendall(frame(WRITE, write_request(blocks, (base, 8))))
+            assert recv_frame(s)[0] == WRITE_READY
+            s.sendall(wrong)
+            kind, _ = recv_frame(s)
+            assert kind == ERROR
+            assert closed_by_server(s, 2.0)
+    pusher = Pusher(81, "tcp")
+    try:
+        pusher.link(peer)
+        assert_untouched(pusher)
+    finally:
+        pusher.engine.close()
+
+
+def test_a_stalled_writer_is_dropped_and_unregistration_waits_for_it(peer: NativePeer) -> None:
+    serials = _serials(peer)
+    base = peer.info["blocks_addrs"][0]
+    with connect(peer.port) as s:
+        handshake(s, PEER)
+        s.sendall(frame(WRITE, write_request(serials[BLOCKS_CACHE_ID], (base, 4096))))
+        assert recv_frame(s)[0] == WRITE_READY
+        s.sendall(frame(DATA, bytes(4096))[:1016])  # the header and part of the bytes
+        answers: list[object] = []
+        start = time.monotonic()
+        dropping = threading.Thread(target=lambda: answers.append(peer.command("drop 1")))
+        dropping.start()
+        time.sleep(0.5)
+        assert not answers, "unregistration finished while a write held the cache"
+        assert closed_by_server(s, STALL_S + 3)
+        dropping.join(timeout=5)
+        assert answers == [[0, ""]]
+        assert STALL_S - 1 < time.monotonic() - start < STALL_S + 3
+    assert peer.stats()["received_writes"] == 0
+
+
+def test_write_done_only_after_every_byte(peer: NativePeer) -> None:
+    serials = _serials(peer)
+    base = peer.info["blocks_addrs"][0]
+    with connect(peer.port) as s:
+        handshake(s, PEER)
+        s.sendall(frame(WRITE, write_request(serials[BLOCKS_CACHE_ID], (base, 64))))
+        assert recv_frame(s)[0] == WRITE_READY
+        message = frame(DATA, bytes(range(64)))
+        s.sendall(message[:40])
+        s.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            s.recv(1)
+        s.settimeout(5)
+        s.sendall(message[40:])
+        assert recv_frame(s) == (WRITE_DONE, b"")
+    pusher = Pusher(82, "tcp")
+    try:
+        pusher.link(peer)
+        got = pusher.peer_blocks()[0][0]
+        assert bytes(got[:64]) == bytes(range(64))
+        assert np.array_equal(got[64:], original(0)[0][64:])
+    finally:
+        pusher.engine.close()
