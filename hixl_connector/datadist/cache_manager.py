@@ -85,12 +85,9 @@ class CacheManager:
         cache_keys: list[tuple[int, int, int]],
     ) -> Cache:
         raise_if_false(len(addrs) > 0, "addrs can not be empty.")
-        if cache_desc.placement != Placement.HOST:
-            raise LLMException(
-                f"[{func}] Placement.DEVICE memory is not supported by the native engine on this "
-                "build; register host memory (Placement.HOST)",
-                status_code=_NOT_ON_THIS_BUILD,
-            )
+        # The native engine has no device memory: a Placement.DEVICE cache is served as what
+        # its addresses are, this process's memory (the engine refuses addresses that are
+        # not mapped here, such as an accelerator's).
         raise_if_false(
             len(addrs) == cache_desc.num_tensors,
             f"addrs length {len(addrs)} should be equal to num_tensors {cache_desc.num_tensors}.",

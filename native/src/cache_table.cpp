@@ -1,6 +1,10 @@
 #include "cache_table.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <mutex>
 
 #include "wire.h"
@@ -13,6 +17,17 @@ constexpr uint32_t kMaxKeysPerCache = 1 << 16;
 constexpr uint32_t kMaxCaches = 1 << 16;
 
 std::string cache_name(int64_t id) { return "cache " + std::to_string(id); }
+
+// Whether every page of [addr, addr+len) is mapped in this process: msync asks the kernel to
+// walk the range and fails with ENOMEM at the first hole (MS_ASYNC: nothing is written).
+// Catches an address that is not this process's memory (an accelerator's, a freed one)
+// when it is registered rather than when a peer's transfer faults on it.
+bool mapped(uint64_t addr, uint64_t len) {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t start = addr & ~(page - 1);
+  return ::msync(reinterpret_cast<void*>(start), addr + len - start, MS_ASYNC) == 0 ||
+         errno != ENOMEM;
+}
 
 }  // namespace
 
@@ -63,6 +78,12 @@ Status CacheTable::add(const CacheRegistration& reg) {
       return Status::Error(status::kParamInvalid,
                            cache_name(reg.cache_id) + ": invalid tensor address " +
                                std::to_string(a));
+    }
+    if (!mapped(a, reg.tensor_bytes)) {
+      return Status::Error(status::kParamInvalid,
+                           cache_name(reg.cache_id) + ": tensor [" + std::to_string(a) + ", +" +
+                               std::to_string(reg.tensor_bytes) +
+                               ") is not mapped memory of this process");
     }
   }
   if (reg.cache_keys.size() > kMaxKeysPerCache) {

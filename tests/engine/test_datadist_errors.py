@@ -199,10 +199,33 @@ def test_register_errors(env: Env) -> None:
     with pytest.raises(api.LLMException) as info:
         env.cm.register_blocks_cache(host, [mem.ctypes.data])
     assert info.value.status_code == codes(env).LLM_PARAM_INVALID
-    device = api.CacheDesc(2, [4, 8], api.DataType.DT_UINT8, api.Placement.DEVICE)
-    with pytest.raises(api.LLMException, match="DEVICE") as info:
-        env.cm.register_blocks_cache(device, [mem.ctypes.data, mem.ctypes.data + 32])
-    assert info.value.status_code == codes(env).LLM_FEATURE_NOT_ENABLED
+    # Addresses that are not mapped memory of this process (an accelerator's, a freed
+    # buffer's) are refused when registered, not when a peer's transfer faults on them.
+    with pytest.raises(api.LLMException, match="not mapped") as info:
+        env.cm.register_blocks_cache(host, [mem.ctypes.data, 4096])
+    assert info.value.status_code == codes(env).LLM_PARAM_INVALID
+
+
+def test_device_placement_is_served_as_this_process_memory(env: Env, datadist_backend: str) -> None:
+    """The native engine has no device memory: a Placement.DEVICE cache is the host memory
+    its addresses name, pullable like any other."""
+    if datadist_backend != "native":
+        pytest.skip("CANN registers device memory for real")
+    api = env.api
+    mem = np.zeros(NB * layout.BLOCK_BYTES * layout.NUM_TENSORS, np.uint8)
+    tensors = mem.reshape(layout.NUM_TENSORS, -1)
+    desc = api.CacheDesc(
+        layout.NUM_TENSORS, [NB, *layout.BLOCK_SHAPE], api.DataType.DT_BF16, api.Placement.DEVICE
+    )
+    cache = env.cm.register_blocks_cache(desc, [t.ctypes.data for t in tensors])
+    try:
+        env.cm.pull_blocks(env.key, cache, [3], [5])
+        want = layout.make_tensors("kv", layout.NUM_TENSORS, NB * layout.BLOCK_BYTES)
+        bb = layout.BLOCK_BYTES
+        for t in range(layout.NUM_TENSORS):
+            assert np.array_equal(tensors[t][5 * bb : 6 * bb], want[t][3 * bb : 4 * bb])
+    finally:
+        env.cm.unregister_cache(cache.cache_id)
 
 
 def test_push_cache_and_layer_wise_push_not_enabled(env: Env) -> None:
