@@ -5,7 +5,9 @@ The connector's one seam to transfer engines. What lives here:
 - the API itself, implemented on the native engine: ``native`` (``LLMDataDist``, the only
   module that loads ``hixl_connector._native``), ``cache_manager``, ``config``
   (``LLMConfig``, ``LLMClusterInfo``, ``LLMRole``), ``llm_types`` (descriptors and cache
-  keys), ``status`` (codes and ``LLMException``), ``pull_handle`` (async pulls);
+  keys), ``status`` (codes and ``LLMException``), ``pull_handle`` (async pulls),
+  ``transfer_async`` (layer-wise push), ``local_calls`` with ``allocations`` and
+  ``local_copies`` (the calls that stay in this process);
 - CANN's argument rules: ``checks`` (types and C ranges), ``validation`` (``pull_blocks``);
 - the back-ends: ``backend`` (``load_backend``), ``profile`` (the typed ``Backend``, the
   ``DataDist`` and ``BlocksCacheManager`` protocols the connector calls, and what each
@@ -32,6 +34,8 @@ from hixl_connector.datadist.llm_types import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    KvCache,
+    MemInfo,
     Memtype,
     Placement,
     RegisterMemStatus,
@@ -40,6 +44,12 @@ from hixl_connector.datadist.native import LLMDataDist
 from hixl_connector.datadist.profile import BlocksCacheManager, DataDist
 from hixl_connector.datadist.pull_handle import PullHandle, ThreadPullHandle
 from hixl_connector.datadist.status import LLMException, LLMStatusCode, Status
+from hixl_connector.datadist.transfer_async import (
+    CacheTask,
+    LayerSynchronizer,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
 
 __all__ = [
     "BACKENDS",
@@ -53,8 +63,11 @@ __all__ = [
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "CacheManager",
+    "CacheTask",
     "DataDist",
     "DataType",
+    "KvCache",
+    "LayerSynchronizer",
     "LLMClusterInfo",
     "LLMConfig",
     "LLMDataDist",
@@ -62,11 +75,14 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LlmConfig",
+    "MemInfo",
     "Memtype",
     "Placement",
     "PullHandle",
     "RegisterMemStatus",
     "Status",
     "ThreadPullHandle",
+    "TransferConfig",
+    "TransferWithCacheKeyConfig",
     "load_backend",
 ]

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from hixl_connector.datadist.allocations import Pools
 from hixl_connector.datadist.checks import (
     check_int64,
     check_isinstance,
@@ -23,6 +24,7 @@ from hixl_connector.datadist.llm_types import (
     CacheKeyByIdAndIndex,
     Placement,
 )
+from hixl_connector.datadist.local_calls import LocalCacheCalls
 from hixl_connector.datadist.pull_handle import PullHandle
 from hixl_connector.datadist.status import (
     LLMException,
@@ -30,6 +32,12 @@ from hixl_connector.datadist.status import (
     check_status,
     raise_if_false,
     raise_if_true,
+)
+from hixl_connector.datadist.transfer_async import (
+    CacheTask,
+    LayerPush,
+    TransferWithCacheKeyConfig,
+    check_transfer_args,
 )
 from hixl_connector.datadist.validation import (
     DEFAULT_TENSOR_NUM_PER_LAYER,
@@ -50,8 +58,9 @@ def _feature_not_enabled(what: str) -> LLMException:
     )
 
 
-class CacheManager:
-    """Registers host caches with the engine and pulls blocks from linked peers."""
+class CacheManager(LocalCacheCalls):
+    """Registers host caches with the engine, pulls blocks from linked peers and pushes
+    blocks to them; the calls that stay in this process are LocalCacheCalls'."""
 
     def __init__(self, engine: Any, options: dict[str, str], sync_kv_timeout_ms: int) -> None:
         self._engine = engine
@@ -61,6 +70,7 @@ class CacheManager:
         self._caches: dict[int, Cache] = {}
         self._next_id = itertools.count(1)
         self._lock = threading.Lock()
+        self._pools = Pools(options)
 
     def _check_is_inited(self) -> None:
         raise_if_false(
@@ -104,20 +114,35 @@ class CacheManager:
         served = accessible if self._remote_cache_accessible else True
         with self._lock:
             cache_id = next(self._next_id)
-            status, message = self._engine.register_cache(
-                cache_id,
-                list(addrs),
-                cache_desc.size,
-                cache_desc.batch_size,
-                is_blocks,
-                served,
-                blocks_model_id,
-                cache_keys,
+            self._add_to_engine(
+                func, cache_id, cache_desc, addrs, is_blocks, served, blocks_model_id, cache_keys
             )
-            check_status(status, f"[{func}]", f"cache_desc = {cache_desc}: {message}")
             cache = Cache(cache_id, cache_desc, list(addrs), self, True, is_blocks, accessible)
             self._caches[cache_id] = cache
         return cache
+
+    def _add_to_engine(
+        self,
+        func: str,
+        cache_id: int,
+        cache_desc: CacheDesc,
+        addrs: list[int],
+        is_blocks: bool,
+        served: bool,
+        blocks_model_id: int,
+        cache_keys: list[tuple[int, int, int]],
+    ) -> None:
+        status, message = self._engine.register_cache(
+            cache_id,
+            list(addrs),
+            cache_desc.size,
+            cache_desc.batch_size,
+            is_blocks,
+            served,
+            blocks_model_id,
+            cache_keys,
+        )
+        check_status(status, f"[{func}]", f"cache_desc = {cache_desc}: {message}")
 
     def register_blocks_cache(
         self,
@@ -168,6 +193,10 @@ class CacheManager:
         check_isinstance("cache_id", cache_id, int, allow_none=False)
         check_int64("cache_id", cache_id)
         with self._lock:
+            raise_if_true(
+                cache_id in self._pools.allocations,
+                f"cache {cache_id} was allocated: release it with deallocate_cache",
+            )
             status, message = self._engine.unregister_cache(cache_id)
             check_status(status, "[unregister_cache]", f"cache_id = {cache_id}: {message}")
             cache = self._caches.pop(cache_id, None)
@@ -303,8 +332,68 @@ class CacheManager:
         self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, *args: Any, **kwargs: Any
     ) -> None:
         self._check_is_inited()
-        raise _feature_not_enabled("push_cache (one-sided write; pull with pull_blocks instead)")
+        raise _feature_not_enabled("push_cache into a contiguous cache (push with push_blocks)")
 
-    def transfer_cache_async(self, *args: Any, **kwargs: Any) -> None:
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: Any,
+        transfer_configs: Any,
+        src_block_indices: list[int] | tuple[int, ...] | None = None,
+        dst_block_indices: list[int] | tuple[int, ...] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> CacheTask:
+        """Layer-wise push (reference section 6.5): layer by layer, once the synchronizer says
+        it is computed, each configuration's layers go to a peer's blocks cache as
+        ``push_blocks`` moves them. Without block indices a blocks source moves its first
+        block, as in CANN (one row of the source per layer)."""
         self._check_is_inited()
-        raise _feature_not_enabled("transfer_cache_async (layer-wise push)")
+        check_transfer_args(
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+            self._remote_cache_accessible,
+        )
+        pushes = [
+            self._layer_push(src_cache, c, src_block_indices, dst_block_indices)
+            for c in transfer_configs
+        ]
+        return CacheTask(transfer_configs, pushes, layer_synchronizer)
+
+    def _layer_push(
+        self,
+        src_cache: Cache,
+        config: Any,
+        src_block_indices: Any,
+        dst_block_indices: Any,
+    ) -> LayerPush:
+        raise_if_true(
+            not isinstance(config, TransferWithCacheKeyConfig)
+            or not isinstance(config.cache_key, BlocksCacheKey)
+            or not src_cache.is_blocks_cache
+            or (bool(dst_block_indices) and not src_block_indices),
+            "transfer_cache_async moves a blocks cache into a peer's blocks cache on the native "
+            "engine (TransferConfig addresses, CacheKeyByIdAndIndex destinations and "
+            "dst_block_memory_size are not supported)",
+            status_code=_NOT_ON_THIS_BUILD,
+        )
+        src, dst = (
+            (list(src_block_indices), list(dst_block_indices or ()))
+            if src_block_indices
+            else ([0], [0])
+        )
+
+        def push(layer: int, dst_layer: int) -> None:
+            self.push_blocks(
+                config.cache_key,
+                src_cache,
+                src,
+                dst,
+                src_layer_range=range(layer, layer + 1),
+                dst_layer_range=range(dst_layer, dst_layer + 1),
+            )
+
+        return push

@@ -25,7 +25,7 @@ def check_isinstance(
     name: str,
     value: Any,
     classes: type | tuple[type, ...],
-    inner: type | None = None,
+    inner: type | tuple[type, ...] | None = None,
     allow_none: bool = True,
 ) -> None:
     """TypeError unless ``value`` is one of ``classes`` (and, if given, every item ``inner``)."""
@@ -35,10 +35,12 @@ def check_isinstance(
     if not isinstance(value, wanted):
         raise TypeError(f"{name} only support {_type_names(wanted)}, but got {type(value)}.")
     if inner is not None and isinstance(value, Iterable):
+        inner_types = inner if isinstance(inner, tuple) else (inner,)
         for item in value:
-            if not isinstance(item, inner):
+            if not isinstance(item, inner_types):
                 raise TypeError(
-                    f"{name} inner type only support {[inner.__name__]}, but got {type(item)}."
+                    f"{name} inner type only support {_type_names(inner_types)}, "
+                    f"but got {type(item)}."
                 )
 
 

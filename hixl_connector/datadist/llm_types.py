@@ -68,6 +68,23 @@ class Memtype(Enum):
     MEM_TYPE_HOST = 1
 
 
+class MemInfo:
+    """Memory to re-register with ``CacheManager.remap_registered_memory``."""
+
+    def __init__(self, mem_type: Memtype, addr: int, size: int) -> None:
+        check_isinstance("mem_type", mem_type, Memtype)
+        check_isinstance("addr", addr, int)
+        check_isinstance("size", size, int)
+        self._mem_type, self._addr, self._size = mem_type, addr, size
+
+    mem_type = property(lambda self: self._mem_type)
+    addr = property(lambda self: self._addr)
+    size = property(lambda self: self._size)
+
+    def __repr__(self) -> str:
+        return f"MemInfo(mem_type={self._mem_type}, addr={self._addr}, size={self._size})"
+
+
 class RegisterMemStatus(Enum):
     OK = 0
     PREPARING = 1
@@ -191,6 +208,53 @@ class Cache:
         return (
             f"Cache(cache_id = {self._cache_id}, device_tensor_addrs = {len(self._tensor_addrs)}, "
             f"is_blocks_cache = {self._is_blocks_cache})"
+        )
+
+
+class KvCache:
+    """The v1 API's cache handle: importable as in CANN, never produced by the v2 API."""
+
+    def __init__(
+        self,
+        cache_id: int,
+        cache_desc: CacheDesc,
+        per_device_tensor_addrs: list[list[int]],
+        kv_cache_manager: Any = None,
+    ) -> None:
+        self._cache_id = cache_id
+        self._cache_desc = cache_desc
+        self._per_device_tensor_addrs = per_device_tensor_addrs
+        self._kv_cache_manager = kv_cache_manager
+        check_int64("cache_id", cache_id)
+
+    cache_id = property(lambda self: self._cache_id)
+    cache_desc = property(lambda self: self._cache_desc)
+    per_device_tensor_addrs = property(lambda self: self._per_device_tensor_addrs)
+
+    @classmethod
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[Any]) -> KvCache:
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        raise_if_false(cache_desc.placement == Placement.HOST, "cache_desc placement must be HOST")
+        check_isinstance("addrs", addrs, list, allow_none=False)
+        raise_if_false(len(addrs) > 0, "addrs can not be empty")
+        check_isinstance("addrs", addrs, list, (list, int))
+        nested = isinstance(addrs[0], list)
+        raise_if_false(
+            all(isinstance(a, list) == nested for a in addrs), "addrs mixes lists and ints"
+        )
+        rows = addrs if nested else [addrs]
+        for row in rows:
+            check_isinstance("addrs", row, list, int)
+            raise_if_false(
+                len(row) == cache_desc.num_tensors,
+                f"cache_desc num_tensors:{cache_desc.num_tensors} not equal addrs num:{len(row)}",
+            )
+        return cls(-1, cache_desc, rows, None)
+
+    def __repr__(self) -> str:
+        return (
+            f"KvCache(cache_id = {self._cache_id}, "
+            f"num_devices = {len(self._per_device_tensor_addrs)})"
         )
 
 

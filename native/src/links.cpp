@@ -42,6 +42,9 @@ Status LinkSet::close(int64_t remote, int64_t timeout_ms, bool force) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = links_.find(remote);
     if (it == links_.end()) {
+      // As in LLM-DataDist, a forced unlink only tears down what is here: nothing to tear
+      // down is not a failure (the peer may have linked to us, or be gone already).
+      if (force) return Status::Ok();
       return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote));
     }
     link = std::move(it->second);

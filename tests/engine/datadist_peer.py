@@ -32,6 +32,7 @@ CONTIG_ROWS = 2
 CONTIG_ROW_BYTES = 8 * BLOCK_BYTES
 CONTIG_REQ_IDS = (7, 8)
 HIDDEN_MODEL_ID = 2
+ALLOCATED_REQ_ID = 9  # the key of the peer's allocated cache, holding "contig" row 1
 # Registered under another cluster's key: peers must not find it under this cluster's id.
 FOREIGN_CLUSTER_OFFSET = 7
 FOREIGN_MODEL_ID = 3
@@ -48,7 +49,9 @@ def make_tensors(name: str, count: int, nbytes: int, seed: int = SEED) -> list[n
     return [tensor_bytes(seed, name, t, nbytes) for t in range(count)]
 
 
-def _register(api: Any, dd: Any, cluster_id: int) -> tuple[dict[str, int], list[np.ndarray]]:
+def _register(
+    api: Any, dd: Any, cluster_id: int, with_allocated: bool = False
+) -> tuple[dict[str, int], list[np.ndarray]]:
     cm = dd.cache_manager
     keep: list[np.ndarray] = []
     caches: dict[str, int] = {}
@@ -73,9 +76,16 @@ def _register(api: Any, dd: Any, cluster_id: int) -> tuple[dict[str, int], list[
     keep += contig
     desc = api.CacheDesc(NUM_TENSORS, [CONTIG_ROWS, CONTIG_ROW_BYTES], api.DataType.DT_UINT8, host)
     keys = [api.CacheKey(cluster_id, req_id) for req_id in CONTIG_REQ_IDS]
-    caches["contig"] = cm.register_cache(
+    contig_cache = cm.register_cache(
         desc, [t.ctypes.data for t in contig], keys, remote_accessible=True
-    ).cache_id
+    )
+    caches["contig"] = contig_cache.cache_id
+    if not with_allocated:
+        return caches, keep
+    # A cache from the engine's pool, under its own key, holding the contiguous cache's row 1.
+    allocated = cm.allocate_cache(desc, [api.CacheKey(cluster_id, ALLOCATED_REQ_ID)])
+    cm.copy_cache(allocated, contig_cache, 0, 1)
+    caches["allocated"] = allocated.cache_id
     return caches, keep
 
 
@@ -93,11 +103,13 @@ def main() -> None:
     config.enable_cache_manager = True
     config.transfer_backend = "hixl"
     config.listen_ip_info = "127.0.0.1:0"
+    if args.backend == "native":  # CANN needs a device for its pools
+        config.host_mem_pool_cfg = json.dumps({"memory_size": 1 << 20})
     if args.auth_token:
         config.hixl_auth_token = args.auth_token
     dd = api.LLMDataDist(api.LLMRole.PROMPT, args.cluster_id)
     dd.init(config.generate_options())
-    caches, keep = _register(api, dd, args.cluster_id)
+    caches, keep = _register(api, dd, args.cluster_id, with_allocated=args.backend == "native")
     print(json.dumps({"port": dd.listen_port, "pid": os.getpid(), "caches": caches}), flush=True)
     sys.stdin.read()  # serve until the test closes our stdin
     dd.finalize()  # before the memory it serves is released

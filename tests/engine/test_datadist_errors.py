@@ -228,12 +228,9 @@ def test_device_placement_is_served_as_this_process_memory(env: Env, datadist_ba
         env.cm.unregister_cache(cache.cache_id)
 
 
-def test_push_cache_and_layer_wise_push_not_enabled(env: Env) -> None:
+def test_push_cache_not_enabled(env: Env) -> None:
     with pytest.raises(env.api.LLMException, match="push_cache") as info:
         env.cm.push_cache(env.api.CacheKeyByIdAndIndex(env.key.cluster_id, 1), env.cache)
-    assert info.value.status_code == codes(env).LLM_FEATURE_NOT_ENABLED
-    with pytest.raises(env.api.LLMException, match="transfer_cache_async") as info:
-        env.cm.transfer_cache_async()
     assert info.value.status_code == codes(env).LLM_FEATURE_NOT_ENABLED
 
 
