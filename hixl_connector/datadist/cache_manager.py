@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from hixl_connector.datadist.allocations import Pools
+from hixl_connector.datadist.cache_rows import validate_pull_cache, validate_push_cache
 from hixl_connector.datadist.checks import (
     check_int64,
     check_isinstance,
-    check_uint32,
     check_uint64,
     to_int64,
 )
@@ -41,10 +41,7 @@ from hixl_connector.datadist.transfer_async import (
 )
 from hixl_connector.datadist.validation import (
     DEFAULT_TENSOR_NUM_PER_LAYER,
-    PULL_BLOCKS_KWARGS,
     PullArgs,
-    check_cache_key_ids,
-    check_kwargs,
     validate_pull_blocks,
     validate_push_blocks,
 )
@@ -269,29 +266,22 @@ class CacheManager(LocalCacheCalls):
         size: int = -1,
         **kwargs: Any,
     ) -> None:
-        """Contiguous-to-contiguous pull. Its argument checks run as in CANN; the transfer
-        itself is not implemented by the native engine (LLM_FEATURE_NOT_ENABLED)."""
+        """The peer's row (a ``CacheKey``'s, or ``CacheKeyByIdAndIndex``'s) into row
+        ``batch_index`` of a local contiguous cache: ``size`` bytes of each tensor, or the
+        whole local row (which must fit the peer's)."""
         self._check_is_inited()
-        check_kwargs("pull_cache", kwargs, PULL_BLOCKS_KWARGS)
-        key_types = (
-            (CacheKeyByIdAndIndex,)
-            if self._remote_cache_accessible
-            else (CacheKey, CacheKeyByIdAndIndex)
+        row = validate_pull_cache(
+            cache_key,
+            cache,
+            batch_index,
+            size,
+            kwargs,
+            self._remote_cache_accessible,
+            self._engine.cluster_id,
+            self._caches,
         )
-        check_isinstance("cache_key", cache_key, key_types, allow_none=False)
-        check_isinstance("cache", cache, Cache, allow_none=False)
-        check_uint32("batch_index", batch_index)
-        check_int64("size", size)
-        raise_if_true(cache.is_blocks_cache, "param check failed, cache can not be blocks cache.")
-        raise_if_false(
-            size == -1 or size > 0, f"[pull_cache] param check failed, size ({size}) is invalid"
-        )
-        tensor_num_per_layer = kwargs.get("tensor_num_per_layer", DEFAULT_TENSOR_NUM_PER_LAYER)
-        check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-        raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer should be > 0")
-        if isinstance(cache_key, CacheKey):
-            check_cache_key_ids(cache_key)
-        raise _feature_not_enabled("pull_cache into a contiguous cache (use pull_blocks)")
+        status, message = self._engine.pull_cache(*row.pull_args(self._timeout_ms))
+        check_status(status, "[pull_cache]", f"cache_key = {cache_key}: {message}")
 
     def push_blocks(
         self,
@@ -329,10 +319,35 @@ class CacheManager(LocalCacheCalls):
         check_status(status, "[push_blocks]", f"dst_cache_key = {dst_cache_key}: {message}")
 
     def push_cache(
-        self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, *args: Any, **kwargs: Any
+        self,
+        dst_cache_key: CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        src_batch_index: int = 0,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        size: int = -1,
+        tensor_num_per_layer: int = DEFAULT_TENSOR_NUM_PER_LAYER,
     ) -> None:
+        """Row ``src_batch_index`` of a local contiguous cache onto the row the key names of
+        a linked peer's cache, for the layers of the ranges (all by default). As with
+        ``push_blocks``, the peer's engine pins its cache and checks every range first."""
         self._check_is_inited()
-        raise _feature_not_enabled("push_cache into a contiguous cache (push with push_blocks)")
+        raise_if_false(
+            self._remote_cache_accessible,
+            "push_cache is only supported while enable_remote_cache_accessible is True",
+        )
+        row = validate_push_cache(
+            dst_cache_key,
+            src_cache,
+            src_batch_index,
+            src_layer_range,
+            dst_layer_range,
+            size,
+            tensor_num_per_layer,
+            self._caches,
+        )
+        status, message = self._engine.push(*row.push_args(self._timeout_ms))
+        check_status(status, "[push_cache]", f"dst_cache_key = {dst_cache_key}: {message}")
 
     def transfer_cache_async(
         self,

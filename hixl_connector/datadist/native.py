@@ -44,7 +44,7 @@ MAX_CLUSTERS_PER_CALL = 16
 AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
 # The bindings this module is written against (``ABI_VERSION`` in native/bindings/module.cpp):
 # an extension built from other sources would fail later, on some name or argument.
-NATIVE_ABI_VERSION = 4
+NATIVE_ABI_VERSION = 5
 
 
 def load_native() -> Any:

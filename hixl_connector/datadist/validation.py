@@ -303,8 +303,8 @@ class PushArgs:
         )
 
 
-def _push_layers(name: str, layer_range: Any, default: range, n: int) -> range:
-    """CANN's check_layer_range for push_blocks: unlike pull_blocks, an empty range is refused."""
+def push_layers(name: str, layer_range: Any, default: range) -> range:
+    """CANN's check_layer_range for the pushes: unlike pull_blocks, an empty range is refused."""
     check_isinstance(name, layer_range, range)
     chosen = default if layer_range is None else layer_range
     raise_if_true(chosen.step != 1, f"param check failed, {name} step must be 1.")
@@ -344,8 +344,8 @@ def validate_push_blocks(
         f"invalid, should [1, {num_tensors}]",
     )
     every_layer = range(num_tensors // tensor_num_per_layer)
-    src_layers = _push_layers("src_layer_range", src_layer_range, every_layer, tensor_num_per_layer)
-    dst_layers = _push_layers("dst_layer_range", dst_layer_range, every_layer, tensor_num_per_layer)
+    src_layers = push_layers("src_layer_range", src_layer_range, every_layer)
+    dst_layers = push_layers("dst_layer_range", dst_layer_range, every_layer)
     raise_if_false(
         len(src_layers) == len(dst_layers),
         f"src_layer_range {src_layers} and dst_layer_range {dst_layers} differ in length",

@@ -94,7 +94,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 4;  // 4: push
+  m.attr("ABI_VERSION") = 5;  // 5: push (blocks and rows), pull_cache
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -188,9 +188,14 @@ NB_MODULE(_native, m) {
           "push",
           [](hixl::Engine& e, int64_t remote, int64_t model_id, int64_t src_cache_id,
              nb::handle src, nb::handle dst, int64_t src_first, int64_t src_count,
-             int64_t dst_first, int64_t dst_count, int64_t timeout_ms) {
+             int64_t dst_first, int64_t dst_count, int64_t timeout_ms, int remote_kind,
+             int64_t cache_id, int64_t batch_index, int64_t src_batch_index) {
             hixl::PushRequest r;
             r.remote_cluster_id = remote;
+            r.remote_kind = remote_kind;
+            r.cache_id = cache_id;
+            r.batch_index = batch_index;
+            r.src_batch_index = src_batch_index;
             r.model_id = model_id;
             r.src_cache_id = src_cache_id;
             r.src_blocks = to_vector<int64_t>(src, "src_blocks");
@@ -206,7 +211,41 @@ NB_MODULE(_native, m) {
           nb::arg("remote_cluster_id"), nb::arg("model_id"), nb::arg("src_cache_id"),
           nb::arg("src_blocks"), nb::arg("dst_blocks"), nb::arg("src_tensor_first"),
           nb::arg("src_tensor_count"), nb::arg("dst_tensor_first"), nb::arg("dst_tensor_count"),
-          nb::arg("timeout_ms"))
+          nb::arg("timeout_ms"), nb::arg("remote_kind") = 0, nb::arg("cache_id") = -1,
+          nb::arg("batch_index") = 0, nb::arg("src_batch_index") = -1,
+          "push_blocks; with remote_kind 1 and src_batch_index >= 0, push_cache: that row of "
+          "the local contiguous cache onto row batch_index of the peer's cache cache_id")
+      .def(
+          "pull_cache",
+          [](hixl::Engine& e, int64_t remote, int kind, int64_t model_id, int64_t cache_id,
+             int64_t req_id, int64_t prefix_id, int64_t batch_index, int64_t dst_cache_id,
+             int64_t dst_batch_index, int64_t size, int64_t src_first, int64_t src_count,
+             int64_t dst_first, int64_t dst_count, int64_t timeout_ms) {
+            hixl::PullRequest r;
+            r.remote_cluster_id = remote;
+            r.remote_kind = kind;
+            r.model_id = model_id;
+            r.cache_id = cache_id;
+            r.req_id = req_id;
+            r.prefix_id = prefix_id;
+            r.batch_index = batch_index;
+            r.dst_cache_id = dst_cache_id;
+            r.dst_batch_index = dst_batch_index;
+            r.size = size;
+            r.src_tensor_first = src_first;
+            r.src_tensor_count = src_count;
+            r.dst_tensor_first = dst_first;
+            r.dst_tensor_count = dst_count;
+            r.timeout_ms = timeout_ms;
+            nb::gil_scoped_release release;
+            return to_result(e.pull(r));
+          },
+          nb::arg("remote_cluster_id"), nb::arg("remote_kind"), nb::arg("model_id"),
+          nb::arg("cache_id"), nb::arg("req_id"), nb::arg("prefix_id"), nb::arg("batch_index"),
+          nb::arg("dst_cache_id"), nb::arg("dst_batch_index"), nb::arg("size"),
+          nb::arg("src_tensor_first"), nb::arg("src_tensor_count"), nb::arg("dst_tensor_first"),
+          nb::arg("dst_tensor_count"), nb::arg("timeout_ms"),
+          "pull_cache: the peer's row into row dst_batch_index of a local contiguous cache")
       .def(
           "submit_pull_batch",
           [](hixl::Engine& e, const std::vector<nb::tuple>& pulls) {

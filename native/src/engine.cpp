@@ -213,7 +213,7 @@ class Engine::Impl {
     constexpr int kMaxPlans = 4;
     for (int attempt = 1;; ++attempt) {
       std::shared_ptr<const RemoteTable> remote = link.table();
-      const CacheInfo* dst = remote->by_blocks_model(planned.model_id);
+      const CacheInfo* dst = find_remote(*remote, planned);
       if (dst == nullptr) return remote_missing(planned);
       std::vector<Op> ops;
       uint64_t runs = 0;

@@ -71,13 +71,70 @@ Status count_mismatch(Direction direction, uint64_t remote, uint64_t local) {
                  " != dst tensor count " + std::to_string(pull ? local : remote));
 }
 
+// A transfer between blocks: local block ids in dst_blocks, the peer's in src_blocks.
+Status check_local_blocks(const PullRequest& req, const CacheInfo& local, const Names& name) {
+  const std::string& dname = name.local_cache;
+  if (!local.is_blocks) return invalid(dname + " is not a blocks cache");
+  if (req.dst_blocks.empty()) return invalid(std::string(name.local_blocks) + " is empty");
+  if (req.remote_kind == kBlocksByModel) {
+    if (req.src_blocks.empty()) {
+      return invalid(std::string(name.remote_blocks) + " is empty for a blocks cache key");
+    }
+    if (req.src_blocks.size() != req.dst_blocks.size()) {
+      return invalid("len(" + std::string(name.remote_blocks) + ")=" +
+                     std::to_string(req.src_blocks.size()) + " != len(" + name.local_blocks +
+                     ")=" + std::to_string(req.dst_blocks.size()));
+    }
+    for (size_t i = 0; i < req.src_blocks.size(); ++i) {
+      if (req.src_blocks[i] < 0) {
+        return invalid(list_entry(name.remote_blocks, i, req.src_blocks[i]));
+      }
+    }
+  } else if (!req.src_blocks.empty()) {
+    return invalid("src_blocks must be empty unless the source is a blocks cache key");
+  }
+  for (size_t i = 0; i < req.dst_blocks.size(); ++i) {
+    int64_t b = req.dst_blocks[i];
+    if (b < 0 || static_cast<uint64_t>(b) >= local.num_blocks) {
+      return invalid(list_entry(name.local_blocks, i, b) + " is outside " + dname + " with " +
+                     std::to_string(local.num_blocks) + " blocks");
+    }
+  }
+  return Status::Ok();
+}
+
+// A transfer of one row of a contiguous local cache (pull_cache, push_cache).
+Status check_local_row(const PullRequest& req, const CacheInfo& local, const Names& name) {
+  const std::string& dname = name.local_cache;
+  if (local.is_blocks) return invalid(dname + " is a blocks cache: name its blocks");
+  if (!req.dst_blocks.empty() || !req.src_blocks.empty()) {
+    return invalid("a row of a contiguous cache takes no block lists");
+  }
+  if (req.remote_kind == kBlocksByModel) {
+    return invalid("a row moves between contiguous caches: name the peer's cache by id or key");
+  }
+  if (static_cast<uint64_t>(req.dst_batch_index) >= local.num_blocks) {
+    return invalid("batch_index " + std::to_string(req.dst_batch_index) + " is outside " + dname +
+                   " with batch size " + std::to_string(local.num_blocks));
+  }
+  const bool too_long = req.size > 0 && static_cast<uint64_t>(req.size) > local.stride();
+  if (req.size == 0 || req.size < -1 || too_long) {
+    return invalid("size " + std::to_string(req.size) + " does not fit a " +
+                   std::to_string(local.stride()) + "-byte row of " + dname);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 PullRequest as_planned(const PushRequest& push) {
   PullRequest r;
   r.remote_cluster_id = push.remote_cluster_id;
-  r.remote_kind = kBlocksByModel;
+  r.remote_kind = push.remote_kind;
   r.model_id = push.model_id;
+  r.cache_id = push.cache_id;
+  r.batch_index = push.batch_index;
+  r.dst_batch_index = push.src_batch_index;
   r.dst_cache_id = push.src_cache_id;
   r.src_blocks = push.dst_blocks;
   r.dst_blocks = push.src_blocks;
@@ -109,32 +166,9 @@ Status check_local(const PullRequest& req, const CacheInfo& local, ResolvedRange
                    Direction direction) {
   const Names name = names(direction, local);
   const std::string& dname = name.local_cache;
-  if (!local.is_blocks) return invalid(dname + " is not a blocks cache");
-  if (req.dst_blocks.empty()) return invalid(std::string(name.local_blocks) + " is empty");
-  if (req.remote_kind == kBlocksByModel) {
-    if (req.src_blocks.empty()) {
-      return invalid(std::string(name.remote_blocks) + " is empty for a blocks cache key");
-    }
-    if (req.src_blocks.size() != req.dst_blocks.size()) {
-      return invalid("len(" + std::string(name.remote_blocks) + ")=" +
-                     std::to_string(req.src_blocks.size()) + " != len(" + name.local_blocks +
-                     ")=" + std::to_string(req.dst_blocks.size()));
-    }
-    for (size_t i = 0; i < req.src_blocks.size(); ++i) {
-      if (req.src_blocks[i] < 0) {
-        return invalid(list_entry(name.remote_blocks, i, req.src_blocks[i]));
-      }
-    }
-  } else if (!req.src_blocks.empty()) {
-    return invalid("src_blocks must be empty unless the source is a blocks cache key");
-  }
-  for (size_t i = 0; i < req.dst_blocks.size(); ++i) {
-    int64_t b = req.dst_blocks[i];
-    if (b < 0 || static_cast<uint64_t>(b) >= local.num_blocks) {
-      return invalid(list_entry(name.local_blocks, i, b) + " is outside " + dname + " with " +
-                     std::to_string(local.num_blocks) + " blocks");
-    }
-  }
+  Status s = req.dst_batch_index >= 0 ? check_local_row(req, local, name)
+                                      : check_local_blocks(req, local, name);
+  if (!s.ok()) return s;
   const std::string lt = name.local_tensors, rt = name.remote_tensors;
   const uint64_t n = local.tensor_addrs.size();
   if (req.dst_tensor_first < 0 || static_cast<uint64_t>(req.dst_tensor_first) >= n) {
@@ -161,6 +195,35 @@ Status check_local(const PullRequest& req, const CacheInfo& local, ResolvedRange
   return Status::Ok();
 }
 
+namespace {
+
+// One op per tensor: the local row dst_batch_index and the peer's row (its key's or
+// batch_index), `size` bytes or the whole local row, which must fit the peer's row.
+Status row_ops(const PullRequest& req, const CacheInfo& local, const ResolvedRange& local_range,
+               const CacheInfo& remote, uint64_t remote_first, std::vector<Op>* ops,
+               uint64_t* run_count) {
+  const std::string rname = "remote cache " + std::to_string(remote.cache_id);
+  if (remote.is_blocks) return invalid(rname + " is a blocks cache: name its blocks");
+  uint64_t row = 0;
+  Status s = source_row(req, remote, &row);
+  if (!s.ok()) return s;
+  const uint64_t len = req.size > 0 ? static_cast<uint64_t>(req.size) : local.stride();
+  if (len > remote.stride()) {
+    return invalid(std::to_string(len) + " bytes do not fit the " +
+                   std::to_string(remote.stride()) + "-byte rows of " + rname);
+  }
+  const uint64_t local_offset = static_cast<uint64_t>(req.dst_batch_index) * local.stride();
+  ops->clear();
+  for (uint64_t t = 0; t < local_range.count; ++t) {
+    ops->push_back({local.tensor_addrs[local_range.first + t] + local_offset,
+                    remote.tensor_addrs[remote_first + t] + row * remote.stride(), len});
+  }
+  *run_count = 1;
+  return Status::Ok();
+}
+
+}  // namespace
+
 // Named as for a pull: `dst` is the local cache and `src` the remote one, also for a push.
 Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRange& dst_range,
                  const CacheInfo& src, std::vector<Op>* ops, uint64_t* run_count,
@@ -178,6 +241,9 @@ Status build_ops(const PullRequest& req, const CacheInfo& dst, const ResolvedRan
                    std::to_string(ns) + " tensors");
   }
   if (src_count != dst_range.count) return count_mismatch(direction, src_count, dst_range.count);
+  if (req.dst_batch_index >= 0) {
+    return row_ops(req, dst, dst_range, src, src_first, ops, run_count);
+  }
   const uint64_t dst_stride = dst.stride();
   const uint64_t src_stride = src.stride();
   uint64_t src_base = 0;       // byte offset of src "block" 0 inside a remote tensor

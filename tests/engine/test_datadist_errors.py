@@ -228,10 +228,10 @@ def test_device_placement_is_served_as_this_process_memory(env: Env, datadist_ba
         env.cm.unregister_cache(cache.cache_id)
 
 
-def test_push_cache_not_enabled(env: Env) -> None:
-    with pytest.raises(env.api.LLMException, match="push_cache") as info:
+def test_push_cache_from_a_blocks_cache_is_refused(env: Env) -> None:
+    with pytest.raises(env.api.LLMException, match="blocks cache") as info:
         env.cm.push_cache(env.api.CacheKeyByIdAndIndex(env.key.cluster_id, 1), env.cache)
-    assert info.value.status_code == codes(env).LLM_FEATURE_NOT_ENABLED
+    assert info.value.status_code == codes(env).LLM_PARAM_INVALID
 
 
 def test_push_blocks_needs_remote_accessible_mode(env: Env, datadist_backend: str) -> None:

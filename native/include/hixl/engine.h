@@ -85,13 +85,23 @@ struct PullRequest {
   int64_t dst_tensor_first = 0;
   int64_t dst_tensor_count = -1;
   int64_t timeout_ms = 1000;
+  // pull_cache: >= 0 names the row of a contiguous local cache the source row lands in
+  // (dst_blocks then empty), `size` bytes of each tensor (-1: the local row's length).
+  int64_t dst_batch_index = -1;
+  int64_t size = -1;
 };
 
-// A write of local blocks into a linked peer's blocks cache (push_blocks): src_blocks[i] of
-// the local cache lands on dst_blocks[i] of the peer's cache registered under model_id.
+// A write into a linked peer's cache. push_blocks: src_blocks[i] of the local blocks cache
+// lands on dst_blocks[i] of the peer's blocks cache registered under model_id. push_cache
+// (remote_kind kCacheById, src_batch_index >= 0): row src_batch_index of a contiguous local
+// cache lands on row batch_index of the peer's cache cache_id.
 struct PushRequest {
   int64_t remote_cluster_id = 0;
+  int remote_kind = kBlocksByModel;
   int64_t model_id = -1;
+  int64_t cache_id = -1;
+  int64_t batch_index = 0;
+  int64_t src_batch_index = -1;
   int64_t src_cache_id = 0;
   std::vector<int64_t> src_blocks;
   std::vector<int64_t> dst_blocks;
