@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hixl_connector.datadist.allocations import Pools
@@ -68,6 +68,8 @@ class CacheManager(LocalCacheCalls):
         self._next_id = itertools.count(1)
         self._lock = threading.Lock()
         self._pools = Pools(options)
+        # After LLMDataDist.link (rank table), as in CANN: new caches are not remote-accessible.
+        self._linked_by_rank_table = False
 
     def _check_is_inited(self) -> None:
         raise_if_false(
@@ -100,9 +102,13 @@ class CacheManager(LocalCacheCalls):
             f"addrs length {len(addrs)} should be equal to num_tensors {cache_desc.num_tensors}.",
         )
         raise_if_true(0 in addrs, "addr can not be zero.")
-        # CANN: None means True for DEVICE and False for HOST memory.
+        raise_if_true(
+            self._linked_by_rank_table and remote_accessible is True,
+            "remote_accessible=True is not supported after LLMDataDist.link",
+        )
+        # CANN: None means True for DEVICE and False for HOST memory (False after link()).
         accessible = (
-            cache_desc.placement == Placement.DEVICE
+            cache_desc.placement == Placement.DEVICE and not self._linked_by_rank_table
             if remote_accessible is None
             else remote_accessible
         )
@@ -230,8 +236,20 @@ class CacheManager(LocalCacheCalls):
     ) -> None:
         """Pull blocks of a linked peer's cache into local blocks (reference section 6.2)."""
         args = self._validated_pull(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
-        status, message = self._engine.pull(*args.native_args(self._timeout_ms))
+        native = args.native_args(self._timeout_ms)
+        status, message = self._issue(lambda: self._engine.pull(*native), args.remote_cluster_id)
         check_status(status, "[pull_blocks]", f"src_cache_key = {src_cache_key}: {message}")
+
+    def _issue(self, pull: Callable[[], tuple[int, str]], remote: int) -> tuple[int, str]:
+        """Without remote cache access CANN serves a pull from the owner's process, which finds
+        a cache registered after the link: here a pull that misses refreshes the link's copy of
+        the peer's table once and runs again."""
+        status, message = pull()
+        if status == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and not self._remote_cache_accessible:
+            refreshed, _ = self._engine.refresh_peer_table(to_int64(remote), self._timeout_ms)
+            if refreshed == 0:
+                status, message = pull()
+        return status, message
 
     def pull_blocks_batch_async(self, pulls: Sequence[BlocksPull]) -> PullHandle:
         """Project extension: the pulls one after another, each complete before the next
@@ -280,7 +298,10 @@ class CacheManager(LocalCacheCalls):
             self._engine.cluster_id,
             self._caches,
         )
-        status, message = self._engine.pull_cache(*row.pull_args(self._timeout_ms))
+        native = row.pull_args(self._timeout_ms)
+        status, message = self._issue(
+            lambda: self._engine.pull_cache(*native), row.remote_cluster_id
+        )
         check_status(status, "[pull_cache]", f"cache_key = {cache_key}: {message}")
 
     def push_blocks(

@@ -6,31 +6,32 @@ The engine module ``hixl_connector._native`` is imported on ``init``, not at imp
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
-import os
 from typing import Any, ClassVar
 
 from hixl_connector.datadist.cache_manager import CacheManager
-from hixl_connector.datadist.checks import check_int32, check_isinstance, check_uint64, to_int64
+from hixl_connector.datadist.checks import (
+    check_int32,
+    check_isinstance,
+    check_uint32,
+    check_uint64,
+    to_int64,
+)
 from hixl_connector.datadist.config import (
-    DEFAULT_SERVER_CONNECTIONS,
-    DEFAULT_SERVER_HANDSHAKES,
-    MAX_SERVER_CONNECTIONS,
-    MAX_SERVER_THREADS,
-    MAX_TCP_CONNECTIONS,
-    MAX_TRANSFER_THREADS,
-    OPT_AUTH_TOKEN,
-    OPT_SERVER_CONNECTIONS,
-    OPT_SERVER_HANDSHAKES,
-    OPT_SERVER_THREADS,
-    OPT_TCP_CONNECTIONS,
-    OPT_TRANSFER_THREADS,
-    OPT_TRANSPORT,
-    TRANSPORTS,
     LLMClusterInfo,
     LLMRole,
     int_to_ip,
 )
+from hixl_connector.datadist.engine_options import (
+    AUTH_TOKEN_ENV,
+    derived_options,
+    int_option,
+    parse_listen_ip_info,
+)
+from hixl_connector.datadist.engine_options import engine_args as engine_args_of
+from hixl_connector.datadist.llm_types import RegisterMemStatus
+from hixl_connector.datadist.rank_table import Comm, base_port, rank_hosts
 from hixl_connector.datadist.status import (
     LLMException,
     LLMStatusCode,
@@ -41,10 +42,11 @@ from hixl_connector.datadist.status import (
 logger = logging.getLogger(__name__)
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 MAX_CLUSTERS_PER_CALL = 16
-AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
+MAX_COMMS = 512
+__all__ = ["AUTH_TOKEN_ENV", "LLMDataDist", "load_native"]
 # The bindings this module is written against (``ABI_VERSION`` in native/bindings/module.cpp):
 # an extension built from other sources would fail later, on some name or argument.
-NATIVE_ABI_VERSION = 5
+NATIVE_ABI_VERSION = 6
 
 
 def load_native() -> Any:
@@ -66,26 +68,6 @@ def load_native() -> Any:
     return _native
 
 
-def _int_option(options: dict[str, str], key: str, default: int, low: int, high: int) -> int:
-    raw = options.get(key)
-    if raw is None:
-        return default
-    raise_if_false(
-        raw.isdigit() and low <= int(raw) <= high,
-        f"option {key}={raw!r} must be an integer in [{low}, {high}]",
-    )
-    return int(raw)
-
-
-def _parse_listen_ip_info(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    raise_if_false(
-        bool(sep) and bool(host) and port.isdigit() and int(port) <= 65535,
-        f'llm.listenIpInfo "{value}" is invalid, format should be "ip:port"',
-    )
-    return host, int(port)
-
-
 def _role_name(role: LLMRole) -> str:
     return {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}[role]
 
@@ -104,6 +86,8 @@ class LLMDataDist:
         self._cache_manager: CacheManager | None = None
         self._options: dict[str, str] = {}
         self._is_initialized = False
+        self._comms: dict[int, Comm] = {}
+        self._comm_ids = itertools.count(1)
 
     @property
     def cluster_id(self) -> int:
@@ -118,8 +102,8 @@ class LLMDataDist:
             status_code=LLMStatusCode.LLM_FAILED,
         )
         check_isinstance("options", options, dict, allow_none=False)
-        opts = self._setup_engine_options(options)
-        engine_args = self._engine_args(opts)
+        opts = derived_options(options, _role_name(self._role))
+        engine_args = engine_args_of(opts)
         native = load_native()
         try:
             self._engine = native.Engine(to_int64(self._cluster_id), *engine_args)
@@ -132,77 +116,13 @@ class LLMDataDist:
             raise LLMException(
                 f"[LLMDataDist.init] failed: {exc}", status_code=LLMStatusCode.LLM_FAILED
             ) from exc
-        timeout = _int_option(
+        timeout = int_option(
             opts, "llm.SyncKvCacheWaitTime", DEFAULT_SYNC_KV_TIMEOUT_MS, 1, 2**31 - 1
         )
         self._options = opts
         self._cache_manager = CacheManager(self._engine, opts, timeout)
         LLMDataDist.llm_engine_instance = self
         self._is_initialized = True
-
-    def _setup_engine_options(self, options: dict[str, str]) -> dict[str, str]:
-        """Derived options, as CANN derives them (local_comm_res and transfer_backend imply
-        cache-manager and remote-accessible mode)."""
-        opts = dict(options)
-        opts["llm.Role"] = _role_name(self._role)
-        if "llm.LocalCommRes" in options:
-            opts.setdefault("llm.EnableCacheManager", "1")
-            opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
-        raise_if_false(
-            opts.get("llm.EnableCacheManager") == "1",
-            "the native engine implements the v2 cache-manager API only: set "
-            "LLMConfig.enable_cache_manager = True",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
-        if "llm.TransferBackend" in options:
-            raise_if_false(
-                options["llm.TransferBackend"] == "hixl",
-                f"llm.TransferBackend {options['llm.TransferBackend']!r} is not supported, "
-                "use 'hixl'",
-            )
-            opts.setdefault("llm.EnableRemoteCacheAccessible", "1")
-            raise_if_false(
-                opts["llm.EnableRemoteCacheAccessible"] == "1",
-                "llm.TransferBackend is not supported when llm.EnableRemoteCacheAccessible "
-                "is not enable.",
-            )
-            raise_if_false(
-                "llm.listenIpInfo" in options,
-                "llm.TransferBackend is not supported when llm.listenIpInfo is not configured.",
-            )
-        raise_if_false(
-            "ge.exec.deviceId" in opts, "ge.exec.deviceId is required (set LLMConfig.device_id)"
-        )
-        return opts
-
-    @staticmethod
-    def _engine_args(opts: dict[str, str]) -> tuple[str, int, str, str, int, int, int, int, int]:
-        host, port = "", -1
-        if opts.get("llm.listenIpInfo"):
-            host, port = _parse_listen_ip_info(opts["llm.listenIpInfo"])
-        token = opts.get(OPT_AUTH_TOKEN, os.environ.get(AUTH_TOKEN_ENV, ""))
-        transport = opts.get(OPT_TRANSPORT, "auto")
-        raise_if_false(
-            transport in TRANSPORTS,
-            f"option {OPT_TRANSPORT}={transport!r} must be one of {TRANSPORTS}",
-        )
-        threads = _int_option(opts, OPT_TRANSFER_THREADS, 2, 1, MAX_TRANSFER_THREADS)
-        # One TCP connection per transfer thread by default: a pull's chunks then travel at
-        # once instead of queueing on two sockets.
-        default = min(threads, MAX_TCP_CONNECTIONS)
-        connections = _int_option(opts, OPT_TCP_CONNECTIONS, default, 1, MAX_TCP_CONNECTIONS)
-        handshakes = _int_option(
-            opts, OPT_SERVER_HANDSHAKES, DEFAULT_SERVER_HANDSHAKES, 1, MAX_SERVER_CONNECTIONS
-        )
-        served = _int_option(
-            opts,
-            OPT_SERVER_CONNECTIONS,
-            DEFAULT_SERVER_CONNECTIONS,
-            1 + MAX_TCP_CONNECTIONS,
-            MAX_SERVER_CONNECTIONS,
-        )
-        loops = _int_option(opts, OPT_SERVER_THREADS, 0, 0, MAX_SERVER_THREADS)
-        return host, port, token, transport, connections, threads, handshakes, served, loops
 
     def _check_is_inited(self) -> None:
         if not self._is_initialized:
@@ -315,20 +235,107 @@ class LLMDataDist:
         )
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
-        raise self._not_supported("switch_role")
+        """As CANN's default back-end: refused while this engine holds links; with
+        ``llm.listenIpInfo`` in the options the engine listens there (moving from another
+        port), without it stops listening. Links of this engine go one way, to the peer it
+        linked (as CANN's hixl back-end's): a peer that linked here cannot pull or push back."""
+        self._check_is_inited()
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_isinstance("switch_options", switch_options, dict)
+        options = dict(switch_options or {})
+        raise_if_false(
+            int(self._engine.stats()["open_links"]) == 0 and not self._comms,
+            "switch_role: unlink every cluster first",
+            status_code=LLMStatusCode.LLM_EXIST_LINK,
+        )
+        listen = options.get("llm.listenIpInfo")
+        if listen:
+            host, port = parse_listen_ip_info(listen)
+            if self._engine.listen_port not in (-1, port):
+                self._engine.stop_listening()
+            status, _, message = self._engine.listen(host, port)
+            raise_if_false(
+                status == 0,
+                f"[switch_role] cannot listen on {listen}: {message}",
+                status_code=LLMStatusCode.LLM_LINK_FAILED,
+            )
+        else:
+            self._engine.stop_listening()
+        self._role = role
 
+    # --- rank-table links (rank_table.py) -----------------------------------------------
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
-        raise self._not_supported("link (HCCL ranktable mode; use link_clusters)")
+        """Collective: every member calls it. Returns the comm id at once; poll
+        ``query_register_mem_status`` until OK before transferring."""
+        self._check_is_inited()
+        check_isinstance("comm_name", comm_name, str, allow_none=False)
+        raise_if_false(0 < len(comm_name) < 128, "comm_name must have 1 to 127 characters")
+        check_isinstance("cluster_rank_info", cluster_rank_info, dict, int, allow_none=False)
+        raise_if_false(len(cluster_rank_info) <= 4, "cluster_rank_info holds at most 4 clusters")
+        for cluster, rank in cluster_rank_info.items():
+            check_uint64("cluster_rank_info key", cluster)
+            check_uint32("cluster_rank_info value", rank)
+        check_isinstance("rank_table", rank_table, str)
+        raise_if_false(len(cluster_rank_info) > 1, "cluster num must be bigger than 1.")
+        ranks = list(cluster_rank_info.values())
+        raise_if_false(ranks == sorted(ranks), "rank in cluster_rank_info must be ordered")
+        raise_if_false(
+            "llm.TransferBackend" not in self._options,
+            "link is not supported with llm.TransferBackend: use link_clusters",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+        raise_if_false(
+            self._cluster_id in cluster_rank_info,
+            f"cluster {self._cluster_id} (this one) is not in cluster_rank_info",
+        )
+        raise_if_false(len(self._comms) < MAX_COMMS, f"at most {MAX_COMMS} comms")
+        hosts = rank_hosts(rank_table or "")
+        base = base_port()
+        for cluster, rank in cluster_rank_info.items():
+            raise_if_false(rank in hosts, f"rank {rank} of cluster {cluster} is not in rank_table")
+        mine = cluster_rank_info[self._cluster_id]
+        status, _, message = self._engine.listen(hosts[mine], base + mine)
+        raise_if_false(
+            status == 0,
+            f"[link] cannot listen on {hosts[mine]}:{base + mine}: {message}",
+            status_code=LLMStatusCode.LLM_LINK_FAILED,
+        )
+        peers = {
+            to_int64(c): (hosts[r], base + r)
+            for c, r in cluster_rank_info.items()
+            if c != self._cluster_id
+        }
+        comm_id = next(self._comm_ids)
+        self._comms[comm_id] = Comm(self._engine, peers)
+        self.cache_manager._linked_by_rank_table = True
+        return comm_id
+
+    def _comm(self, comm_id: Any) -> Comm:
+        self._check_is_inited()
+        check_isinstance("comm_id", comm_id, int, allow_none=False)
+        check_uint64("comm_id", comm_id)
+        comm = self._comms.get(comm_id)
+        raise_if_false(
+            comm is not None,
+            f"comm {comm_id} is not linked",
+            status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+        )
+        assert comm is not None
+        return comm
 
     def unlink(self, comm_id: int) -> None:
-        raise self._not_supported("unlink (HCCL ranktable mode; use unlink_clusters)")
+        self._comm(comm_id).unlink()
+        del self._comms[comm_id]
 
-    def query_register_mem_status(self, comm_id: int) -> Any:
-        raise self._not_supported("query_register_mem_status (HCCL ranktable mode)")
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        return self._comm(comm_id).status()
 
     def finalize(self) -> None:
         if not self._is_initialized:
             return
+        for comm in self._comms.values():
+            comm.unlink()
+        self._comms.clear()
         if self._cache_manager is not None:
             self._cache_manager._finalize()
         self._engine.close()

@@ -94,7 +94,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 5;  // 5: push (blocks and rows), pull_cache
+  m.attr("ABI_VERSION") = 6;  // 6: listen, stop_listening, refresh_peer_table
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -181,6 +181,31 @@ NB_MODULE(_native, m) {
           },
           nb::arg("remote_cluster_id"), nb::arg("timeout_ms"), nb::arg("force"))
       .def("peer_transport", &hixl::Engine::peer_transport, nb::arg("remote_cluster_id"))
+      .def(
+          "refresh_peer_table",
+          [](hixl::Engine& e, int64_t remote, int64_t timeout_ms) {
+            nb::gil_scoped_release release;
+            return to_result(e.refresh_peer_table(remote, timeout_ms));
+          },
+          nb::arg("remote_cluster_id"), nb::arg("timeout_ms"))
+      .def(
+          "listen",
+          [](hixl::Engine& e, const std::string& host, int port) {
+            int bound = -1;
+            hixl::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = e.listen(host, port, &bound);
+            }
+            return std::tuple<int64_t, int, std::string>(s.code, bound, s.message);
+          },
+          nb::arg("host"), nb::arg("port"), "(status, bound port, message)")
+      .def(
+          "stop_listening",
+          [](hixl::Engine& e) {
+            nb::gil_scoped_release release;
+            e.stop_listening();
+          })
       .def("pull",
            pull_binding([](hixl::Engine& e, hixl::PullRequest r) { return to_result(e.pull(r)); }),
            PULL_ARGS)

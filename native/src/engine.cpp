@@ -2,6 +2,7 @@
 #include "hixl/engine.h"
 
 #include <atomic>
+#include <mutex>
 #include <stdexcept>
 #include <system_error>
 
@@ -85,14 +86,54 @@ class Engine::Impl {
     mine.tcp_connections = o.tcp_connections;
     mine.transfer_threads = o.transfer_threads;
     links = std::make_unique<LinkSet>(mine, identity, *pool, meter, stats);
-    if (o.listen_port >= 0) {
-      ServerLimits limits;
-      limits.max_handshaking = o.server_handshakes;
-      limits.max_connections = o.server_connections;
-      limits.threads = o.server_threads;
-      server = std::make_unique<Server>(o.listen_host, o.listen_port, identity, o.auth_token,
-                                        table, stats, meter, limits);
+    if (o.listen_port >= 0) server = start_server(o.listen_host, o.listen_port);
+  }
+
+  // Throws std::runtime_error when host:port cannot be bound.
+  std::unique_ptr<Server> start_server(const std::string& host, int port) {
+    ServerLimits limits;
+    limits.max_handshaking = opts.server_handshakes;
+    limits.max_connections = opts.server_connections;
+    limits.threads = opts.server_threads;
+    return std::make_unique<Server>(host, port, identity, opts.auth_token, table, stats, meter,
+                                    limits);
+  }
+
+  Status listen(const std::string& host, int port, int* bound) {
+    if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+    if (host.empty() || port < 0 || port > 65535) {
+      return Status::Error(status::kParamInvalid,
+                           "listen on '" + host + ":" + std::to_string(port) + "': bad address");
     }
+    std::lock_guard<std::mutex> lock(server_mu);
+    if (server) {
+      *bound = server->port();
+      if (port == 0 || port == server->port()) return Status::Ok();
+      return Status::Error(status::kParamInvalid, "already listening on port " +
+                                                      std::to_string(server->port()));
+    }
+    try {
+      server = start_server(host, port);
+    } catch (const std::exception& e) {
+      return Status::Error(status::kLinkFailed, e.what());
+    }
+    *bound = server->port();
+    return Status::Ok();
+  }
+
+  // Closes the listener and every connection it serves; links to peers stay.
+  void stop_listening() {
+    std::unique_ptr<Server> stopped;
+    {
+      std::lock_guard<std::mutex> lock(server_mu);
+      stopped = std::move(server);
+    }
+    if (stopped) stopped->stop();
+  }
+
+  int listen_port() const {
+    std::lock_guard<std::mutex> lock(server_mu);
+    return server ? server->port() : -1;
   }
 
   Status pull(const PullRequest& r) {
@@ -359,7 +400,7 @@ class Engine::Impl {
 
   void close() {
     if (closed.exchange(true)) return;
-    if (server) server->stop();
+    stop_listening();
     links->close_all();
     pool->shutdown();  // queued pulls run now and fail fast with ENGINE_FINALIZED
   }
@@ -371,6 +412,7 @@ class Engine::Impl {
   uint8_t probe[kProbeBytes] = {};  // the cma probe reads these bytes from our memory
   Identity identity;
   std::unique_ptr<ThreadPool> pool;
+  mutable std::mutex server_mu;  // guards `server`, which listen/stop_listening replace
   std::unique_ptr<Server> server;
   std::unique_ptr<LinkSet> links;
   std::atomic<bool> closed{false};
@@ -381,7 +423,20 @@ Engine::Engine(const EngineOptions& options) : impl_(std::make_unique<Impl>(opti
 Engine::~Engine() { close(); }
 
 int64_t Engine::cluster_id() const { return impl_->opts.cluster_id; }
-int Engine::listen_port() const { return impl_->server ? impl_->server->port() : -1; }
+int Engine::listen_port() const { return impl_->listen_port(); }
+
+Status Engine::refresh_peer_table(int64_t remote, int64_t timeout_ms) {
+  std::shared_ptr<Link> link = impl_->links->find(remote);
+  if (!link) return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote));
+  if (timeout_ms <= 0) return Status::Error(status::kParamInvalid, "timeout_ms must be > 0");
+  return link->refresh_table(deadline_after_ms(timeout_ms));
+}
+
+Status Engine::listen(const std::string& host, int port, int* bound) {
+  return impl_->listen(host, port, bound);
+}
+
+void Engine::stop_listening() { impl_->stop_listening(); }
 
 Status Engine::register_cache(const CacheRegistration& reg) {
   if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");

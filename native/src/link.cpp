@@ -115,6 +115,20 @@ Status Link::drop_unregistered(const RemoteTable* checked, uint64_t seen, Deadli
   return Status::Ok();
 }
 
+Status Link::refresh_table(Deadline deadline) {
+  std::lock_guard<std::mutex> control(control_.mu);
+  auto current = std::make_shared<RemoteTable>();
+  Status s = fetch_table(control_.fd.get(), deadline, current.get(),
+                         "cluster " + std::to_string(cluster_));
+  if (!s.ok()) {
+    mark_broken(s.message);
+    return s;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  table_ = std::move(current);
+  return Status::Ok();
+}
+
 Status Link::begin_transfer() {
   std::lock_guard<std::mutex> lock(mu_);
   if (closing_) {

@@ -41,6 +41,9 @@ class Link {
   // pull already replaced `checked` with a copy that counts at least `seen` unregistrations.
   // A failure marks the link broken: the control connection may be mid-frame.
   Status drop_unregistered(const RemoteTable* checked, uint64_t seen, Deadline deadline);
+  // Replaces the copy with the peer's whole current table, caches registered since the link
+  // included. A failure marks the link broken.
+  Status refresh_table(Deadline deadline);
   Transport& transport() { return *transport_; }
   const char* transport_name() const { return transport_->name(); }
 

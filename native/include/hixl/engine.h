@@ -122,7 +122,12 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   int64_t cluster_id() const;
-  int listen_port() const;
+  int listen_port() const;  // -1 while not listening
+  // Starts the listener an engine built without one lacks (port 0: ephemeral); *bound gets
+  // the port. Listening already on that port (or any, with port 0) is success.
+  Status listen(const std::string& host, int port, int* bound);
+  // Closes the listener and the connections it serves; the engine's own links stay.
+  void stop_listening();
 
   Status register_cache(const CacheRegistration& reg);
   Status unregister_cache(int64_t cache_id);
@@ -130,6 +135,9 @@ class Engine {
   Status link(int64_t remote_cluster_id, const std::string& host, int port, int64_t timeout_ms);
   Status unlink(int64_t remote_cluster_id, int64_t timeout_ms, bool force);
   std::string peer_transport(int64_t remote_cluster_id) const;
+  // Fetches the peer's whole table again, caches it registered since the link included (a
+  // link otherwise keeps to what the peer held when it was made).
+  Status refresh_peer_table(int64_t remote_cluster_id, int64_t timeout_ms);
 
   Status pull(const PullRequest& request);
   // The requests in order, each complete before the next begins, on the transfer pool (or
