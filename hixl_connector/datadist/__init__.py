@@ -3,12 +3,14 @@
 The connector's one seam to transfer engines. What lives here:
 
 - the API itself, implemented on the native engine: ``native`` (``LLMDataDist``, the only
-  module that loads ``hixl_connector._native``), ``cache_manager``, ``config``
+  module that loads ``hixl_connector._native``; its options in ``engine_options``, its
+  rank-table links in ``rank_table``), ``cache_manager``, ``config``
   (``LLMConfig``, ``LLMClusterInfo``, ``LLMRole``), ``llm_types`` (descriptors and cache
   keys), ``status`` (codes and ``LLMException``), ``pull_handle`` (async pulls),
   ``transfer_async`` (layer-wise push), ``local_calls`` with ``allocations`` and
   ``local_copies`` (the calls that stay in this process);
-- CANN's argument rules: ``checks`` (types and C ranges), ``validation`` (``pull_blocks``);
+- CANN's argument rules: ``checks`` (types and C ranges), ``validation`` (``pull_blocks``,
+  ``push_blocks``), ``cache_rows`` (``pull_cache``, ``push_cache``);
 - the back-ends: ``backend`` (``load_backend``), ``profile`` (the typed ``Backend``, the
   ``DataDist`` and ``BlocksCacheManager`` protocols the connector calls, and what each
   back-end needs), ``ascend`` (CANN ``llm_datadist`` with torch_npu).
