@@ -33,12 +33,7 @@ from hixl_connector.datadist.status import (
     raise_if_false,
     raise_if_true,
 )
-from hixl_connector.datadist.transfer_async import (
-    CacheTask,
-    LayerPush,
-    TransferWithCacheKeyConfig,
-    check_transfer_args,
-)
+from hixl_connector.datadist.transfer_async import CacheTask, check_transfer_args, layer_push
 from hixl_connector.datadist.validation import (
     DEFAULT_TENSOR_NUM_PER_LAYER,
     PullArgs,
@@ -380,9 +375,8 @@ class CacheManager(LocalCacheCalls):
         dst_block_memory_size: int | None = None,
     ) -> CacheTask:
         """Layer-wise push (reference section 6.5): layer by layer, once the synchronizer says
-        it is computed, each configuration's layers go to a peer's blocks cache as
-        ``push_blocks`` moves them. Without block indices a blocks source moves its first
-        block, as in CANN (one row of the source per layer)."""
+        it is computed, each configuration's layers go to the peer as ``push_blocks`` (a
+        blocks cache) or ``push_cache`` (a contiguous one) moves them (transfer_async.py)."""
         self._check_is_inited()
         check_transfer_args(
             src_cache,
@@ -394,42 +388,7 @@ class CacheManager(LocalCacheCalls):
             self._remote_cache_accessible,
         )
         pushes = [
-            self._layer_push(src_cache, c, src_block_indices, dst_block_indices)
+            layer_push(self, src_cache, c, src_block_indices, dst_block_indices)
             for c in transfer_configs
         ]
         return CacheTask(transfer_configs, pushes, layer_synchronizer)
-
-    def _layer_push(
-        self,
-        src_cache: Cache,
-        config: Any,
-        src_block_indices: Any,
-        dst_block_indices: Any,
-    ) -> LayerPush:
-        raise_if_true(
-            not isinstance(config, TransferWithCacheKeyConfig)
-            or not isinstance(config.cache_key, BlocksCacheKey)
-            or not src_cache.is_blocks_cache
-            or (bool(dst_block_indices) and not src_block_indices),
-            "transfer_cache_async moves a blocks cache into a peer's blocks cache on the native "
-            "engine (TransferConfig addresses, CacheKeyByIdAndIndex destinations and "
-            "dst_block_memory_size are not supported)",
-            status_code=_NOT_ON_THIS_BUILD,
-        )
-        src, dst = (
-            (list(src_block_indices), list(dst_block_indices or ()))
-            if src_block_indices
-            else ([0], [0])
-        )
-
-        def push(layer: int, dst_layer: int) -> None:
-            self.push_blocks(
-                config.cache_key,
-                src_cache,
-                src,
-                dst,
-                src_layer_range=range(layer, layer + 1),
-                dst_layer_range=range(dst_layer, dst_layer + 1),
-            )
-
-        return push

@@ -121,6 +121,59 @@ class TransferWithCacheKeyConfig:
 LayerPush = Callable[[int, int], None]
 
 
+def layer_push(
+    manager: Any,
+    src_cache: Cache,
+    config: Any,
+    src_block_indices: Any,
+    dst_block_indices: Any,
+) -> LayerPush:
+    """How one configuration's layers move: into a peer's blocks cache with ``push_blocks``
+    (a blocks source; without block indices its first block, as in CANN, which moves one
+    row of the source per layer), or onto a peer's row with ``push_cache`` (a contiguous
+    source). Raw addresses (``TransferConfig``) and ``dst_block_memory_size`` are refused."""
+    key = getattr(config, "cache_key", None)
+    blocks = isinstance(key, BlocksCacheKey) and src_cache.is_blocks_cache
+    rows = isinstance(key, CacheKeyByIdAndIndex) and not src_cache.is_blocks_cache
+    raise_if_false(
+        isinstance(config, TransferWithCacheKeyConfig)
+        and (blocks or rows)
+        and not (dst_block_indices and not src_block_indices)
+        and not (rows and src_block_indices),
+        "transfer_cache_async on the native engine moves a blocks cache into a peer's blocks "
+        "cache, or a contiguous cache onto a peer's row (TransferConfig addresses and "
+        "dst_block_memory_size are not supported)",
+        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+    )
+    if rows:
+
+        def push_row(layer: int, dst_layer: int) -> None:
+            manager.push_cache(
+                key,
+                src_cache,
+                config.src_batch_index,
+                src_layer_range=range(layer, layer + 1),
+                dst_layer_range=range(dst_layer, dst_layer + 1),
+            )
+
+        return push_row
+    src, dst = (
+        (list(src_block_indices), list(dst_block_indices)) if src_block_indices else ([0], [0])
+    )
+
+    def push_blocks(layer: int, dst_layer: int) -> None:
+        manager.push_blocks(
+            key,
+            src_cache,
+            src,
+            dst,
+            src_layer_range=range(layer, layer + 1),
+            dst_layer_range=range(dst_layer, dst_layer + 1),
+        )
+
+    return push_blocks
+
+
 class CacheTask:
     """A running ``transfer_cache_async``. Neither method raises a transfer's failure: it is
     the status they return."""

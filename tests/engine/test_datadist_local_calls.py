@@ -202,3 +202,30 @@ def test_transfer_cache_async_pushes_layer_by_layer(env: Any) -> None:
     with pytest.raises(TypeError):  # raw addresses need a peer without remote cache access
         cm.transfer_cache_async(src, Gate(), [datadist.TransferConfig(peer.cluster_id, [1, 2])])
     cm.deallocate_blocks_cache(src)
+
+
+def test_transfer_cache_async_onto_a_peer_row(env: Any) -> None:
+    client, peer = env
+    api, cm = client.api, client.dd.cache_manager
+    src = cm.allocate_cache(_desc(api, api.Placement.DEVICE))
+    for t, addr in enumerate(src.tensor_addrs):
+        ctypes.memset(addr + ROW, 0x60 + t, ROW)  # row 1
+    row = api.CacheKeyByIdAndIndex(peer.cluster_id, peer.caches["contig"], 1)
+    config = datadist.TransferWithCacheKeyConfig(row, range(2, 3), range(0, 1), src_batch_index=1)
+    gate = Gate()
+    gate.released.release()
+    task = cm.transfer_cache_async(src, gate, [config])
+    assert task.synchronize(5000) == LLMStatusCode.LLM_SUCCESS and gate.asked == [2]
+    landed = [np.zeros(2 * ROW, np.uint8) for _ in range(NT)]
+    into = cm.register_cache(
+        _desc(api, api.Placement.HOST), [t.ctypes.data for t in landed], remote_accessible=True
+    )
+    cm.pull_cache(row, into, 1)
+    for t in range(NT):  # layer 2 (tensors 4, 5) of row 1 landed on layer 0 of the peer's row
+        want = bytes([0x60 + t + 4]) * ROW if t < 2 else CONTIG[t][ROW : 2 * ROW].tobytes()
+        assert landed[t][ROW:].tobytes() == want, t
+    cm.unregister_cache(into.cache_id)
+    with pytest.raises(LLMException) as info:  # a cache into blocks needs raw block sizes
+        cm.transfer_cache_async(src, Gate(), [config], None, [0], 64)
+    assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    cm.deallocate_cache(src)

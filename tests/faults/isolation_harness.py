@@ -27,9 +27,11 @@ from .fault_harness import (
     wait_for,
 )
 
-# The bound on a bystander's inter-token gap under any single-peer fault; a healthy step
-# here takes a few ms.
-MAX_GAP_S = 0.1
+# The bound on a bystander's inter-token gap under any single-peer fault. A step that waited
+# on the faulty peer would stall for that fault's timeout (seconds); a healthy step takes a
+# few ms, but up to about 0.1 s while a restarting vLLM (its start-up saturates both cores
+# of a 2-core host) shares the machine: 0.107 s was seen once in CI.
+MAX_GAP_S = 0.25
 
 
 def through_router(router: RouterProcess, prompt: list[int]) -> LegResult:
