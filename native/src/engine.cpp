@@ -136,13 +136,15 @@ class Engine::Impl {
     return server ? server->port() : -1;
   }
 
-  Status pull(const PullRequest& r) {
-    stats.pulls++;
+  // Runs one transfer and counts it. Only the constructor throws: anything else
+  // (std::bad_alloc, say) becomes this transfer's failure, so neither a caller nor a waiter
+  // on an async handle is left hanging.
+  template <class Run>
+  Status counted(std::atomic<int64_t>& transfers, Run&& run) {
+    transfers++;
     Status s;
-    // Only the constructor throws: anything else (std::bad_alloc, say) becomes this pull's
-    // failure, so neither a caller of pull nor a waiter on an async handle is left hanging.
     try {
-      s = run_pull(r);
+      s = run();
     } catch (const std::exception& e) {
       s = Status::Error(status::kFailed, std::string("internal error: ") + e.what());
     } catch (...) {
@@ -153,6 +155,10 @@ class Engine::Impl {
       if (s.code == status::kTimeout) stats.timeouts++;
     }
     return s;
+  }
+
+  Status pull(const PullRequest& r) {
+    return counted(stats.pulls, [&] { return run_pull(r); });
   }
 
   Status run_pull(const PullRequest& r) {
@@ -205,20 +211,7 @@ class Engine::Impl {
   }
 
   Status push(const PushRequest& r) {
-    stats.pushes++;
-    Status s;
-    try {
-      s = run_push(r);
-    } catch (const std::exception& e) {
-      s = Status::Error(status::kFailed, std::string("internal error: ") + e.what());
-    } catch (...) {
-      s = Status::Error(status::kFailed, "internal error");
-    }
-    if (!s.ok()) {
-      stats.failures++;
-      if (s.code == status::kTimeout) stats.timeouts++;
-    }
-    return s;
+    return counted(stats.pushes, [&] { return run_push(r); });
   }
 
   Status run_push(const PushRequest& push) {
