@@ -237,8 +237,8 @@ class LLMDataDist:
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
         """As CANN's default back-end: refused while this engine holds links; with
         ``llm.listenIpInfo`` in the options the engine listens there (moving from another
-        port), without it stops listening. Links of this engine go one way, to the peer it
-        linked (as CANN's hixl back-end's): a peer that linked here cannot pull or push back."""
+        port), without it stops listening. Links go both ways (README: "Links go both
+        ways"), so a peer that links here after the switch can be pushed to."""
         self._check_is_inited()
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_isinstance("switch_options", switch_options, dict)

@@ -11,6 +11,7 @@
 #include "cache_table.h"
 #include "handshake.h"
 #include "links.h"
+#include "listeners.h"
 #include "planner.h"
 #include "server.h"
 #include "stats.h"
@@ -85,55 +86,51 @@ class Engine::Impl {
     mine.transport = o.transport;
     mine.tcp_connections = o.tcp_connections;
     mine.transfer_threads = o.transfer_threads;
-    links = std::make_unique<LinkSet>(mine, identity, *pool, meter, stats);
-    if (o.listen_port >= 0) server = start_server(o.listen_host, o.listen_port);
+    links = std::make_unique<LinkSet>(mine, identity, *pool, meter, stats, returns);
+    listeners = std::make_unique<Listeners>(
+        [this](const std::string& host, int port, int threads) {
+          return start_server(host, port, threads);
+        });
+    if (o.listen_port >= 0) {
+      int bound = 0;
+      Status s = listeners->listen(o.listen_host, o.listen_port, &bound);
+      if (!s.ok()) throw std::runtime_error(s.message);
+    }
   }
 
   // Throws std::runtime_error when host:port cannot be bound.
-  std::unique_ptr<Server> start_server(const std::string& host, int port) {
+  std::unique_ptr<Server> start_server(const std::string& host, int port, int threads) {
     ServerLimits limits;
     limits.max_handshaking = opts.server_handshakes;
     limits.max_connections = opts.server_connections;
-    limits.threads = opts.server_threads;
+    limits.threads = threads == 0 ? opts.server_threads : threads;
     return std::make_unique<Server>(host, port, identity, opts.auth_token, table, stats, meter,
-                                    limits);
+                                    returns, limits);
   }
 
-  Status listen(const std::string& host, int port, int* bound) {
+  // Links to `remote` and tells it where to link back (listeners.h).
+  Status link(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {
     if (closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
-    if (host.empty() || port < 0 || port > 65535) {
-      return Status::Error(status::kParamInvalid,
-                           "listen on '" + host + ":" + std::to_string(port) + "': bad address");
+    const Deadline deadline = deadline_after_ms(std::max<int64_t>(timeout_ms, 1));
+    Status s = links->open(remote, host, port, timeout_ms);
+    if (!s.ok()) return s;
+    std::shared_ptr<Link> link = links->find(remote);
+    if (!link) {
+      return Status::Error(status::kNotYetLink, "link to " + cluster_name(remote) + " closed");
     }
-    std::lock_guard<std::mutex> lock(server_mu);
-    if (server) {
-      *bound = server->port();
-      if (port == 0 || port == server->port()) return Status::Ok();
-      return Status::Error(status::kParamInvalid, "already listening on port " +
-                                                      std::to_string(server->port()));
-    }
-    try {
-      server = start_server(host, port);
-    } catch (const std::exception& e) {
-      return Status::Error(status::kLinkFailed, e.what());
-    }
-    *bound = server->port();
-    return Status::Ok();
+    std::string back_host;
+    int back_port = 0;
+    s = listeners->way_back(link->local_host(), &back_host, &back_port);
+    if (s.ok()) s = link->offer_return_path(back_host, back_port, deadline);
+    if (!s.ok()) links->close(remote, 1, true);
+    return s;
   }
 
-  // Closes the listener and every connection it serves; links to peers stay.
-  void stop_listening() {
-    std::unique_ptr<Server> stopped;
-    {
-      std::lock_guard<std::mutex> lock(server_mu);
-      stopped = std::move(server);
-    }
-    if (stopped) stopped->stop();
-  }
-
-  int listen_port() const {
-    std::lock_guard<std::mutex> lock(server_mu);
-    return server ? server->port() : -1;
+  // Closes the return listeners once no link of ours needs one.
+  Status unlink(int64_t remote, int64_t timeout_ms, bool force) {
+    Status s = links->close(remote, timeout_ms, force);
+    if (links->size() == 0) listeners->stop_return_listeners();
+    return s;
   }
 
   // Runs one transfer and counts it. Only the constructor throws: anything else
@@ -181,10 +178,9 @@ class Engine::Impl {
     ResolvedRange dst_range;
     Status s = check_local(r, *dst, &dst_range);
     if (!s.ok()) return s;
-    std::shared_ptr<Link> link = links->find(r.remote_cluster_id);
-    if (!link) {
-      return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(r.remote_cluster_id));
-    }
+    std::shared_ptr<Link> link;
+    s = links->reach(r.remote_cluster_id, deadline, &link);
+    if (!s.ok()) return s;
     return on_link(*link, r.remote_cluster_id,
                    [&] { return pull_over(*link, r, *dst, dst_range, deadline); });
   }
@@ -230,11 +226,9 @@ class Engine::Impl {
     ResolvedRange src_range;
     Status s = check_local(planned, src_pin.info(), &src_range, Direction::kPush);
     if (!s.ok()) return s;
-    std::shared_ptr<Link> link = links->find(push.remote_cluster_id);
-    if (!link) {
-      return Status::Error(status::kNotYetLink,
-                           "not linked to " + cluster_name(push.remote_cluster_id));
-    }
+    std::shared_ptr<Link> link;
+    s = links->reach(push.remote_cluster_id, deadline, &link);
+    if (!s.ok()) return s;
     return on_link(*link, push.remote_cluster_id,
                    [&] { return push_over(*link, planned, src_pin.info(), src_range, deadline); });
   }
@@ -393,7 +387,7 @@ class Engine::Impl {
 
   void close() {
     if (closed.exchange(true)) return;
-    stop_listening();
+    listeners->stop_all();
     links->close_all();
     pool->shutdown();  // queued pulls run now and fail fast with ENGINE_FINALIZED
   }
@@ -405,8 +399,8 @@ class Engine::Impl {
   uint8_t probe[kProbeBytes] = {};  // the cma probe reads these bytes from our memory
   Identity identity;
   std::unique_ptr<ThreadPool> pool;
-  mutable std::mutex server_mu;  // guards `server`, which listen/stop_listening replace
-  std::unique_ptr<Server> server;
+  ReturnPaths returns;  // peers that linked here: where to link back to them
+  std::unique_ptr<Listeners> listeners;
   std::unique_ptr<LinkSet> links;
   std::atomic<bool> closed{false};
   AsyncPulls async;
@@ -416,7 +410,7 @@ Engine::Engine(const EngineOptions& options) : impl_(std::make_unique<Impl>(opti
 Engine::~Engine() { close(); }
 
 int64_t Engine::cluster_id() const { return impl_->opts.cluster_id; }
-int Engine::listen_port() const { return impl_->listen_port(); }
+int Engine::listen_port() const { return impl_->listeners->port(); }
 
 Status Engine::refresh_peer_table(int64_t remote, int64_t timeout_ms) {
   std::shared_ptr<Link> link = impl_->links->find(remote);
@@ -426,10 +420,11 @@ Status Engine::refresh_peer_table(int64_t remote, int64_t timeout_ms) {
 }
 
 Status Engine::listen(const std::string& host, int port, int* bound) {
-  return impl_->listen(host, port, bound);
+  if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+  return impl_->listeners->listen(host, port, bound);
 }
 
-void Engine::stop_listening() { impl_->stop_listening(); }
+void Engine::stop_listening() { impl_->listeners->stop_listening(); }
 
 Status Engine::register_cache(const CacheRegistration& reg) {
   if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
@@ -442,12 +437,11 @@ Status Engine::unregister_cache(int64_t cache_id) {
 }
 
 Status Engine::link(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {
-  if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
-  return impl_->links->open(remote, host, port, timeout_ms);
+  return impl_->link(remote, host, port, timeout_ms);
 }
 
 Status Engine::unlink(int64_t remote, int64_t timeout_ms, bool force) {
-  return impl_->links->close(remote, timeout_ms, force);
+  return impl_->unlink(remote, timeout_ms, force);
 }
 
 std::string Engine::peer_transport(int64_t remote) const {

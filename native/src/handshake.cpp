@@ -144,6 +144,8 @@ bool ServerHandshake::on_hello(const Identity& me, const std::string& token,
     *why = "this is cluster " + std::to_string(me.cluster_id) + ", not " + std::to_string(expected);
     return false;
   }
+  client_cluster_ = client_cluster;
+  channel_ = channel;
   server_nonce_ = make_nonce();
   Digest proof{};
   if (!token.empty()) proof = server_proof(token, client_nonce_, server_nonce_);

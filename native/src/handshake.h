@@ -42,8 +42,13 @@ class ServerHandshake {
   // True when the client proved the token (or neither side has one).
   bool on_auth(const std::string& token, const wire::Header& h,
                const std::vector<uint8_t>& payload, std::string* why) const;
+  // What the client's HELLO said: its cluster and which channel this connection is.
+  int64_t client_cluster() const { return client_cluster_; }
+  bool control_channel() const { return channel_ == wire::kControlChannel; }
 
  private:
+  int64_t client_cluster_ = 0;
+  uint8_t channel_ = 0;
   std::array<uint8_t, 32> client_nonce_{};
   std::array<uint8_t, 32> server_nonce_{};
 };

@@ -169,6 +169,28 @@ bool Link::close_and_drain(Deadline deadline) {
   return idle_cv_.wait_until(lock, deadline, [this] { return active_transfers_ == 0; });
 }
 
+Status Link::offer_return_path(const std::string& host, int port, Deadline deadline) {
+  std::lock_guard<std::mutex> control(control_.mu);
+  wire::Encoder offer;
+  offer.str(host);
+  offer.u32(static_cast<uint32_t>(port));
+  wire::IoResult io = wire::send_frame(control_.fd.get(), wire::kReturnPath, offer.bytes(), deadline);
+  wire::Header h;
+  std::vector<uint8_t> payload;
+  if (io.ok()) io = wire::recv_frame(control_.fd.get(), &h, &payload, 1024, deadline);
+  const std::string what = "return path to cluster " + std::to_string(cluster_);
+  Status s;
+  if (!io.ok()) {
+    s = Status::Error(io.timed_out() ? status::kTimeout : status::kLinkFailed, what + ": " + io.reason);
+  } else if (h.type == wire::kError) {
+    s = wire::decode_error(payload, what);
+  } else if (h.type != wire::kReturnPathAck) {
+    s = Status::Error(status::kLinkFailed, what + ": unexpected reply");
+  }
+  if (!s.ok()) mark_broken(s.message);
+  return s;
+}
+
 std::string Link::say_goodbye(Deadline deadline) {
   std::lock_guard<std::mutex> control(control_.mu);
   wire::IoResult io = wire::send_frame(control_.fd.get(), wire::kBye, {}, deadline);

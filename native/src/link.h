@@ -53,6 +53,11 @@ class Link {
   void mark_broken(const std::string& reason);
   // Fails in-flight transfers fast, waits for them (bounded); false when they did not finish.
   bool close_and_drain(Deadline deadline);
+  // Tells the peer where it may link back to us (return_paths.h); a failure marks the link
+  // broken.
+  Status offer_return_path(const std::string& host, int port, Deadline deadline);
+  // This end's address on the control connection: where the peer reached us from.
+  std::string local_host() const { return wire::socket_host(control_.fd.get(), false); }
   // BYE on the control connection so the server drops our connections; "" on success.
   std::string say_goodbye(Deadline deadline);
 

@@ -13,9 +13,11 @@ Status LinkSet::open(int64_t remote, const std::string& host, int port, int64_t 
                                                     ": bad host/port/timeout " + host + ":" +
                                                     std::to_string(port));
   }
+  std::shared_ptr<Link> replaced;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return Status::Error(status::kEngineFinalized, "engine is closed");
+    replaced = take_link_back(remote, false);
     if (links_.count(remote) != 0 || linking_.count(remote) != 0) {
       return Status::Error(status::kAlreadyLink, "already linked to " + cluster_name(remote));
     }
@@ -36,6 +38,45 @@ Status LinkSet::open(int64_t remote, const std::string& host, int port, int64_t 
   return Status::Ok();
 }
 
+std::shared_ptr<Link> LinkSet::take_link_back(int64_t remote, bool only_withdrawn) {
+  auto back = links_back_.find(remote);
+  if (back == links_back_.end()) return nullptr;
+  if (only_withdrawn && returns_.stands(remote, back->second)) return nullptr;
+  links_back_.erase(back);
+  auto it = links_.find(remote);
+  std::shared_ptr<Link> taken = std::move(it->second);
+  links_.erase(it);
+  taken->close_and_drain(Clock::now());  // in-flight transfers fail fast; nobody waits
+  return taken;
+}
+
+Status LinkSet::reach(int64_t remote, Deadline deadline, std::shared_ptr<Link>* out) {
+  std::shared_ptr<Link> withdrawn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    withdrawn = take_link_back(remote, true);
+    auto it = links_.find(remote);
+    if (it != links_.end()) {
+      *out = it->second;
+      return Status::Ok();
+    }
+  }
+  std::optional<ReturnPath> path = returns_.find(remote);
+  if (!path) return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote));
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  Status s = open(remote, path->host, path->port, std::max<int64_t>(left.count(), 1));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = links_.find(remote);
+  if (s.ok() && it != links_.end()) links_back_[remote] = path->id;
+  // Another transfer may have opened it first (ALREADY_LINK): use that one.
+  if (it == links_.end()) {
+    return s.ok() ? Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote))
+                  : s;
+  }
+  *out = it->second;
+  return Status::Ok();
+}
+
 Status LinkSet::close(int64_t remote, int64_t timeout_ms, bool force) {
   std::shared_ptr<Link> link;
   {
@@ -49,6 +90,7 @@ Status LinkSet::close(int64_t remote, int64_t timeout_ms, bool force) {
     }
     link = std::move(it->second);
     links_.erase(it);
+    links_back_.erase(remote);
   }
   const Deadline deadline = deadline_after_ms(std::max<int64_t>(timeout_ms, 1));
   if (!link->close_and_drain(deadline)) {
@@ -75,7 +117,11 @@ std::shared_ptr<Link> LinkSet::find(int64_t remote) const {
 
 int64_t LinkSet::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(links_.size());
+  int64_t withdrawn = 0;
+  for (const auto& back : links_back_) {
+    if (!returns_.stands(back.first, back.second)) ++withdrawn;
+  }
+  return static_cast<int64_t>(links_.size()) - withdrawn;
 }
 
 void LinkSet::close_all() {
@@ -84,6 +130,7 @@ void LinkSet::close_all() {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
     doomed.swap(links_);
+    links_back_.clear();
   }
   for (auto& kv : doomed) kv.second->close_and_drain(deadline_after_ms(5000));
 }

@@ -1,5 +1,7 @@
 // The engine's links, by remote cluster id: opened one at a time per cluster, looked up by
-// pulls, closed one by one or all at once.
+// transfers, closed one by one or all at once. Besides the links this engine opened, a link
+// back to a peer that linked to it, opened on first use from the peer's offer
+// (return_paths.h) and dropped once that offer is withdrawn.
 #pragma once
 
 #include <map>
@@ -9,6 +11,7 @@
 #include <string>
 
 #include "link.h"
+#include "return_paths.h"
 #include "stats.h"
 
 namespace hixl {
@@ -19,13 +22,17 @@ class LinkSet {
  public:
   // `base` carries this engine's side of every link (cluster id, token, transport...).
   LinkSet(const LinkOptions& base, const Identity& me, ThreadPool& pool, MemoryMeter& meter,
-          EngineStats& stats)
-      : base_(base), me_(me), pool_(pool), meter_(meter), stats_(stats) {}
+          EngineStats& stats, const ReturnPaths& returns)
+      : base_(base), me_(me), pool_(pool), meter_(meter), stats_(stats), returns_(returns) {}
 
+  // Opens a link of this engine's own (replacing a link back to the same peer).
   Status open(int64_t remote, const std::string& host, int port, int64_t timeout_ms);
+  // The link a transfer to `remote` goes over: this engine's own, or the link back to a peer
+  // that linked here, opened now when it is not open yet; NOT_YET_LINK when there is neither.
+  Status reach(int64_t remote, Deadline deadline, std::shared_ptr<Link>* out);
   Status close(int64_t remote, int64_t timeout_ms, bool force);
   std::shared_ptr<Link> find(int64_t remote) const;
-  // Links open now.
+  // Links open now, less links back whose offer was withdrawn.
   int64_t size() const;
   // Refuses new links and closes every link (each drain bounded).
   void close_all();
@@ -36,10 +43,16 @@ class LinkSet {
   ThreadPool& pool_;
   MemoryMeter& meter_;
   EngineStats& stats_;
+  const ReturnPaths& returns_;
   mutable std::mutex mu_;
   bool closed_ = false;
   std::map<int64_t, std::shared_ptr<Link>> links_;
   std::set<int64_t> linking_;
+  std::map<int64_t, uint64_t> links_back_;  // remote -> the offer its link back was opened on
+
+  // Takes the link back to `remote` out of the set when `stale` (mu_ held); the caller
+  // drops it after unlocking.
+  std::shared_ptr<Link> take_link_back(int64_t remote, bool only_withdrawn);
 };
 
 }  // namespace hixl

@@ -86,6 +86,7 @@ struct ServeLoop::Conn {
   std::unique_ptr<WriteIntake> write;
   bool receiving_write = false;
   ProvenWriter writer;
+  uint64_t return_path = 0;  // the offer this control connection made, withdrawn at its close
 
   bool reading_frame() const { return header_got > 0; }
   bool output_pending() const { return out_sent < out.size() || iov_first < iov.size(); }
@@ -361,9 +362,35 @@ bool ServeLoop::handle_request(Conn& c) {
     c.closing = true;
     return true;
   }
+  if (c.h.type == wire::kReturnPath && c.handshake.control_channel()) {
+    take_return_path(c);
+    return true;
+  }
   ctx_.stats->rejected_requests++;
   fail(c, status::kParamInvalid, "unexpected frame type " + std::to_string(c.h.type));
   return true;
+}
+
+void ServeLoop::take_return_path(Conn& c) {
+  wire::Decoder dec(c.payload.data(), c.payload.size());
+  std::string host;
+  uint32_t port = 0;
+  if (!dec.str(&host) || !dec.u32(&port) || dec.remaining() != 0 || port == 0 ||
+      port > 65535 || host.size() > 255) {
+    ctx_.stats->rejected_requests++;
+    fail(c, status::kParamInvalid, "malformed return path");
+    return;
+  }
+  // "" is the address the linking engine reached us from: what we can reach it back at.
+  if (host.empty()) host = wire::socket_host(c.fd.get(), true);
+  if (host.empty()) {
+    fail(c, status::kLinkFailed, "return path: the connection has no peer address");
+    return;
+  }
+  const int64_t cluster = c.handshake.client_cluster();
+  if (c.return_path != 0) ctx_.returns->withdraw(cluster, c.return_path);
+  c.return_path = ctx_.returns->offer(cluster, host, static_cast<int>(port));
+  queue_frame(c, wire::kReturnPathAck, {});
 }
 
 bool ServeLoop::start_read_reply(Conn& c) {
@@ -551,6 +578,7 @@ void ServeLoop::close(int fd) {
   if (it == conns_.end()) return;
   std::unique_ptr<Conn> c = std::move(it->second);
   conns_.erase(it);
+  if (c->return_path != 0) ctx_.returns->withdraw(c->handshake.client_cluster(), c->return_path);
   ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
   // Before the close, so a peer that sees it may count on the slot being free.
   ctx_.admissions->leave(c->authenticated);

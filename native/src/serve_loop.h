@@ -17,6 +17,7 @@
 
 #include "cache_table.h"
 #include "handshake.h"
+#include "return_paths.h"
 #include "stats.h"
 #include "wire.h"
 #include "write_intake.h"
@@ -54,6 +55,7 @@ struct ServeContext {
   EngineStats* stats = nullptr;
   MemoryMeter* meter = nullptr;
   Admissions* admissions = nullptr;
+  ReturnPaths* returns = nullptr;  // the engine's: peers' offers to be linked back to
   // The refusal texts, naming each cap and the option that raises it.
   std::string handshakes_full;
   std::string connections_full;
@@ -89,6 +91,7 @@ class ServeLoop {
   bool handle_handshake(Conn& c);
   bool handle_request(Conn& c);
   bool start_read_reply(Conn& c);
+  void take_return_path(Conn& c);
   // Answers a WRITE: refused, stale, copied in (same host) or ready for its DATA frame.
   void start_write(Conn& c);
   void finish_write(Conn& c);

@@ -43,7 +43,7 @@ int loop_count(int requested) {
 
 Server::Server(const std::string& host, int port, Identity identity, std::string token,
                CacheTable& table, EngineStats& stats, MemoryMeter& meter,
-               const ServerLimits& limits)
+               ReturnPaths& returns, const ServerLimits& limits)
     : admissions_(limits.max_handshaking, limits.max_connections) {
   context_.identity = std::move(identity);
   context_.token = std::move(token);
@@ -51,6 +51,7 @@ Server::Server(const std::string& host, int port, Identity identity, std::string
   context_.stats = &stats;
   context_.meter = &meter;
   context_.admissions = &admissions_;
+  context_.returns = &returns;
   context_.handshakes_full =
       limit_message(limits.max_handshaking, "in the handshake", "hixl.serverHandshakes");
   context_.connections_full =

@@ -29,7 +29,8 @@ class Server {
  public:
   // Binds exactly host:port; throws std::runtime_error naming host:port and errno text.
   Server(const std::string& host, int port, Identity identity, std::string token,
-         CacheTable& table, EngineStats& stats, MemoryMeter& meter, const ServerLimits& limits);
+         CacheTable& table, EngineStats& stats, MemoryMeter& meter, ReturnPaths& returns,
+         const ServerLimits& limits);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

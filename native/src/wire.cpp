@@ -312,6 +312,16 @@ void fill_random(void* out, size_t n) {
   }
 }
 
+std::string socket_host(int fd, bool peer) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  auto* sa = reinterpret_cast<sockaddr*>(&addr);
+  if ((peer ? ::getpeername(fd, sa, &len) : ::getsockname(fd, sa, &len)) != 0) return "";
+  char host[NI_MAXHOST] = {};
+  if (::getnameinfo(sa, len, host, sizeof(host), nullptr, 0, NI_NUMERICHOST) != 0) return "";
+  return host;
+}
+
 UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::string* error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;

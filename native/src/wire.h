@@ -40,7 +40,7 @@ class UniqueFd {
 namespace wire {
 
 constexpr uint32_t kMagic = 0x4C584948;  // "HIXL" little-endian
-constexpr uint16_t kVersion = 2;
+constexpr uint16_t kVersion = 3;
 constexpr size_t kHeaderBytes = 16;
 constexpr uint64_t kMaxControlPayload = 4u << 20;
 constexpr uint64_t kMaxTablePayload = 16u << 20;
@@ -77,6 +77,10 @@ enum FrameType : uint16_t {
   kWriteReady = 13,  // s->c: the ranges are pinned and checked; send the DATA frame
   kWriteDone = 14,   // s->c: every byte of the write landed
   kError = 15,      // u64 status code, string message
+  // c->s on the control connection: string host ("" = the address this connection comes
+  // from), u32 port: where the server's engine may link back to this one (return_paths.h).
+  kReturnPath = 16,
+  kReturnPathAck = 17,
 };
 
 enum Channel : uint8_t { kControlChannel = 0, kDataChannel = 1 };
@@ -170,6 +174,9 @@ std::vector<uint8_t> error_payload(int64_t code, const std::string& message);
 Status decode_error(const std::vector<uint8_t>& payload, const std::string& context);
 
 UniqueFd connect_to(const std::string& host, int port, Deadline deadline, std::string* error);
+// The numeric address of a connected socket's own end (`peer` false) or its peer's; "" when
+// the socket has none.
+std::string socket_host(int fd, bool peer);
 // Advances an iovec array by n bytes from index `first`; returns the new first index.
 size_t advance_iov(iovec* iov, size_t count, size_t first, size_t n);
 void set_nonblocking(int fd);

@@ -9,6 +9,7 @@ import signal
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from hixl_connector.datadist import BlocksPull
@@ -203,3 +204,39 @@ def test_unlink_during_a_pull_fails_the_pull_fast(
         assert time.monotonic() - start < 5.0
     finally:
         os.kill(peer.pid, signal.SIGCONT)
+
+
+def test_xpyd_one_call_links_every_prefill_and_each_serves_its_own_bytes(
+    api: Any, peer_factory: Any, client_factory: Any
+) -> None:
+    """HIXL's xPyD sample from one decoder's seat: link_clusters and unlink_clusters with
+    two prefill clusters in one call, then a pull from each into blocks of one cache."""
+    from . import datadist_peer as layout
+
+    nb, bb = layout.NUM_BLOCKS, layout.BLOCK_BYTES
+    prefills = [peer_factory(61), peer_factory(62)]
+    client = client_factory()
+    infos = [client.cluster_info(p) for p in prefills]
+    assert client.dd.link_clusters(infos, 5000) == (ok(api), [ok(api), ok(api)])
+    cache, tensors = client.blocks_cache(layout.NUM_TENSORS, nb, layout.BLOCK_SHAPE)
+    cm = client.dd.cache_manager
+    for i, peer in enumerate(prefills):
+        cm.pull_blocks(api.BlocksCacheKey(peer.cluster_id, 0), cache, [0, 1], [2 * i, 2 * i + 1])
+    kv = layout.make_tensors("kv", layout.NUM_TENSORS, nb * bb)
+    for t, tensor in enumerate(tensors):
+        got, want = tensor.reshape(nb, bb), kv[t].reshape(nb, bb)
+        assert [np.array_equal(got[b], want[s]) for b, s in enumerate([0, 1, 0, 1])] == [True] * 4
+        assert not got[4:].any(), "blocks no pull named changed"
+    # Each cluster has a link of its own: without 61's, 62 still serves.
+    assert client.dd.unlink_clusters(infos[:1], 3000) == (ok(api), [ok(api)])
+    with pytest.raises(api.LLMException) as gone:
+        cm.pull_blocks(api.BlocksCacheKey(61, 0), cache, [5], [5])
+    assert gone.value.status_code == api.LLMStatusCode.LLM_NOT_YET_LINK
+    cm.pull_blocks(api.BlocksCacheKey(62, 0), cache, [5], [5])
+    assert all(
+        np.array_equal(t.reshape(nb, bb)[5], kv[i].reshape(nb, bb)[5])
+        for i, t in enumerate(tensors)
+    )
+    assert client.dd.unlink_clusters(infos[1:], 3000) == (ok(api), [ok(api)])
+    assert client.dd.engine_stats()["open_links"] == 0
+    cm.unregister_cache(cache.cache_id)

@@ -23,12 +23,15 @@ from .native_peer import (
 )
 from .test_native_transfer import BLOCK_BYTES, BLOCKS, Puller, pull_ok
 from .wire_client import (
+    CONTROL_CHANNEL,
     DATA,
     ERROR,
     HEADER,
     HELLO,
     MAGIC,
     READ,
+    RETURN_PATH,
+    RETURN_PATH_ACK,
     STALE,
     TABLE_REQ,
     VERSION,
@@ -181,6 +184,41 @@ def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) 
         pull_ok(puller, 21, [7, 8, 2], [1, 2, 60])
     finally:
         puller.engine.close()
+
+
+def return_path(host: bytes, port: int) -> bytes:
+    return frame(RETURN_PATH, struct.pack("<I", len(host)) + host + struct.pack("<I", port))
+
+
+def test_return_path_offers_are_checked(peer: NativePeer) -> None:
+    """Only a control connection offers a way back, and only a well-formed one is kept."""
+    with connect(peer.port) as s:
+        handshake(s, 21, channel=CONTROL_CHANNEL)
+        s.sendall(return_path(b"", 4242))
+        assert recv_frame(s) == (RETURN_PATH_ACK, b"")
+        s.sendall(return_path(b"127.0.0.1", 4243))  # a later offer replaces it
+        assert recv_frame(s) == (RETURN_PATH_ACK, b"")
+    before = peer.stats()["rejected_requests"]
+    for bad in [
+        return_path(b"", 0),
+        return_path(b"", 70000),
+        return_path(b"h" * 300, 4242),
+        frame(RETURN_PATH, struct.pack("<I", 0) + b"\x92\x10"),  # port cut short
+        frame(RETURN_PATH, struct.pack("<I", 0) + struct.pack("<I", 4242) + b"x"),
+    ]:
+        with connect(peer.port) as s:
+            handshake(s, 21, channel=CONTROL_CHANNEL)
+            s.sendall(bad)
+            kind, _ = recv_frame(s)
+            assert kind == ERROR
+            assert closed_by_server(s, 2.0)
+    with connect(peer.port) as s:
+        handshake(s, 21)  # a data connection
+        s.sendall(return_path(b"", 4242))
+        kind, _ = recv_frame(s)
+        assert kind == ERROR
+        assert closed_by_server(s, 2.0)
+    assert peer.stats()["rejected_requests"] == before + 6
 
 
 def test_token_peer_refuses_unauthenticated_clients(token_peer: NativePeer) -> None:

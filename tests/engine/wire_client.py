@@ -12,11 +12,12 @@ import struct
 import time
 
 HEADER = struct.Struct("<IHHQ")  # magic, version, frame type, payload length
-MAGIC, VERSION = 0x4C584948, 2
+MAGIC, VERSION = 0x4C584948, 3
 HELLO, CHALLENGE, AUTH, WELCOME, TABLE_REQ, TABLE, READ, DATA = 1, 2, 3, 4, 5, 6, 7, 8
 STALE, WRITE, WRITE_READY, WRITE_DONE, ERROR = 11, 12, 13, 14, 15
+RETURN_PATH, RETURN_PATH_ACK = 16, 17
 BYTES_FOLLOW, FROM_WRITER = 0, 1
-DATA_CHANNEL = 1
+CONTROL_CHANNEL, DATA_CHANNEL = 0, 1
 
 
 def connect(port: int, rcvbuf: int = 0) -> socket.socket:
@@ -72,10 +73,10 @@ def closed_by_server(sock: socket.socket, within_s: float) -> bool:
     return closed_within([sock], within_s) == {0}
 
 
-def send_hello(sock: socket.socket, cluster: int) -> bytes:
+def send_hello(sock: socket.socket, cluster: int, channel: int = DATA_CHANNEL) -> bytes:
     """Sends HELLO as cluster 900 asking for `cluster`; returns the client nonce."""
     client_nonce = os.urandom(32)
-    sock.sendall(frame(HELLO, struct.pack("<qqB", 900, cluster, DATA_CHANNEL) + client_nonce))
+    sock.sendall(frame(HELLO, struct.pack("<qqB", 900, cluster, channel) + client_nonce))
     return client_nonce
 
 
@@ -87,9 +88,11 @@ def client_proof(token: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(token.encode(), message, hashlib.sha256).digest()
 
 
-def handshake(sock: socket.socket, cluster: int, token: str = "") -> None:
-    """Completes HELLO/CHALLENGE/AUTH/WELCOME as a data connection."""
-    client_nonce = send_hello(sock, cluster)
+def handshake(
+    sock: socket.socket, cluster: int, token: str = "", channel: int = DATA_CHANNEL
+) -> None:
+    """Completes HELLO/CHALLENGE/AUTH/WELCOME (as a data connection unless told)."""
+    client_nonce = send_hello(sock, cluster, channel)
     kind, payload = recv_frame(sock)
     assert kind == CHALLENGE
     sock.sendall(frame(AUTH, client_proof(token, payload[1:33], client_nonce)))
