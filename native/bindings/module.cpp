@@ -94,7 +94,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 6;  // 6: listen, stop_listening, refresh_peer_table
+  m.attr("ABI_VERSION") = 7;  // 7: write grants (writes_by_grant, grant_writes, revoke_writes)
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -140,7 +140,8 @@ NB_MODULE(_native, m) {
           "register_cache",
           [](hixl::Engine& e, int64_t cache_id, nb::handle tensor_addrs, uint64_t tensor_bytes,
              uint64_t num_blocks, bool is_blocks, bool remote_accessible,
-             int64_t blocks_model_id, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& keys) {
+             int64_t blocks_model_id, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& keys,
+             bool writes_by_grant) {
             hixl::CacheRegistration reg;
             reg.cache_id = cache_id;
             reg.tensor_addrs = to_vector<uint64_t>(tensor_addrs, "tensor_addrs");
@@ -149,6 +150,7 @@ NB_MODULE(_native, m) {
             reg.is_blocks = is_blocks;
             reg.remote_accessible = remote_accessible;
             reg.blocks_model_id = blocks_model_id;
+            reg.writes_by_grant = writes_by_grant;
             for (const auto& k : keys) {
               reg.cache_keys.push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k)});
             }
@@ -157,7 +159,7 @@ NB_MODULE(_native, m) {
           },
           nb::arg("cache_id"), nb::arg("tensor_addrs"), nb::arg("tensor_bytes"),
           nb::arg("num_blocks"), nb::arg("is_blocks"), nb::arg("remote_accessible"),
-          nb::arg("blocks_model_id"), nb::arg("cache_keys"))
+          nb::arg("blocks_model_id"), nb::arg("cache_keys"), nb::arg("writes_by_grant") = false)
       .def(
           "unregister_cache",
           [](hixl::Engine& e, int64_t cache_id) {
@@ -240,6 +242,26 @@ NB_MODULE(_native, m) {
           nb::arg("batch_index") = 0, nb::arg("src_batch_index") = -1,
           "push_blocks; with remote_kind 1 and src_batch_index >= 0, push_cache: that row of "
           "the local contiguous cache onto row batch_index of the peer's cache cache_id")
+      .def(
+          "grant_writes",
+          [](hixl::Engine& e, int64_t writer, int64_t cache_id, nb::handle blocks) {
+            std::vector<int64_t> granted = to_vector<int64_t>(blocks, "blocks");
+            uint64_t grant = 0;
+            nb::gil_scoped_release release;
+            hixl::Status s = e.grant_writes(writer, cache_id, granted, &grant);
+            return std::make_tuple(s.code, s.message, grant);
+          },
+          nb::arg("writer_cluster_id"), nb::arg("cache_id"), nb::arg("blocks"),
+          "(status, message, grant id): lets the writer write those blocks of a cache "
+          "registered writes_by_grant")
+      .def(
+          "revoke_writes",
+          [](hixl::Engine& e, uint64_t grant, int64_t timeout_ms) {
+            nb::gil_scoped_release release;
+            return to_result(e.revoke_writes(grant, timeout_ms));
+          },
+          nb::arg("grant"), nb::arg("timeout_ms"),
+          "withdraws a grant; returns once no write under it is in flight (TIMEOUT otherwise)")
       .def(
           "pull_cache",
           [](hixl::Engine& e, int64_t remote, int kind, int64_t model_id, int64_t cache_id,

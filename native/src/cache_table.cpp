@@ -67,6 +67,11 @@ Status CacheTable::add(const CacheRegistration& reg) {
     return Status::Error(status::kParamInvalid,
                          cache_name(reg.cache_id) + ": tensor_bytes and num_blocks must be > 0");
   }
+  if (reg.writes_by_grant && (!reg.is_blocks || !reg.remote_accessible)) {
+    return Status::Error(status::kParamInvalid,
+                         cache_name(reg.cache_id) +
+                             ": only a remote-accessible blocks cache is written by grant");
+  }
   if (reg.tensor_bytes % reg.num_blocks != 0) {
     return Status::Error(status::kParamInvalid,
                          cache_name(reg.cache_id) + ": tensor_bytes " +

@@ -16,6 +16,7 @@
 #include "server.h"
 #include "stats.h"
 #include "thread_pool.h"
+#include "write_grants.h"
 
 namespace hixl {
 namespace {
@@ -104,8 +105,15 @@ class Engine::Impl {
     limits.max_handshaking = opts.server_handshakes;
     limits.max_connections = opts.server_connections;
     limits.threads = threads == 0 ? opts.server_threads : threads;
-    return std::make_unique<Server>(host, port, identity, opts.auth_token, table, stats, meter,
-                                    returns, limits);
+    ServeContext shared;
+    shared.identity = identity;
+    shared.token = opts.auth_token;
+    shared.table = &table;
+    shared.stats = &stats;
+    shared.meter = &meter;
+    shared.returns = &returns;
+    shared.grants = &grants;
+    return std::make_unique<Server>(host, port, shared, limits);
   }
 
   // Links to `remote` and tells it where to link back (listeners.h).
@@ -400,6 +408,7 @@ class Engine::Impl {
   Identity identity;
   std::unique_ptr<ThreadPool> pool;
   ReturnPaths returns;  // peers that linked here: where to link back to them
+  WriteGrants grants;   // which blocks of writes_by_grant caches each peer may write
   std::unique_ptr<Listeners> listeners;
   std::unique_ptr<LinkSet> links;
   std::atomic<bool> closed{false};
@@ -433,7 +442,25 @@ Status Engine::register_cache(const CacheRegistration& reg) {
 
 Status Engine::unregister_cache(int64_t cache_id) {
   if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
-  return impl_->table.remove(cache_id);
+  Status s = impl_->table.remove(cache_id);
+  if (s.ok()) impl_->grants.forget_cache(cache_id);
+  return s;
+}
+
+Status Engine::grant_writes(int64_t writer, int64_t cache_id, const std::vector<int64_t>& blocks,
+                            uint64_t* grant) {
+  if (impl_->closed.load()) return Status::Error(status::kEngineFinalized, "engine is closed");
+  const CacheTable::Pin cache = impl_->table.pin_by_id(cache_id);
+  if (!cache) {
+    return Status::Error(status::kKvCacheNotExist,
+                         "cache " + std::to_string(cache_id) + " is not registered");
+  }
+  return impl_->grants.grant(writer, cache.info(), blocks, grant);
+}
+
+Status Engine::revoke_writes(uint64_t grant, int64_t timeout_ms) {
+  if (timeout_ms <= 0) return Status::Error(status::kParamInvalid, "timeout_ms must be > 0");
+  return impl_->grants.revoke(grant, deadline_after_ms(timeout_ms));
 }
 
 Status Engine::link(int64_t remote, const std::string& host, int port, int64_t timeout_ms) {

@@ -449,8 +449,8 @@ bool ServeLoop::start_read_reply(Conn& c) {
 void ServeLoop::start_write(Conn& c) {
   Status refusal;
   uint64_t bytes = 0;
-  switch (WriteIntake::start(c.payload, *ctx_.table, &c.writer, *ctx_.meter, &c.write, &refusal,
-                             &bytes)) {
+  switch (WriteIntake::start(c.payload, *ctx_.table, *ctx_.grants, c.handshake.client_cluster(),
+                             &c.writer, *ctx_.meter, &c.write, &refusal, &bytes)) {
     case WriteIntake::Outcome::kRefused:
       ctx_.stats->rejected_requests++;
       queue_frame(c, wire::kError, wire::error_payload(refusal.code, refusal.message));

@@ -18,6 +18,7 @@
 #include "cache_table.h"
 #include "handshake.h"
 #include "return_paths.h"
+#include "write_grants.h"
 #include "stats.h"
 #include "wire.h"
 #include "write_intake.h"
@@ -56,6 +57,7 @@ struct ServeContext {
   MemoryMeter* meter = nullptr;
   Admissions* admissions = nullptr;
   ReturnPaths* returns = nullptr;  // the engine's: peers' offers to be linked back to
+  WriteGrants* grants = nullptr;   // the engine's: which blocks each peer may write
   // The refusal texts, naming each cap and the option that raises it.
   std::string handshakes_full;
   std::string connections_full;

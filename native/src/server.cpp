@@ -41,17 +41,10 @@ int loop_count(int requested) {
 
 }  // namespace
 
-Server::Server(const std::string& host, int port, Identity identity, std::string token,
-               CacheTable& table, EngineStats& stats, MemoryMeter& meter,
-               ReturnPaths& returns, const ServerLimits& limits)
-    : admissions_(limits.max_handshaking, limits.max_connections) {
-  context_.identity = std::move(identity);
-  context_.token = std::move(token);
-  context_.table = &table;
-  context_.stats = &stats;
-  context_.meter = &meter;
+Server::Server(const std::string& host, int port, const ServeContext& engine,
+               const ServerLimits& limits)
+    : admissions_(limits.max_handshaking, limits.max_connections), context_(engine) {
   context_.admissions = &admissions_;
-  context_.returns = &returns;
   context_.handshakes_full =
       limit_message(limits.max_handshaking, "in the handshake", "hixl.serverHandshakes");
   context_.connections_full =

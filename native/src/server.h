@@ -28,8 +28,9 @@ struct ServerLimits {
 class Server {
  public:
   // Binds exactly host:port; throws std::runtime_error naming host:port and errno text.
-  Server(const std::string& host, int port, Identity identity, std::string token,
-         CacheTable& table, EngineStats& stats, MemoryMeter& meter, ReturnPaths& returns,
+  // `engine` holds what the engine shares with its servers (identity, token, table, stats,
+  // meter, return paths, grants); the server adds its admissions.
+  Server(const std::string& host, int port, const ServeContext& engine,
          const ServerLimits& limits);
   ~Server();
   Server(const Server&) = delete;

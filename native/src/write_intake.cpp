@@ -38,9 +38,10 @@ Status prove(wire::Decoder& dec, ProvenWriter* writer) {
 
 }  // namespace
 
-WriteIntake::WriteIntake(CacheTable::Pin pin, std::vector<iovec> iov, uint64_t total,
-                         MemoryMeter& meter)
+WriteIntake::WriteIntake(CacheTable::Pin pin, WriteGrants::Hold hold, std::vector<iovec> iov,
+                         uint64_t total, MemoryMeter& meter)
     : pin_(std::move(pin)),
+      hold_(std::move(hold)),
       iov_(std::move(iov)),
       total_(total),
       charge_(meter, static_cast<int64_t>(iov_.capacity() * sizeof(iovec))) {
@@ -48,7 +49,8 @@ WriteIntake::WriteIntake(CacheTable::Pin pin, std::vector<iovec> iov, uint64_t t
 }
 
 WriteIntake::Outcome WriteIntake::start(const std::vector<uint8_t>& payload,
-                                        const CacheTable& table, ProvenWriter* writer,
+                                        const CacheTable& table, WriteGrants& grants,
+                                        int64_t writer_cluster, ProvenWriter* writer,
                                         MemoryMeter& meter, std::unique_ptr<WriteIntake>* out,
                                         Status* refusal, uint64_t* bytes) {
   wire::Decoder dec(payload.data(), payload.size());
@@ -89,6 +91,12 @@ WriteIntake::Outcome WriteIntake::start(const std::vector<uint8_t>& payload,
       return Outcome::kRefused;
     }
   }
+  WriteGrants::Hold hold;  // the grants stay until the bytes landed (or the write failed)
+  std::string why;
+  if (pin.info().writes_by_grant && !grants.admit(writer_cluster, pin.info(), ops, &hold, &why)) {
+    *refusal = invalid(why);
+    return Outcome::kRefused;
+  }
   *bytes = total;
   if (source == wire::kFromWriter) {
     // Copied while the pin holds the destination registered; reading the writer's memory
@@ -105,7 +113,7 @@ WriteIntake::Outcome WriteIntake::start(const std::vector<uint8_t>& payload,
   for (uint32_t i = 0; i < n; ++i) {
     iov[i] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
   }
-  out->reset(new WriteIntake(std::move(pin), std::move(iov), total, meter));
+  out->reset(new WriteIntake(std::move(pin), std::move(hold), std::move(iov), total, meter));
   return Outcome::kAwaitData;
 }
 

@@ -1,6 +1,7 @@
 // The destination's half of a WRITE (a push): the request is checked against the local table
-// under a pin of the destination registration, and bytes land only in the ranges that passed,
-// while the pin keeps the registration (and so its memory) in place.
+// under a pin of the destination registration (and, for a cache written by grant, against
+// the writer's grants), and bytes land only in the ranges that passed, while the pin keeps
+// the registration (and so its memory) in place and the grants stay unrevoked.
 #pragma once
 
 #include <sys/uio.h>
@@ -12,6 +13,7 @@
 #include "cache_table.h"
 #include "stats.h"
 #include "wire.h"
+#include "write_grants.h"
 
 namespace hixl {
 
@@ -31,10 +33,12 @@ class WriteIntake {
     kDone,        // a same-host write, already copied in
   };
 
-  // Decodes and checks one WRITE payload. A kAwaitData intake is left in *out.
+  // Decodes and checks one WRITE of cluster `writer_cluster`. A kAwaitData intake is left
+  // in *out.
   static Outcome start(const std::vector<uint8_t>& payload, const CacheTable& table,
-                       ProvenWriter* writer, MemoryMeter& meter, std::unique_ptr<WriteIntake>* out,
-                       Status* refusal, uint64_t* bytes);
+                       WriteGrants& grants, int64_t writer_cluster, ProvenWriter* writer,
+                       MemoryMeter& meter, std::unique_ptr<WriteIntake>* out, Status* refusal,
+                       uint64_t* bytes);
 
   // Whether `h` is the DATA frame this write waits for.
   bool expects(const wire::Header& h) const;
@@ -44,9 +48,11 @@ class WriteIntake {
   uint64_t bytes() const { return total_; }
 
  private:
-  WriteIntake(CacheTable::Pin pin, std::vector<iovec> iov, uint64_t total, MemoryMeter& meter);
+  WriteIntake(CacheTable::Pin pin, WriteGrants::Hold hold, std::vector<iovec> iov, uint64_t total,
+              MemoryMeter& meter);
 
   CacheTable::Pin pin_;
+  WriteGrants::Hold hold_;
   std::vector<iovec> iov_;
   size_t first_ = 0;
   uint64_t total_ = 0;

@@ -6,7 +6,10 @@ serves until stdin closes. Commands on stdin, each answered with one JSON line:
 "stats" (the engine's stats); "drop" (unregister the blocks cache, overwrite its memory with
 SCRIBBLE bytes as a new owner would, and free it); "drop ID" (unregister cache ID); "swap TAG"
 (drop, then register the blocks cache again on new memory filled with pattern tag TAG); "add"
-(register a second blocks cache, EXTRA_CACHE_ID with model EXTRA_MODEL_ID).
+(register a second blocks cache, EXTRA_CACHE_ID with model EXTRA_MODEL_ID); "grant WRITER
+B,B,..." (grant those blocks of GRANTED_CACHE_ID, a blocks cache with model GRANTED_MODEL_ID
+written by grant only, to cluster WRITER: [status, message, grant id]); "revoke GRANT MS"
+(revoke_writes: [status, message]).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ BLOCKS_CACHE_ID = 1
 CONTIGUOUS_CACHE_ID = 2
 PRIVATE_CACHE_ID = 3
 EXTRA_CACHE_ID = 4
+GRANTED_CACHE_ID = 5
 MODEL_ID = 7
 EXTRA_MODEL_ID = 9
+GRANTED_MODEL_ID = 11
 SCRIBBLE = 0x5A
 # (req_id, prefix_id, model_id) of each batch row of the contiguous cache: key i <-> row i.
 CONTIGUOUS_KEYS = [(5, -1, 7), (6, -1, 7)]
@@ -49,6 +54,10 @@ def pattern(cluster_id: int, cache_id: int, tensor: int, nbytes: int) -> np.ndar
 
 def _tensors(cluster_id: int, cache_id: int, count: int, nbytes: int) -> list[np.ndarray]:
     return [pattern(cluster_id, cache_id, t, nbytes).copy() for t in range(count)]
+
+
+def _block_list(text: str) -> list[int]:
+    return [int(b) for b in text.split(",") if b]
 
 
 def _addrs(tensors: list[np.ndarray]) -> list[int]:
@@ -180,6 +189,7 @@ def main() -> None:
     blocks = _tensors(args.cluster_id, BLOCKS_CACHE_ID, args.tensors, blocks_bytes)
     rows = _tensors(args.cluster_id, CONTIGUOUS_CACHE_ID, args.tensors, args.batch * args.row_bytes)
     private = _tensors(args.cluster_id, PRIVATE_CACHE_ID, 1, args.block_bytes)
+    granted = _tensors(args.cluster_id, GRANTED_CACHE_ID, args.tensors, blocks_bytes)
 
     def register(cache_id: int, tensors: list[np.ndarray], count: int, *rest: Any) -> None:
         status, message = engine.register_cache(
@@ -191,12 +201,19 @@ def main() -> None:
     register(BLOCKS_CACHE_ID, blocks, args.blocks, True, True, MODEL_ID, [])
     register(CONTIGUOUS_CACHE_ID, rows, args.batch, False, True, -1, CONTIGUOUS_KEYS)
     register(PRIVATE_CACHE_ID, private, 1, True, False, MODEL_ID + 1, [])
+    status, message = engine.register_cache(
+        GRANTED_CACHE_ID, _addrs(granted), blocks_bytes, args.blocks, True, True,
+        GRANTED_MODEL_ID, [], writes_by_grant=True,
+    )  # fmt: skip
+    if status != _native.SUCCESS:
+        raise SystemExit(f"register_cache({GRANTED_CACHE_ID}) failed: {status} {message}")
     info = {
         "port": engine.listen_port,
         "pid": os.getpid(),
         "blocks_addrs": _addrs(blocks),
         "blocks_tensor_bytes": blocks[0].nbytes,
         "private_addr": _addrs(private)[0],
+        "granted_addrs": _addrs(granted),
     }
     print(json.dumps(info), flush=True)
     keep: list[np.ndarray] = []
@@ -221,6 +238,10 @@ def main() -> None:
             drop()
             blocks = _tensors(args.cluster_id, int(arg[0]), args.tensors, blocks_bytes)
             register(BLOCKS_CACHE_ID, blocks, args.blocks, True, True, MODEL_ID, [])
+        elif command == "grant":
+            answer = engine.grant_writes(int(arg[0]), GRANTED_CACHE_ID, _block_list(arg[1]))
+        elif command == "revoke":
+            answer = engine.revoke_writes(int(arg[0]), int(arg[1]))
         elif command == "add":
             keep = _tensors(args.cluster_id, EXTRA_CACHE_ID, args.tensors, args.block_bytes * 4)
             register(EXTRA_CACHE_ID, keep, 4, True, True, EXTRA_MODEL_ID, [])

@@ -63,6 +63,8 @@ struct CacheRegistration {
   uint64_t num_blocks = 0;  // batch size for contiguous caches
   bool is_blocks = true;
   bool remote_accessible = true;
+  // A blocks cache peers write only into blocks granted to them (grant_writes).
+  bool writes_by_grant = false;
   int64_t blocks_model_id = -1;
   std::vector<CacheKey> cache_keys;
 };
@@ -152,6 +154,14 @@ class Engine {
   // Writes blocks into a linked peer's remote-accessible blocks cache. The peer's server pins
   // that cache and checks every range before a byte lands in it.
   Status push(const PushRequest& request);
+
+  // Lets `writer_cluster` write `blocks` of cache `cache_id` (registered writes_by_grant)
+  // until revoke_writes(*grant); a block belongs to one grant at a time.
+  Status grant_writes(int64_t writer_cluster, int64_t cache_id, const std::vector<int64_t>& blocks,
+                      uint64_t* grant);
+  // Withdraws the grant and returns once no write under it is in flight (TIMEOUT when one
+  // still is after timeout_ms; the grant stays withdrawn).
+  Status revoke_writes(uint64_t grant, int64_t timeout_ms);
 
   void close();
   std::map<std::string, int64_t> stats() const;

@@ -1,0 +1,142 @@
+#include "write_grants.h"
+
+#include <algorithm>
+
+namespace hixl {
+
+WriteGrants::Hold& WriteGrants::Hold::operator=(Hold&& other) noexcept {
+  if (this != &other) {
+    release();
+    grants_ = other.grants_;
+    ids_ = std::move(other.ids_);
+    other.grants_ = nullptr;
+  }
+  return *this;
+}
+
+void WriteGrants::Hold::release() {
+  if (grants_ != nullptr) grants_->end_writes(ids_);
+  grants_ = nullptr;
+  ids_.clear();
+}
+
+Status WriteGrants::grant(int64_t writer, const CacheInfo& cache,
+                          const std::vector<int64_t>& blocks, uint64_t* id) {
+  if (!cache.is_blocks || !cache.writes_by_grant) {
+    return Status::Error(status::kParamInvalid, "cache " + std::to_string(cache.cache_id) +
+                                                    " is not a blocks cache written by grant");
+  }
+  if (blocks.empty()) return Status::Error(status::kParamInvalid, "a grant needs blocks");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t b : blocks) {
+    if (b < 0 || static_cast<uint64_t>(b) >= cache.num_blocks) {
+      return Status::Error(status::kParamInvalid,
+                           "block " + std::to_string(b) + " is outside cache " +
+                               std::to_string(cache.cache_id) + "'s " +
+                               std::to_string(cache.num_blocks) + " blocks");
+    }
+    if (owner_.count({cache.cache_id, b}) != 0) {
+      return Status::Error(status::kParamInvalid,
+                           "block " + std::to_string(b) + " of cache " +
+                               std::to_string(cache.cache_id) + " is already granted");
+    }
+  }
+  Grant g;
+  g.writer = writer;
+  g.cache_id = cache.cache_id;
+  g.blocks = blocks;
+  std::sort(g.blocks.begin(), g.blocks.end());
+  if (std::adjacent_find(g.blocks.begin(), g.blocks.end()) != g.blocks.end()) {
+    return Status::Error(status::kParamInvalid, "a grant names a block twice");
+  }
+  *id = ++last_id_;
+  for (int64_t b : g.blocks) owner_[{cache.cache_id, b}] = *id;
+  grants_[*id] = std::move(g);
+  return Status::Ok();
+}
+
+void WriteGrants::withdraw(std::map<uint64_t, Grant>::iterator it) {
+  Grant& g = it->second;
+  if (!g.revoked) {
+    for (int64_t b : g.blocks) owner_.erase({g.cache_id, b});
+    g.revoked = true;
+  }
+  if (g.in_flight == 0) grants_.erase(it);
+}
+
+Status WriteGrants::revoke(uint64_t id, Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = grants_.find(id);
+  if (it == grants_.end()) {
+    // Issued, then revoked and its writes ended (or its cache unregistered): nothing to wait for.
+    if (id != 0 && id <= last_id_) return Status::Ok();
+    return Status::Error(status::kParamInvalid, "no write grant " + std::to_string(id));
+  }
+  withdraw(it);
+  const bool idle = idle_.wait_until(lock, deadline, [&] { return grants_.count(id) == 0; });
+  if (!idle) {
+    return Status::Error(status::kTimeout, "writes under grant " + std::to_string(id) +
+                                               " are still in flight");
+  }
+  return Status::Ok();
+}
+
+bool WriteGrants::admit(int64_t writer, const CacheInfo& cache, const std::vector<Op>& ops,
+                        Hold* hold, std::string* why) {
+  hold->release();  // before the lock: a release takes it
+  const uint64_t stride = cache.stride();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> ids;
+  for (const Op& op : ops) {
+    if (op.len == 0) continue;
+    auto tensor = std::find_if(cache.tensor_addrs.begin(), cache.tensor_addrs.end(),
+                               [&](uint64_t a) { return op.local >= a && op.local - a < cache.tensor_bytes; });
+    if (tensor == cache.tensor_addrs.end()) {
+      *why = "a write range lies outside cache " + std::to_string(cache.cache_id);
+      return false;
+    }
+    const uint64_t first = (op.local - *tensor) / stride;
+    const uint64_t last = (op.local - *tensor + op.len - 1) / stride;
+    for (uint64_t b = first; b <= last; ++b) {
+      auto owner = owner_.find({cache.cache_id, static_cast<int64_t>(b)});
+      if (owner == owner_.end() || grants_.at(owner->second).writer != writer) {
+        *why = "block " + std::to_string(b) + " of cache " + std::to_string(cache.cache_id) +
+               " is not granted to cluster " + std::to_string(writer);
+        return false;
+      }
+      if (std::find(ids.begin(), ids.end(), owner->second) == ids.end()) {
+        ids.push_back(owner->second);
+      }
+    }
+  }
+  for (uint64_t id : ids) grants_.at(id).in_flight++;
+  hold->grants_ = this;
+  hold->ids_ = std::move(ids);
+  return true;
+}
+
+void WriteGrants::end_writes(const std::vector<uint64_t>& ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t id : ids) {
+    auto it = grants_.find(id);
+    if (it == grants_.end()) continue;
+    if (--it->second.in_flight == 0 && it->second.revoked) grants_.erase(it);
+  }
+  idle_.notify_all();
+}
+
+void WriteGrants::forget_cache(int64_t cache_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = grants_.begin(); it != grants_.end();) {
+    auto next = std::next(it);
+    if (it->second.cache_id == cache_id) withdraw(it);
+    it = next;
+  }
+}
+
+size_t WriteGrants::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return grants_.size();
+}
+
+}  // namespace hixl
