@@ -27,7 +27,8 @@ from hixl_connector.datadist.backend import (
     load_backend,
 )
 from hixl_connector.datadist.cache_manager import CacheManager
-from hixl_connector.datadist.config import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole
+from hixl_connector.datadist.cluster_info import LLMClusterInfo, LLMRole
+from hixl_connector.datadist.config import LLMConfig, LlmConfig
 from hixl_connector.datadist.llm_types import (
     BlocksCacheKey,
     BlocksPull,

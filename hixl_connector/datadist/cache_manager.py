@@ -15,6 +15,7 @@ from hixl_connector.datadist.checks import (
     check_uint64,
     to_int64,
 )
+from hixl_connector.datadist.config import OPT_WRITES_BY_GRANT
 from hixl_connector.datadist.llm_types import (
     BlocksCacheKey,
     BlocksPull,
@@ -40,6 +41,7 @@ from hixl_connector.datadist.validation import (
     validate_pull_blocks,
     validate_push_blocks,
 )
+from hixl_connector.datadist.write_grants import WriteGrantCalls
 
 _NOT_ON_THIS_BUILD = LLMStatusCode.LLM_FEATURE_NOT_ENABLED
 
@@ -50,14 +52,16 @@ def _feature_not_enabled(what: str) -> LLMException:
     )
 
 
-class CacheManager(LocalCacheCalls):
+class CacheManager(LocalCacheCalls, WriteGrantCalls):
     """Registers host caches with the engine, pulls blocks from linked peers and pushes
-    blocks to them; the calls that stay in this process are LocalCacheCalls'."""
+    blocks to them; the calls that stay in this process are LocalCacheCalls', the write
+    grants (an extension) WriteGrantCalls'."""
 
     def __init__(self, engine: Any, options: dict[str, str], sync_kv_timeout_ms: int) -> None:
         self._engine = engine
         self._initialized = True
         self._remote_cache_accessible = options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
+        self._writes_by_grant = options.get(OPT_WRITES_BY_GRANT, "0") == "1"
         self._timeout_ms = sync_kv_timeout_ms
         self._caches: dict[int, Cache] = {}
         self._next_id = itertools.count(1)
@@ -139,6 +143,7 @@ class CacheManager(LocalCacheCalls):
             served,
             blocks_model_id,
             cache_keys,
+            writes_by_grant=self._writes_by_grant and is_blocks and served,
         )
         check_status(status, f"[{func}]", f"cache_desc = {cache_desc}: {message}")
 

@@ -1,4 +1,4 @@
-"""LLMRole, LLMClusterInfo and LLMConfig (alias LlmConfig) of the LLM-DataDist v2 API.
+"""LLMConfig (alias LlmConfig) of the LLM-DataDist v2 API.
 
 ``LLMConfig.generate_options()`` yields the option keys of CANN llm_datadist. The project's
 native engine adds a few keys of its own, all prefixed ``hixl.`` (see README.md); the ascend
@@ -7,16 +7,11 @@ backend drops them before handing the options to CANN.
 
 from __future__ import annotations
 
-import socket
-from enum import IntEnum
-
 from hixl_connector.datadist.checks import (
     UINT32_MAX,
     check_int32,
     check_isinstance,
-    check_uint16,
     check_uint32,
-    check_uint64,
 )
 from hixl_connector.datadist.status import raise_if_false
 
@@ -33,82 +28,12 @@ MAX_TRANSFER_THREADS = 64
 OPT_SERVER_HANDSHAKES = "hixl.serverHandshakes"
 OPT_SERVER_CONNECTIONS = "hixl.serverConnections"
 OPT_SERVER_THREADS = "hixl.serverThreads"
+OPT_WRITES_BY_GRANT = "hixl.writesByGrant"
 DEFAULT_SERVER_HANDSHAKES = 1024
 DEFAULT_SERVER_CONNECTIONS = 4096
 MAX_SERVER_CONNECTIONS = 1 << 20
 MAX_SERVER_THREADS = 64
 TRANSPORTS = ("auto", "cma", "tcp")
-
-
-class LLMRole(IntEnum):
-    PROMPT = 1
-    DECODER = 2
-    MIX = 3
-
-    def __str__(self) -> str:
-        return f"{self.__class__.__name__}.{self.name}"
-
-
-def ip_to_int(ip: str | int) -> int:
-    """IPv4 dotted string -> little-endian int, as CANN stores it."""
-    if isinstance(ip, int):
-        return ip
-    try:
-        return int.from_bytes(socket.inet_aton(ip), byteorder="little")
-    except OSError:
-        raise RuntimeError(f"Can not parse ip str:{ip}") from None
-
-
-def int_to_ip(ip: int) -> str:
-    return socket.inet_ntoa(ip.to_bytes(4, byteorder="little"))
-
-
-class LLMClusterInfo:
-    """One peer for ``link_clusters`` / ``unlink_clusters``."""
-
-    def __init__(self) -> None:
-        self._remote_cluster_id: int | None = None
-        self._remote_role_type: LLMRole | int | None = None
-        self._local_ip_info_list: list[tuple[int, int]] = []
-        self._remote_ip_info_list: list[tuple[int, int]] = []
-
-    @property
-    def remote_cluster_id(self) -> int | None:
-        return self._remote_cluster_id
-
-    @remote_cluster_id.setter
-    def remote_cluster_id(self, value: int) -> None:
-        check_uint64("remote_cluster_id", value)
-        self._remote_cluster_id = value
-
-    @property
-    def remote_role_type(self) -> LLMRole | int | None:
-        return self._remote_role_type
-
-    @remote_role_type.setter
-    def remote_role_type(self, value: LLMRole | int) -> None:
-        check_isinstance("remote_role_type", value, (LLMRole, int))
-        self._remote_role_type = value
-
-    @property
-    def local_ip_info_list(self) -> list[tuple[int, int]]:
-        return self._local_ip_info_list
-
-    @property
-    def remote_ip_info_list(self) -> list[tuple[int, int]]:
-        return self._remote_ip_info_list
-
-    @staticmethod
-    def _checked_ip(ip: str | int, port: int) -> int:
-        check_isinstance("ip", ip, (str, int))
-        check_uint16("port", port)
-        return ip_to_int(ip)
-
-    def append_local_ip_info(self, ip: str | int, port: int) -> None:
-        self._local_ip_info_list.append((self._checked_ip(ip, port), port))
-
-    def append_remote_ip_info(self, ip: str | int, port: int) -> None:
-        self._remote_ip_info_list.append((self._checked_ip(ip, port), port))
 
 
 def _bool_option(value: bool) -> str:
@@ -157,6 +82,7 @@ class LLMConfig:
         self._hixl_server_handshakes: int | None = None
         self._hixl_server_connections: int | None = None
         self._hixl_server_threads: int | None = None
+        self._hixl_writes_by_grant: bool | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         check_option_name(self, name)
@@ -324,6 +250,16 @@ class LLMConfig:
         )
         self._hixl_transport = value
 
+    @property
+    def hixl_writes_by_grant(self) -> bool | None:
+        """Blocks caches take pushes only into blocks granted to the pusher (write_grants.py)."""
+        return self._hixl_writes_by_grant
+
+    @hixl_writes_by_grant.setter
+    def hixl_writes_by_grant(self, value: bool) -> None:
+        check_isinstance("hixl_writes_by_grant", value, bool, allow_none=False)
+        self._hixl_writes_by_grant = value
+
     def _count_setter(self, name: str, value: int, high: int, low: int = 1) -> None:
         check_isinstance(name, value, int, allow_none=False)
         raise_if_false(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}")
@@ -394,6 +330,8 @@ class LLMConfig:
         options.update({key: str(value) for key, value in optional.items() if value is not None})
         if self._enable_switch_role:
             options["llm.EnableSwitchRole"] = "1"
+        if self._hixl_writes_by_grant is not None:
+            options[OPT_WRITES_BY_GRANT] = _bool_option(self._hixl_writes_by_grant)
         return options
 
     gen_options = generate_options

@@ -18,11 +18,7 @@ from hixl_connector.datadist.checks import (
     check_uint64,
     to_int64,
 )
-from hixl_connector.datadist.config import (
-    LLMClusterInfo,
-    LLMRole,
-    int_to_ip,
-)
+from hixl_connector.datadist.cluster_info import LLMClusterInfo, LLMRole, int_to_ip
 from hixl_connector.datadist.engine_options import (
     AUTH_TOKEN_ENV,
     derived_options,

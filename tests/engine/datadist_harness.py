@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from .native_peer import start_ready, stop_peer_process
+from .native_peer import NativePeer, start_ready, stop_peer_process
 
 HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:  # the package, also when it is not pip-installed
     sys.path.insert(0, str(HERE.parents[1]))
 PEER_SCRIPT = HERE / "datadist_peer.py"
+PROMPT_SCRIPT = HERE / "prompt_peer.py"
 
 
 @dataclass
@@ -40,6 +41,13 @@ def start_peer(cluster_id: int, backend: str, auth_token: str = "") -> Peer:
         cmd += ["--auth-token", auth_token]
     proc, info = start_ready(cmd, f"peer {cluster_id}", env)
     return Peer(cluster_id, info["port"], info["pid"], info["caches"], proc)
+
+
+def start_prompt_side(cluster_id: int, transport: str) -> NativePeer:
+    """A prompt side that answers commands (prompt_peer.py): switch, link, unlink, push."""
+    cmd = [sys.executable, str(PROMPT_SCRIPT), "--cluster-id", str(cluster_id)]
+    process, info = start_ready(cmd + ["--transport", transport], "prompt peer")
+    return NativePeer(cluster_id, process, info)
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Client:
         num_blocks: int,
         block_shape: tuple[int, ...],
         accessible: bool = True,
+        key: Any = None,
     ) -> tuple[Any, list[np.ndarray]]:
         block_bytes = int(np.prod(block_shape)) * 2
         tensors = [np.zeros(num_blocks * block_bytes, np.uint8) for _ in range(num_tensors)]
@@ -80,7 +89,7 @@ class Client:
             self.api.Placement.HOST,
         )
         cache = self.dd.cache_manager.register_blocks_cache(
-            desc, [t.ctypes.data for t in tensors], remote_accessible=accessible
+            desc, [t.ctypes.data for t in tensors], key, remote_accessible=accessible
         )
         return cache, tensors
 

@@ -1,7 +1,7 @@
 """Switch role and links both ways (HIXL's switch_role sample, in its call order), between
 real processes over both transports.
 
-This process starts as the decoder: it links to the prompt side (switch_role_peer.py), pulls,
+This process starts as the decoder: it links to the prompt side (prompt_peer.py), pulls,
 unlinks. Both switch roles; the former prompt side, now without a listener, links here; this
 side pushes to it and pulls its cache back over the link back, and the bytes match a model of
 what the peer must hold. Once the peer unlinks, the link back is gone.
@@ -9,7 +9,6 @@ what the peer must hold. Once the peer unlinks, the link back is gone.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,19 +16,11 @@ import numpy as np
 import pytest
 
 from . import datadist_peer as layout
-from .datadist_harness import HERE, Client, wait_until
-from .native_peer import NativePeer, start_ready, stop_peer_process
+from .datadist_harness import Client, start_prompt_side, wait_until
+from .native_peer import NativePeer, stop_peer_process
 
 NB, NT, BB = layout.NUM_BLOCKS, layout.NUM_TENSORS, layout.BLOCK_BYTES
 EVERY_BLOCK = list(range(NB))
-
-
-def start_prompt_side(cluster_id: int, transport: str) -> NativePeer:
-    """The peer process, answering commands (switch_role_peer.py)."""
-    script = str(HERE / "switch_role_peer.py")
-    cmd = [sys.executable, script, "--cluster-id", str(cluster_id), "--transport", transport]
-    process, info = start_ready(cmd, "switch-role peer")
-    return NativePeer(cluster_id, process, info)
 
 
 @pytest.fixture(params=["cma", "tcp"])

@@ -1,12 +1,14 @@
-"""The prompt side of the switch-role scenario (HIXL's switch_role sample, in its call order):
-listens with a blocks cache of the "kv" bytes (datadist_peer.py), then follows one command
-per stdin line, answering each with one JSON line:
+"""A prompt side the test process drives: listens with a blocks cache of the "kv" bytes
+(datadist_peer.py), then follows one command per stdin line, answering each with one JSON
+line:
 
 - ``switch``: switch_role(DECODER), which closes the listener;
 - ``link PORT CLUSTER``: link_clusters to 127.0.0.1:PORT (this side has no listener then);
-- ``unlink CLUSTER``: unlink_clusters without force.
+- ``unlink CLUSTER``: unlink_clusters without force;
+- ``push CLUSTER S,S,.. D,D,..``: push_blocks of its blocks S into blocks D of that
+  cluster's BlocksCacheKey(CLUSTER, 0) cache (a cluster linked here or linked to).
 
-Run: python switch_role_peer.py --cluster-id N --transport cma|tcp
+Run: python prompt_peer.py --cluster-id N --transport cma|tcp
 """
 
 from __future__ import annotations
@@ -42,13 +44,22 @@ def main() -> None:
         layout.NUM_TENSORS, [layout.NUM_BLOCKS, *layout.BLOCK_SHAPE], api.DataType.DT_BF16
     )
     key = api.BlocksCacheKey(args.cluster_id, 0)
-    dd.cache_manager.register_blocks_cache(desc, [t.ctypes.data for t in kv], key)
+    cache = dd.cache_manager.register_blocks_cache(desc, [t.ctypes.data for t in kv], key)
     print(json.dumps({"port": dd.listen_port, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         words = line.split()
         if words[0] == "switch":
             dd.switch_role(api.LLMRole.DECODER)
             print(json.dumps({"listen_port": dd.listen_port}), flush=True)
+            continue
+        if words[0] == "push":
+            src, dst = ([int(b) for b in w.split(",")] for w in words[2:4])
+            try:
+                target = api.BlocksCacheKey(int(words[1]), 0)
+                dd.cache_manager.push_blocks(target, cache, src, dst)
+                print(json.dumps({"status": "LLM_SUCCESS"}), flush=True)
+            except api.LLMException as exc:
+                print(json.dumps({"status": exc.status_code.name}), flush=True)
             continue
         cluster = api.LLMClusterInfo()
         cluster.remote_cluster_id = int(words[-1])
