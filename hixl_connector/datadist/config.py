@@ -29,6 +29,7 @@ OPT_SERVER_HANDSHAKES = "hixl.serverHandshakes"
 OPT_SERVER_CONNECTIONS = "hixl.serverConnections"
 OPT_SERVER_THREADS = "hixl.serverThreads"
 OPT_WRITES_BY_GRANT = "hixl.writesByGrant"
+OPT_LINKS_BOTH_WAYS = "hixl.linksBothWays"
 DEFAULT_SERVER_HANDSHAKES = 1024
 DEFAULT_SERVER_CONNECTIONS = 4096
 MAX_SERVER_CONNECTIONS = 1 << 20
@@ -83,6 +84,7 @@ class LLMConfig:
         self._hixl_server_connections: int | None = None
         self._hixl_server_threads: int | None = None
         self._hixl_writes_by_grant: bool | None = None
+        self._hixl_links_both_ways: bool | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         check_option_name(self, name)
@@ -260,6 +262,16 @@ class LLMConfig:
         check_isinstance("hixl_writes_by_grant", value, bool, allow_none=False)
         self._hixl_writes_by_grant = value
 
+    @property
+    def hixl_links_both_ways(self) -> bool | None:
+        """Off: a link goes one way, and a linker without a listener opens none."""
+        return self._hixl_links_both_ways
+
+    @hixl_links_both_ways.setter
+    def hixl_links_both_ways(self, value: bool) -> None:
+        check_isinstance("hixl_links_both_ways", value, bool, allow_none=False)
+        self._hixl_links_both_ways = value
+
     def _count_setter(self, name: str, value: int, high: int, low: int = 1) -> None:
         check_isinstance(name, value, int, allow_none=False)
         raise_if_false(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}")
@@ -332,6 +344,8 @@ class LLMConfig:
             options["llm.EnableSwitchRole"] = "1"
         if self._hixl_writes_by_grant is not None:
             options[OPT_WRITES_BY_GRANT] = _bool_option(self._hixl_writes_by_grant)
+        if self._hixl_links_both_ways is not None:
+            options[OPT_LINKS_BOTH_WAYS] = _bool_option(self._hixl_links_both_ways)
         return options
 
     gen_options = generate_options

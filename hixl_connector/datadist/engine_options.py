@@ -13,6 +13,7 @@ from hixl_connector.datadist.config import (
     MAX_TCP_CONNECTIONS,
     MAX_TRANSFER_THREADS,
     OPT_AUTH_TOKEN,
+    OPT_LINKS_BOTH_WAYS,
     OPT_SERVER_CONNECTIONS,
     OPT_SERVER_HANDSHAKES,
     OPT_SERVER_THREADS,
@@ -81,7 +82,9 @@ def derived_options(options: dict[str, str], role_name: str) -> dict[str, str]:
     return opts
 
 
-def engine_args(opts: dict[str, str]) -> tuple[str, int, str, str, int, int, int, int, int]:
+def engine_args(
+    opts: dict[str, str],
+) -> tuple[str, int, str, str, int, int, int, int, int, bool]:
     host, port = "", -1
     if opts.get("llm.listenIpInfo"):
         host, port = parse_listen_ip_info(opts["llm.listenIpInfo"])
@@ -107,4 +110,5 @@ def engine_args(opts: dict[str, str]) -> tuple[str, int, str, str, int, int, int
         MAX_SERVER_CONNECTIONS,
     )
     loops = int_option(opts, OPT_SERVER_THREADS, 0, 0, MAX_SERVER_THREADS)
-    return host, port, token, transport, connections, threads, handshakes, served, loops
+    both_ways = opts.get(OPT_LINKS_BOTH_WAYS, "1") != "0"
+    return host, port, token, transport, connections, threads, handshakes, served, loops, both_ways

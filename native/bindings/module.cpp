@@ -94,7 +94,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 7;  // 7: write grants (writes_by_grant, grant_writes, revoke_writes)
+  m.attr("ABI_VERSION") = 7;  // 7: write grants, links_both_ways
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -115,7 +115,7 @@ NB_MODULE(_native, m) {
           [](hixl::Engine* self, int64_t cluster_id, std::string listen_host, int listen_port,
              std::string auth_token, std::string transport, int tcp_connections,
              int transfer_threads, int server_handshakes, int server_connections,
-             int server_threads) {
+             int server_threads, bool links_both_ways) {
             hixl::EngineOptions o;
             o.cluster_id = cluster_id;
             o.listen_host = std::move(listen_host);
@@ -127,13 +127,14 @@ NB_MODULE(_native, m) {
             o.server_handshakes = server_handshakes;
             o.server_connections = server_connections;
             o.server_threads = server_threads;
+            o.links_both_ways = links_both_ways;
             new (self) hixl::Engine(o);
           },
           nb::arg("cluster_id"), nb::arg("listen_host") = "", nb::arg("listen_port") = -1,
           nb::arg("auth_token") = "", nb::arg("transport") = "auto",
           nb::arg("tcp_connections") = 2, nb::arg("transfer_threads") = 2,
           nb::arg("server_handshakes") = 1024, nb::arg("server_connections") = 4096,
-          nb::arg("server_threads") = 0)
+          nb::arg("server_threads") = 0, nb::arg("links_both_ways") = true)
       .def_prop_ro("cluster_id", &hixl::Engine::cluster_id)
       .def_prop_ro("listen_port", &hixl::Engine::listen_port)
       .def(

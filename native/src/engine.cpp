@@ -122,6 +122,7 @@ class Engine::Impl {
     const Deadline deadline = deadline_after_ms(std::max<int64_t>(timeout_ms, 1));
     Status s = links->open(remote, host, port, timeout_ms);
     if (!s.ok()) return s;
+    if (!opts.links_both_ways) return s;
     std::shared_ptr<Link> link = links->find(remote);
     if (!link) {
       return Status::Error(status::kNotYetLink, "link to " + cluster_name(remote) + " closed");

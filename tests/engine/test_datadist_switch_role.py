@@ -131,3 +131,25 @@ def test_a_listener_pushes_back_to_a_linker_that_also_listens(
     assert prompt.command("unlink 1000") == {"status": "LLM_SUCCESS"}
     wait_until(lambda: dd.engine_stats()["open_links"] == 0, 5, "the link back to close")
     dd.switch_role(api.LLMRole.DECODER)
+
+
+def test_links_one_way_when_asked(api: Any, client_factory: Any, datadist_backend: str) -> None:
+    """hixl_links_both_ways off (the connector's pull mode): the linked side cannot reach
+    back, and nothing of the linker's listens."""
+    if datadist_backend != "native":
+        pytest.skip("the peer process runs the native engine")
+    client = client_factory(hixl_links_both_ways=False)
+    prompt = start_prompt_side(45, "auto")
+    try:
+        client.blocks_cache(NT, NB, layout.BLOCK_SHAPE, key=api.BlocksCacheKey(1000, 0))
+        info = api.LLMClusterInfo()
+        info.remote_cluster_id = prompt.cluster_id
+        info.append_local_ip_info("127.0.0.1", 0)
+        info.append_remote_ip_info("127.0.0.1", prompt.port)
+        ok = api.LLMStatusCode.LLM_SUCCESS
+        assert client.dd.link_clusters([info], 5000) == (ok, [ok])
+        assert prompt.command("push 1000 0 0") == {"status": "LLM_NOT_YET_LINK"}
+        assert client.dd.listen_port == -1
+        client.dd.unlink_clusters([info], 3000)
+    finally:
+        stop_peer_process(prompt.process)

@@ -182,6 +182,8 @@ def _configure(api: Backend, config: HixlConfig, layout: KVLayout) -> Any:
         # Always set, even empty: the connector's config is the one source of the token, so
         # the engine never falls back to HIXL_AUTH_TOKEN behind an explicit "auth_token": "".
         llm_config.hixl_auth_token = config.auth_token
+        # Pull mode: D reads, P never reaches back, so D opens no return listener.
+        llm_config.hixl_links_both_ways = False
     return llm_config
 
 

@@ -48,6 +48,9 @@ struct EngineOptions {
   int server_handshakes = 1024;
   int server_connections = 4096;
   int server_threads = 0;
+  // link() tells the peer where to link back (return_paths.h), opening a return listener
+  // when this engine has none; off: links go one way and nothing more listens.
+  bool links_both_ways = true;
 };
 
 struct CacheKey {
