@@ -123,7 +123,12 @@ def generate_all(url: str, lengths: Sequence[int], timeout_s: float) -> dict[int
     with ThreadPoolExecutor(len(lengths)) as pool:
         futures = {
             n: pool.submit(
-                complete, url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
+                complete,
+                url,
+                PROMPTS[n],
+                model=SERVED_MODEL_NAME,
+                max_tokens=MAX_TOKENS,
+                timeout_s=timeout_s,
             )
             for n in lengths
         }

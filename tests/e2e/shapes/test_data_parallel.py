@@ -39,13 +39,20 @@ from .conftest import hixl_connector_config
 DP_SIZE = 2
 LENGTHS = (33, 64, 97, 129, 160, 230)
 LEASE_S = 120.0
+# Two DP servers of six processes each, and a third server, start together on 2 cores: on a
+# busy host vLLM alone took over 4 minutes to reach the connector's init, so they get more
+# than the launcher's default 300 s; requests get more than the usual 180 s for the DP stall.
+HEALTH_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
 def fleet(
     tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
 ) -> Iterator[NamedFleet]:
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "data_parallel", process_registry)
+    launcher = PDLauncher(
+        tiny_model_dir, e2e_log_dir / "data_parallel", process_registry, HEALTH_TIMEOUT_S
+    )
     # One engine per core, as vLLM binds the OpenMP threads of each rank; D's ranks the other
     # way round from P's, so no core carries both first ranks (vLLM's CPU workers spin while
     # they wait, and a core shared by two of them starved a side channel for seconds).
@@ -91,7 +98,7 @@ def test_both_sides_data_parallel_token_identical(
     served = per_engine(prefill, "vllm:request_success_total")
     before = pulls_per_engine(decode)
     external = external_prompt_tokens(decode.url)
-    outputs = generate_all(fleet.routers["dp"].url, LENGTHS, 180)
+    outputs = generate_all(fleet.routers["dp"].url, LENGTHS, REQUEST_TIMEOUT_S)
     for n in LENGTHS:
         assert outputs[n].token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
     after = settled(
@@ -115,7 +122,7 @@ def test_both_sides_data_parallel_token_identical(
 def test_corrupted_kv_changes_the_output(
     fleet: NamedFleet, plain_outputs: dict[Any, Generation]
 ) -> None:
-    outputs = generate_all(fleet.routers["corrupt"].url, LENGTHS, 180)
+    outputs = generate_all(fleet.routers["corrupt"].url, LENGTHS, REQUEST_TIMEOUT_S)
     differ = [n for n in LENGTHS if outputs[n].token_ids != plain_outputs[n].token_ids]
     assert len(differ) >= len(LENGTHS) - 1, f"only {differ} differ"
     wait_kv_idle(fleet.servers["p"])
