@@ -50,8 +50,9 @@ class LinkSet {
   std::set<int64_t> linking_;
   std::map<int64_t, uint64_t> links_back_;  // remote -> the offer its link back was opened on
 
-  // Takes the link back to `remote` out of the set when `stale` (mu_ held); the caller
-  // drops it after unlocking.
+  // Takes the link back to `remote` out of the set (only when its offer was withdrawn, if
+  // `only_withdrawn`) and fails its transfers fast; mu_ held. The caller drops it after
+  // unlocking.
   std::shared_ptr<Link> take_link_back(int64_t remote, bool only_withdrawn);
 };
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -50,6 +50,15 @@ def start_prompt_side(cluster_id: int, transport: str) -> NativePeer:
     return NativePeer(cluster_id, process, info)
 
 
+class Reachable(Protocol):
+    """A peer process on 127.0.0.1: a datadist Peer or a NativePeer."""
+
+    @property
+    def cluster_id(self) -> int: ...
+    @property
+    def port(self) -> int: ...
+
+
 @dataclass
 class Client:
     """The decode side in this process: an initialised LLMDataDist plus its host memory."""
@@ -58,17 +67,17 @@ class Client:
     dd: Any
     keep: list[np.ndarray] = field(default_factory=list)
 
-    def cluster_info(self, peer: Peer) -> Any:
+    def cluster_info(self, peer: Reachable) -> Any:
         info = self.api.LLMClusterInfo()
         info.remote_cluster_id = peer.cluster_id
         info.append_local_ip_info("127.0.0.1", 0)
         info.append_remote_ip_info("127.0.0.1", peer.port)
         return info
 
-    def link(self, peer: Peer, timeout: int = 5000) -> Any:
+    def link(self, peer: Reachable, timeout: int = 5000) -> Any:
         return self.dd.link_clusters([self.cluster_info(peer)], timeout)
 
-    def unlink(self, peer: Peer, force: bool = False, timeout: int = 3000) -> Any:
+    def unlink(self, peer: Reachable, force: bool = False, timeout: int = 3000) -> Any:
         return self.dd.unlink_clusters([self.cluster_info(peer)], timeout, force)
 
     def blocks_cache(

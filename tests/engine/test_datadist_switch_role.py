@@ -52,18 +52,14 @@ def test_switch_role_then_push_and_pull_over_the_link_back(
     model = kv_model()
 
     # 1. The decoder links to the listening prompt side, pulls, unlinks.
-    info = api.LLMClusterInfo()
-    info.remote_cluster_id = prompt.cluster_id
-    info.append_local_ip_info("127.0.0.1", 0)
-    info.append_remote_ip_info("127.0.0.1", prompt.port)
-    assert dd.link_clusters([info], 5000) == (ok, [ok])
+    assert client.link(prompt) == (ok, [ok])
     assert dd.peer_transport(prompt.cluster_id) == transport
     cm.pull_blocks(key, cache, [0, 1], [0, 2])
     for t in range(NT):
         got = tensors[t].reshape(NB, BB)
         assert np.array_equal(got[0], model[t][0]) and np.array_equal(got[2], model[t][1])
         assert not got[1].any(), "a block the pull did not name changed"
-    assert dd.unlink_clusters([info], 5000) == (ok, [ok])
+    assert client.unlink(prompt) == (ok, [ok])
 
     # 2. Both switch roles: the prompt side stops listening, this side listens.
     assert prompt.command("switch") == {"listen_port": -1}
@@ -142,14 +138,10 @@ def test_links_one_way_when_asked(api: Any, client_factory: Any, datadist_backen
     prompt = start_prompt_side(45, "auto")
     try:
         client.blocks_cache(NT, NB, layout.BLOCK_SHAPE, key=api.BlocksCacheKey(1000, 0))
-        info = api.LLMClusterInfo()
-        info.remote_cluster_id = prompt.cluster_id
-        info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info("127.0.0.1", prompt.port)
         ok = api.LLMStatusCode.LLM_SUCCESS
-        assert client.dd.link_clusters([info], 5000) == (ok, [ok])
+        assert client.link(prompt) == (ok, [ok])
         assert prompt.command("push 1000 0 0") == {"status": "LLM_NOT_YET_LINK"}
         assert client.dd.listen_port == -1
-        client.dd.unlink_clusters([info], 3000)
+        client.unlink(prompt)
     finally:
         stop_peer_process(prompt.process)

@@ -30,14 +30,10 @@ def sides(
         cluster_id=DECODE, hixl_transport=request.param, hixl_writes_by_grant=True
     )
     prompt = start_prompt_side(43 if request.param == "cma" else 44, request.param)
-    info = client.api.LLMClusterInfo()
-    info.remote_cluster_id = prompt.cluster_id
-    info.append_local_ip_info("127.0.0.1", 0)
-    info.append_remote_ip_info("127.0.0.1", prompt.port)
     ok = client.api.LLMStatusCode.LLM_SUCCESS
-    assert client.dd.link_clusters([info], 5000) == (ok, [ok])
+    assert client.link(prompt) == (ok, [ok])
     yield client, prompt
-    client.dd.unlink_clusters([info], 3000)
+    client.unlink(prompt)
     stop_peer_process(prompt.process)
 
 

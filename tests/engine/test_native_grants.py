@@ -20,7 +20,7 @@ from .native_peer import (
     pattern,
     start_peer,
 )
-from .test_native_push import BACK_CACHE, BLOCK_BYTES, BLOCKS, PEER, SRC_CACHE, TENSORS, Pusher
+from .test_native_push import BLOCK_BYTES, BLOCKS, PEER, TENSORS, Pusher
 from .wire_client import (
     DATA,
     ERROR,
@@ -36,7 +36,6 @@ from .wire_client import (
 )
 
 RAW_WRITER = 900  # the cluster wire_client's HELLO names
-TIMEOUT_MS = 3000
 
 
 @pytest.fixture()
@@ -47,7 +46,7 @@ def peer() -> Iterator[NativePeer]:
 
 
 @pytest.fixture(params=["cma", "tcp"])
-def writer(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]:
+def pusher(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]:
     client = Pusher(80, request.param)
     client.link(peer)
     assert client.engine.peer_transport(PEER) == request.param
@@ -55,17 +54,8 @@ def writer(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]
     client.engine.close()
 
 
-def push(writer: Pusher, src: list[int], dst: list[int]) -> tuple[int, str]:
-    return writer.engine.push(PEER, GRANTED_MODEL_ID, SRC_CACHE, src, dst, 0, -1, 0, -1, TIMEOUT_MS)
-
-
-def granted_cache(writer: Pusher) -> list[np.ndarray]:
-    """The peer's whole granted cache, read back with a pull (reads need no grant)."""
-    ids = list(range(BLOCKS))
-    status, msg = writer.engine.pull(PEER, 0, GRANTED_MODEL_ID, -1, -1, -1, 0, BACK_CACHE, ids,
-                                     ids, 0, -1, 0, -1, TIMEOUT_MS)  # fmt: skip
-    assert status == _native.SUCCESS, msg
-    return [t.reshape(BLOCKS, BLOCK_BYTES).copy() for t in writer.back]
+def push(pusher: Pusher, src: list[int], dst: list[int]) -> tuple[int, str]:
+    return pusher.push(src, dst, model_id=GRANTED_MODEL_ID)
 
 
 def grant(peer: NativePeer, writer: int, blocks: list[int]) -> int:
@@ -74,28 +64,28 @@ def grant(peer: NativePeer, writer: int, blocks: list[int]) -> int:
     return int(grant_id)
 
 
-def test_writes_land_only_in_granted_blocks(peer: NativePeer, writer: Pusher) -> None:
+def test_writes_land_only_in_granted_blocks(peer: NativePeer, pusher: Pusher) -> None:
     model = [pattern(PEER, GRANTED_CACHE_ID, t, BLOCKS * BLOCK_BYTES).reshape(BLOCKS, -1).copy()
              for t in range(TENSORS)]  # fmt: skip
-    mine = [t.reshape(BLOCKS, BLOCK_BYTES) for t in writer.src]
-    status, message = push(writer, [0], [3])
+    mine = [t.reshape(BLOCKS, BLOCK_BYTES) for t in pusher.src]
+    status, message = push(pusher, [0], [3])
     assert status == _native.PARAM_INVALID and "not granted to cluster 80" in message
     first = grant(peer, 80, [3, 4])
-    assert push(writer, [0, 1], [3, 4]) == (0, "")
+    assert push(pusher, [0, 1], [3, 4]) == (0, "")
     for t in range(TENSORS):
         model[t][3], model[t][4] = mine[t][0], mine[t][1]
     # A write that reaches past the grant is refused whole: blocks 3 and 4 keep the first.
-    assert push(writer, [7, 8, 9], [3, 4, 5])[0] == _native.PARAM_INVALID
+    assert push(pusher, [7, 8, 9], [3, 4, 5])[0] == _native.PARAM_INVALID
     # Granted blocks are one grant's at a time, in range, named once.
     for blocks, why in (([4, 6], "already granted"), ([BLOCKS], "outside"), ([6, 6], "twice")):
         status, message, _ = peer.command(f"grant 81 {','.join(map(str, blocks))}")
         assert status == _native.PARAM_INVALID and why in message
     assert peer.command(f"revoke {first} 1000") == [0, ""]
     assert peer.command(f"revoke {first} 1000") == [0, ""]  # already revoked
-    assert push(writer, [0], [3])[0] == _native.PARAM_INVALID
+    assert push(pusher, [0], [3])[0] == _native.PARAM_INVALID
     grant(peer, 81, [3])  # another writer's now
-    assert push(writer, [0], [3])[0] == _native.PARAM_INVALID
-    got = granted_cache(writer)
+    assert push(pusher, [0], [3])[0] == _native.PARAM_INVALID
+    got = pusher.peer_blocks(GRANTED_MODEL_ID)
     for t in range(TENSORS):
         wrong = [b for b in range(BLOCKS) if not np.array_equal(got[t][b], model[t][b])]
         assert not wrong, f"tensor {t}: blocks {wrong} differ from the model"

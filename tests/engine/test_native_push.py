@@ -71,13 +71,15 @@ class Pusher:
     def link(self, peer: NativePeer) -> None:
         assert self.engine.link(PEER, "127.0.0.1", peer.port, 3000) == (0, "")
 
-    def push(self, src: list[int], dst: list[int], timeout_ms: int = TIMEOUT_MS) -> tuple[int, str]:
-        return self.engine.push(PEER, MODEL_ID, SRC_CACHE, src, dst, 0, -1, 0, -1, timeout_ms)
+    def push(
+        self, src: list[int], dst: list[int], timeout_ms: int = TIMEOUT_MS, model_id: int = MODEL_ID
+    ) -> tuple[int, str]:
+        return self.engine.push(PEER, model_id, SRC_CACHE, src, dst, 0, -1, 0, -1, timeout_ms)
 
-    def peer_blocks(self) -> list[np.ndarray]:
-        """The peer's whole blocks cache, read back with a pull."""
+    def peer_blocks(self, model_id: int = MODEL_ID) -> list[np.ndarray]:
+        """The peer's whole blocks cache of `model_id`, read back with a pull."""
         ids = list(range(BLOCKS))
-        status, msg = self.engine.pull(PEER, 0, MODEL_ID, -1, -1, -1, 0, BACK_CACHE, ids, ids,
+        status, msg = self.engine.pull(PEER, 0, model_id, -1, -1, -1, 0, BACK_CACHE, ids, ids,
                                        0, -1, 0, -1, TIMEOUT_MS)  # fmt: skip
         assert status == _native.SUCCESS, msg
         return [t.reshape(BLOCKS, BLOCK_BYTES).copy() for t in self.back]
