@@ -40,6 +40,8 @@ MAX_SERVER_CONNECTIONS = 1 << 20
 TOKEN_RECIPE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 BACKENDS = ("auto", "native", "ascend")
 TRANSPORTS = ("auto", "cma", "tcp")
+# pull: D reads P's leased blocks once P finished; push: P writes into blocks D granted it.
+TRANSFER_MODES = ("pull", "push")
 CLUSTER_ID_SPACE = 2**31
 MAX_TIMEOUT_S = (2**31 - 1) // 1000
 # A DNS host name (RFC 1123): dot-separated labels of letters, digits and inner hyphens.
@@ -64,6 +66,7 @@ class HixlConfig:
     engine_port: int = 0
     backend: str = "auto"
     transport: str = "auto"
+    transfer_mode: str = "pull"
     pull_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
     link_idle_s: float = DEFAULT_LINK_IDLE_S
@@ -117,6 +120,7 @@ class HixlConfig:
             engine_port=_int(extra, "engine_port", 0, low=0, high=MAX_PORT),
             backend=_choice(extra, "backend", "auto", BACKENDS),
             transport=_choice(extra, "transport", "auto", TRANSPORTS),
+            transfer_mode=_choice(extra, "transfer_mode", "pull", TRANSFER_MODES),
             pull_timeout_s=pull_timeout_s,
             handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
             link_idle_s=_link_idle_s(extra, pull_timeout_s),

@@ -11,6 +11,7 @@ process are validated here, and bad ones raise ``InvalidTransferParams`` naming 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +145,29 @@ class SendSpec:
     lease_id: int
     slot: int  # its lease word's slot (lease_words)
     word: int  # the word published there
+    # Push mode: the prompt's blocks (one KV-cache group), by position, for a D that
+    # registers its own blocks for this request instead of pulling.
+    block_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PushRecvSpec:
+    """D, push mode: P writes the prompt's blocks at ``positions`` into ``local_block_ids``
+    under grants of this rank's. No blocks: D takes none, so P frees its own at once.
+
+    ``remote`` is P as the router names it in a concurrent push (engine id, host, port,
+    tp_size): its cluster id and incarnation (0 here) come from P's handshake."""
+
+    request_id: str
+    base_request_id: str  # what P's request id shares with D's (base_request_id)
+    remote: RemoteEndpoint
+    positions: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+    @property
+    def remote_request_id(self) -> str:
+        """How P's logs and digests name the request: by the base both ids share."""
+        return self.base_request_id
 
 
 @dataclass(frozen=True)
@@ -164,6 +188,7 @@ class HixlConnectorMetadata:
     to_recv: list[RecvSpec] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
     to_send: list[SendSpec] = field(default_factory=list)
+    to_push_recv: list[PushRecvSpec] = field(default_factory=list)
     # D: requests aborted after their RecvSpec: not read if not yet read, P told at once.
     to_cancel: list[str] = field(default_factory=list)
     # D: requests that began waiting for their KV this step (their leases are renewed while
@@ -244,9 +269,13 @@ def _parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         )
     check = functools.partial(check_field, "kv_transfer_params")
     try:
-        for key, expected in (("dcp_size", 1), ("pp_size", 1), ("transfer_mode", "pull")):
+        for key, expected in (("dcp_size", 1), ("pp_size", 1)):
             if params.get(key) not in (None, expected):
                 raise ValueError(f"{key} must be {expected!r}, got {params.get(key)!r}")
+        if params.get("transfer_mode") not in (None, "pull", "push"):
+            raise ValueError(
+                f"transfer_mode must be 'pull' or 'push', got {params.get('transfer_mode')!r}"
+            )
         num_tokens = params.get("remote_num_tokens")
         if num_tokens is not None:
             check("remote_num_tokens", num_tokens, int, 0)
@@ -283,6 +312,41 @@ def _parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         raise InvalidTransferParams(f"invalid kv_transfer_params: {exc}") from None
 
 
+# vLLM appends "-<8 hex>" to the request id a client sent; P's and D's legs of one request
+# (sent with one X-Request-Id) share what is left.
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(request_id: str) -> str:
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
+def is_push_identity(params: Mapping[str, Any]) -> bool:
+    """Params vllm-router sends D once P answered with its push identity, on every leg after
+    that answer: P's engine id, address and TP size (and the X-Request-Id as
+    remote_request_id), no blocks and no lease."""
+    return params.get("remote_block_ids") is None and params.get("remote_lease_id") is None
+
+
+def parse_push_identity(params: Mapping[str, Any]) -> RemoteEndpoint:
+    """P's identity as the router sends it to D in a concurrent push leg; raises
+    InvalidTransferParams naming what is wrong."""
+    check = functools.partial(check_field, "kv_transfer_params")
+    try:
+        return RemoteEndpoint(
+            engine_id=check("remote_engine_id", params, str),
+            host=check("remote_host", params, str),
+            port=check("remote_port", params, int, 1, MAX_PORT),
+            tp_size=check("tp_size", params, int, 1, MAX_TP_SIZE),
+            cluster_id=0,
+            incarnation=0,
+        )
+    except ValueError as exc:
+        raise InvalidTransferParams(
+            f"invalid kv_transfer_params for a push: {exc} ({_sender(params)})"
+        ) from None
+
+
 def build_remote_decode_params(
     endpoint: RemoteEndpoint,
     request_id: str,
@@ -290,8 +354,11 @@ def build_remote_decode_params(
     num_tokens: int,
     lease: tuple[int, int],
     block_sizes: Sequence[int],
+    transfer_mode: str = "pull",
 ) -> dict[str, Any]:
     """P's answer in request_finished: where and what D pulls (NixlConnector pull fields).
+    With ``transfer_mode`` "push" it is also P's push identity, which makes vllm-router send
+    later requests to P and D at once (D then registers its blocks, is_push_identity).
 
     ``endpoint`` describes P itself: its rank-0 side channel port, cluster id and incarnation;
     ``block_ids`` one list per KV-cache group, ``block_sizes`` their block sizes;
@@ -312,7 +379,7 @@ def build_remote_decode_params(
         "pp_size": 1,
         "remote_num_tokens": num_tokens,
         "remote_blocks_expiry_time": None,
-        "transfer_mode": "pull",
+        "transfer_mode": transfer_mode,
         "remote_cluster_id": endpoint.cluster_id,
         "remote_lease_id": lease_id,
         "remote_lease_slot": lease_slot,

@@ -41,6 +41,16 @@ _COUNTS = (
     "peer_restarts",
     # Links to prefill ranks no read used for link_idle_s, unlinked (the next read links).
     "idle_unlinks",
+    # Push mode. P: requests it wrote into D, or failed to; D: requests P wrote here (also
+    # counted as pulls, with their blocks and bytes), failed, or given up on after
+    # pull_timeout_s.
+    "pushes",
+    "failed_pushes",
+    "early_push_registrations",  # P: D registered before P's prefill finished (concurrent)
+    "push_registrations",  # D: requests whose blocks P accepted to write
+    "push_receives",
+    "failed_push_receives",
+    "push_timeouts",
 )
 # Requests that show a misconfigured deployment, by kind (misconfig.KINDS): data keys
 # "misconfigured_requests:<kind>", one Prometheus counter labelled by kind.

@@ -313,6 +313,7 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls):
         src_layer_range: range | None = None,
         dst_layer_range: range | None = None,
         tensor_num_per_layer: int = DEFAULT_TENSOR_NUM_PER_LAYER,
+        **kwargs: Any,
     ) -> None:
         """Write local blocks into a linked peer's blocks cache (reference section 6.5):
         ``src_blocks[i]`` of ``src_cache`` lands on ``dst_blocks[i]`` of the peer's cache
@@ -320,7 +321,12 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls):
 
         The peer's engine pins its cache and checks every range before a byte lands; on
         the same host it copies the bytes in from this process, over TCP it receives them.
-        After a failed push the destination blocks hold undefined content."""
+        After a failed push the destination blocks hold undefined content.
+
+        Extension kwarg ``hixl_write_grant`` (int, default 0 = none): the id the peer's
+        ``grant_writes`` returned for these blocks; a peer cache registered with
+        ``hixl_writes_by_grant`` takes the push only into blocks of exactly that grant
+        (write_grants.py), other caches ignore it."""
         self._check_is_inited()
         raise_if_false(
             self._remote_cache_accessible,
@@ -335,8 +341,11 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls):
             dst_layer_range,
             tensor_num_per_layer,
             self._caches,
+            kwargs,
         )
-        status, message = self._engine.push(*args.native_args(self._timeout_ms))
+        status, message = self._engine.push(
+            *args.native_args(self._timeout_ms), grant=args.write_grant
+        )
         check_status(status, "[push_blocks]", f"dst_cache_key = {dst_cache_key}: {message}")
 
     def push_cache(

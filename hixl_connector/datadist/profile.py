@@ -60,6 +60,20 @@ class BlocksCacheManager(Protocol):
         **kwargs: Any,
     ) -> None: ...
 
+    def push_blocks(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_blocks: list[int] | tuple[int, ...] = (),
+        dst_blocks: list[int] | tuple[int, ...] = (),
+        **kwargs: Any,
+    ) -> None: ...
+
+    # The native engine's write grants (write_grants.py; push mode refuses other back-ends).
+    def grant_writes(self, cache: Any, writer_cluster_id: int, blocks: Sequence[int]) -> int: ...
+
+    def revoke_writes(self, grant: int, timeout_ms: int = ...) -> None: ...
+
 
 class DataDist(Protocol):
     """What the connector calls on an ``LLMDataDist``. Cluster infos and status codes are

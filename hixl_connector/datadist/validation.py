@@ -22,6 +22,8 @@ from hixl_connector.datadist.llm_types import BlocksCacheKey, Cache, CacheKey, C
 from hixl_connector.datadist.status import LLMStatusCode, raise_if_false, raise_if_true
 
 PULL_BLOCKS_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
+# push_blocks' extension keyword arguments (not in CANN's API).
+PUSH_BLOCKS_KWARGS = ("hixl_write_grant",)
 DEFAULT_TENSOR_NUM_PER_LAYER = 2
 
 # Values of the native engine's remote_kind argument.
@@ -287,8 +289,10 @@ class PushArgs:
     src_tensor_count: int
     dst_tensor_first: int
     dst_tensor_count: int
+    write_grant: int = 0
 
     def native_args(self, timeout_ms: int) -> tuple[Any, ...]:
+        """The native ``push``'s positional arguments; ``write_grant`` goes as ``grant=``."""
         return (
             to_int64(self.remote_cluster_id),
             to_int64(self.model_id),
@@ -315,6 +319,19 @@ def push_layers(name: str, layer_range: Any, default: range) -> range:
     return chosen
 
 
+def check_write_grant(value: Any) -> int:
+    """The ``hixl_write_grant`` extension: a grant id of the destination's ``grant_writes``
+    (ids are in [1, 2**63)), or 0 for none. ``TypeError`` for anything but an int (a bool
+    too), ``LLM_PARAM_INVALID`` outside [0, 2**63)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"hixl_write_grant only support ['int'], but got {type(value)}.")
+    raise_if_false(
+        0 <= value <= INT64_MAX,
+        f"hixl_write_grant {value} is out of range [0, 2**63)",
+    )
+    return value
+
+
 def validate_push_blocks(
     dst_cache_key: Any,
     src_cache: Any,
@@ -324,9 +341,14 @@ def validate_push_blocks(
     dst_layer_range: Any,
     tensor_num_per_layer: Any,
     registered: dict[int, Cache],
+    kwargs: dict[str, Any] | None = None,
 ) -> PushArgs:
     """push_blocks' checks (reference section 6.5), in pull_blocks' order where they share one.
-    ``registered``: this process's live caches by id."""
+    ``registered``: this process's live caches by id; ``kwargs``: the extension keyword
+    arguments (PUSH_BLOCKS_KWARGS)."""
+    extensions = kwargs or {}
+    check_kwargs("push_blocks", extensions, PUSH_BLOCKS_KWARGS)
+    write_grant = check_write_grant(extensions.get("hixl_write_grant", 0))
     check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
     check_isinstance("src_cache", src_cache, Cache, allow_none=False)
     check_block_list("src_blocks", src_blocks)
@@ -388,4 +410,5 @@ def validate_push_blocks(
         src_tensor_count=count,
         dst_tensor_first=dst_layers.start * tensor_num_per_layer,
         dst_tensor_count=count,
+        write_grant=write_grant,
     )

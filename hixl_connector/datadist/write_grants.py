@@ -1,9 +1,11 @@
 """Write grants, an extension of the native engine (not in CANN's API): with
 ``LLMConfig.hixl_writes_by_grant`` every remote-accessible blocks cache takes a peer's
-``push_blocks`` only into blocks granted to that peer's cluster, and once ``revoke_writes``
-returns nothing lands under the grant, not even a write that was under way. A decode side
-that hands its blocks to a pushing prefill side can so take them back (abort, timeout) and
-know they stay as it left them. A mixin of ``CacheManager``."""
+``push_blocks`` only into blocks of the grant the push names (its ``hixl_write_grant``
+kwarg), granted to that peer's cluster, and once ``revoke_writes`` returns nothing lands
+under the grant, not even a write that was under way. A decode side that hands its blocks to
+a pushing prefill side can so take them back (abort, timeout) and know they stay as it left
+them, also when it grants the same blocks to the same prefill side again for another request:
+a late push naming the old grant is refused. A mixin of ``CacheManager``."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ class WriteGrantCalls:
 
     def grant_writes(self, cache: Cache, writer_cluster_id: int, blocks: Sequence[int]) -> int:
         """Lets cluster ``writer_cluster_id`` push into ``blocks`` of ``cache`` (registered
-        while ``hixl_writes_by_grant`` was on); returns the grant id. A block belongs to one
-        grant at a time: ``LLM_PARAM_INVALID`` when one is taken or out of range."""
+        while ``hixl_writes_by_grant`` was on) with ``push_blocks(..., hixl_write_grant=id)``;
+        returns that id, in [1, 2**63) (an engine's first id is random, so a restarted engine
+        does not hand out an id a writer may still hold). A block belongs to one grant at a
+        time: ``LLM_PARAM_INVALID`` when one is taken or out of range."""
         self._check_is_inited()
         check_isinstance("cache", cache, Cache, allow_none=False)
         check_uint64("writer_cluster_id", writer_cluster_id)

@@ -2,15 +2,16 @@
 
 ``vllm bench serve`` (random prompts, fixed output length, bounded concurrency) runs first
 against a plain server, then through the router to a prefill and a decode server with
-hixl_connector, on the tiny model, each server on one core where the host has two. It prints
-TTFT p50 and throughput of both, their ratios, and D's KV-ready and pull means over the run
-(from D's own histograms): the connector's latency under load. The TTFT of the P/D run is
-also split by the servers' own histograms: P's (its arrival to its one token) and D's (its
-arrival to the first token, the KV read included); the rest is the router and the HTTP legs.
+hixl_connector in each transfer mode asked for (pull, push), on the tiny model, each server
+on one core where the host has two, at each concurrency level asked for. It prints TTFT p50
+and throughput of each, their ratios to plain, and per mode the servers' own view over its
+runs: TTFT split by P's histogram (its arrival to its one token) and D's (its arrival to the
+first token, the KV transfer included; the rest is the router and the HTTP legs), and D's
+KV-ready and transfer means: the connector's latency under load.
 
     python -m hixl_connector bench-serve [--prompts 48] [--input-len 512] [--output-len 32]
-                                         [--concurrency 4] [--sync-load-bytes N]
-                                         [--work-dir DIR]
+                                         [--concurrency 1,4] [--modes pull,push]
+                                         [--sync-load-bytes N] [--work-dir DIR]
 
 ``--sync-load-bytes`` sets D's ``sync_load_bytes`` (0: every read asynchronous), to
 compare reads in the step of the first token with asynchronous ones under the same load.
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +55,15 @@ CLIENT = (
 )
 
 
-def bench(url: str, model: Path, work: Path, name: str, args: argparse.Namespace) -> Any:
+def bench(
+    url: str, model: Path, work: Path, name: str, args: argparse.Namespace, concurrency: int
+) -> Any:
     result = work / f"{name}.json"
     argv = [sys.executable, "-c", CLIENT, "bench", "serve", "--backend", "vllm"]
     argv += ["--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL_NAME]
     argv += ["--tokenizer", str(model), "--dataset-name", "random", "--seed", "1"]
     argv += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
-    argv += ["--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency)]
+    argv += ["--num-prompts", str(args.prompts), "--max-concurrency", str(concurrency)]
     argv += ["--ignore-eos", "--save-result", "--result-dir", str(work)]
     argv += ["--result-filename", result.name]
     subprocess.run(argv, check=True, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
@@ -72,82 +76,127 @@ def histogram_mean_ms(before: dict[str, float], after: dict[str, float], metric:
     return 1000 * total / count if count else float("nan")
 
 
+@dataclass
+class ModeRun:
+    """One P/D deployment benched at each concurrency, with its servers' metrics around."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    before: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (P's, D's)
+    after: tuple[dict[str, float], dict[str, float]] = ({}, {})
+
+
+def bench_plain(model: Path, work: Path, args: argparse.Namespace) -> dict[int, Any]:
+    plain = start_vllm_server(model, work / "logs", "plain", core=0)
+    try:
+        plain.wait_healthy(HEALTH_TIMEOUT_S)
+        return {c: bench(plain.url, model, work, f"plain-c{c}", args, c) for c in args.levels}
+    finally:
+        plain.stop()
+
+
+def bench_pd(model: Path, work: Path, args: argparse.Namespace, mode: str) -> ModeRun:
+    """P (core 0) and D (core 1) in ``mode``, behind the router, benched at each level."""
+    logs = work / "logs" / mode
+    configs = {role: connector_config(role) for role in ("prefill", "decode")}
+    for config in configs.values():
+        config["kv_connector_extra_config"]["transfer_mode"] = mode
+    if args.sync_load_bytes is not None:
+        configs["decode"]["kv_connector_extra_config"]["sync_load_bytes"] = args.sync_load_bytes
+    started: list[ManagedProcess] = []
+    run = ModeRun()
+    try:
+        prefill = start_vllm_server(
+            model, logs, "prefill", core=0, kv_transfer_config=configs["prefill"]
+        )
+        started.append(prefill)
+        decode = start_vllm_server(
+            model, logs, "decode", core=1, kv_transfer_config=configs["decode"]
+        )
+        started.append(decode)
+        for server in (prefill, decode):
+            server.wait_healthy(HEALTH_TIMEOUT_S)
+        router = start_router([prefill.url], [decode.url], logs / "router")
+        started.append(router)
+        router.wait_healthy(60.0)
+        run.before = (read_metrics(prefill.url), read_metrics(decode.url))
+        for c in args.levels:
+            run.results[c] = bench(router.url, model, work, f"{mode}-c{c}", args, c)
+        time.sleep(2)  # D's metrics reach its API server a step after the transfers
+        run.after = (read_metrics(prefill.url), read_metrics(decode.url))
+    finally:
+        for process in reversed(started):
+            process.stop()
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hixl_connector bench-serve")
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--concurrency", default="4", help="comma-separated levels, each benched in turn"
+    )
+    parser.add_argument("--modes", default="pull", help="comma-separated: pull, push")
     parser.add_argument("--sync-load-bytes", type=int, default=None)
     parser.add_argument("--work-dir", default="")
     args = parser.parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    if not set(modes) <= {"pull", "push"}:
+        parser.error(f"--modes takes pull and push, got {args.modes!r}")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
     model = build_tiny_model(work / "model")
-    logs = work / "logs"
-    started: list[ManagedProcess] = []
-    try:
-        plain = start_vllm_server(model, logs, "plain", core=0)
-        started.append(plain)
-        plain.wait_healthy(HEALTH_TIMEOUT_S)
-        base = bench(plain.url, model, work, "plain", args)
-        plain.stop()
-        prefill = start_vllm_server(
-            model, logs, "prefill", core=0, kv_transfer_config=connector_config("prefill")
-        )
-        decode_config = connector_config("decode")
-        if args.sync_load_bytes is not None:
-            extra = decode_config["kv_connector_extra_config"]
-            extra["sync_load_bytes"] = args.sync_load_bytes
-        decode = start_vllm_server(model, logs, "decode", core=1, kv_transfer_config=decode_config)
-        started += [prefill, decode]
-        prefill.wait_healthy(HEALTH_TIMEOUT_S)
-        decode.wait_healthy(HEALTH_TIMEOUT_S)
-        router = start_router([prefill.url], [decode.url], logs / "router")
-        started.append(router)
-        router.wait_healthy(60.0)
-        before = read_metrics(decode.url)
-        p_before = read_metrics(prefill.url)
-        pd = bench(router.url, model, work, "pd", args)
-        time.sleep(2)  # D's metrics reach its API server a step after the pulls
-        after = read_metrics(decode.url)
-        p_after = read_metrics(prefill.url)
-    finally:
-        for process in reversed(started):
-            process.stop()
-    kv_ready = histogram_mean_ms(before, after, "vllm:hixl_kv_ready_seconds")
-    pull = histogram_mean_ms(before, after, "vllm:hixl_pull_seconds")
-    p_ttft = histogram_mean_ms(p_before, p_after, "vllm:time_to_first_token_seconds")
-    d_ttft = histogram_mean_ms(before, after, "vllm:time_to_first_token_seconds")
-    sync_loads = metric_total(after, "vllm:hixl_sync_loads_total") - metric_total(
-        before, "vllm:hixl_sync_loads_total"
-    )
-    pulls = metric_total(after, "vllm:hixl_pulls_total") - metric_total(
-        before, "vllm:hixl_pulls_total"
-    )
+    base = bench_plain(model, work, args)
+    runs = {mode: bench_pd(model, work, args, mode) for mode in modes}
     print(
         f"vllm bench serve: {args.prompts} random {args.input_len}-token prompts, "
-        f"{args.output_len} output tokens, concurrency {args.concurrency}"
+        f"{args.output_len} output tokens, through vllm-router to P and D (one core each)"
     )
-    for name, run in (("plain", base), ("P/D via router", pd)):
-        print(
-            f"  {name:15s} TTFT p50 {run['median_ttft_ms']:.1f} ms, mean "
-            f"{run['mean_ttft_ms']:.1f} ms; {run['output_throughput']:.1f} output tok/s; "
-            f"{run['completed']}/{args.prompts} completed"
-        )
-    print(
-        f"  P/D / plain: TTFT p50 {pd['median_ttft_ms'] / base['median_ttft_ms']:.2f}, "
-        f"throughput {pd['output_throughput'] / base['output_throughput']:.2f}"
-    )
-    print(
-        f"  P/D TTFT mean by the servers' own clocks: P {p_ttft:.1f} ms, D {d_ttft:.1f} ms "
-        f"(the rest of {pd['mean_ttft_ms']:.1f} ms: router and HTTP legs)"
-    )
-    print(
-        f"  on D: KV-ready mean {kv_ready:.2f} ms, pull mean {pull:.2f} ms; "
-        f"{sync_loads:.0f} of {pulls:.0f} reads in the step of the first token"
-    )
+    complete = True
+    for c in args.levels:
+        print(f"  concurrency {c}")
+        plain = base[c]
+        print(f"    {'plain':6s} TTFT p50 {plain['median_ttft_ms']:.1f} ms, {_tail(plain)}")
+        for mode, run in runs.items():
+            pd = run.results[c]
+            complete &= pd["completed"] == args.prompts
+            print(
+                f"    {mode:6s} TTFT p50 {pd['median_ttft_ms']:.1f} ms "
+                f"({pd['median_ttft_ms'] / plain['median_ttft_ms']:.2f}x plain), {_tail(pd)}; "
+                f"throughput {pd['output_throughput'] / plain['output_throughput']:.2f}x plain"
+            )
+    for mode, run in runs.items():
+        print(f"  {mode}, all levels: {_servers(run)}")
     print(f"  files: {work}")
-    return 0 if pd["completed"] == args.prompts else 1
+    return 0 if complete else 1
+
+
+def _tail(run: Any) -> str:
+    return (
+        f"mean {run['mean_ttft_ms']:.1f} ms; {run['output_throughput']:.1f} output tok/s; "
+        f"{run['completed']} completed"
+    )
+
+
+def _servers(run: ModeRun) -> str:
+    """The servers' own view: TTFT split by P and D, and D's KV-ready and transfer means."""
+    (p_before, d_before), (p_after, d_after) = run.before, run.after
+
+    def delta(name: str) -> float:
+        return metric_total(d_after, name) - metric_total(d_before, name)
+
+    p_ttft = histogram_mean_ms(p_before, p_after, "vllm:time_to_first_token_seconds")
+    d_ttft = histogram_mean_ms(d_before, d_after, "vllm:time_to_first_token_seconds")
+    kv_ready = histogram_mean_ms(d_before, d_after, "vllm:hixl_kv_ready_seconds")
+    transfer = histogram_mean_ms(d_before, d_after, "vllm:hixl_pull_seconds")
+    return (
+        f"TTFT mean by the servers' clocks P {p_ttft:.1f} ms, D {d_ttft:.1f} ms; on D: "
+        f"KV-ready mean {kv_ready:.2f} ms, transfer mean {transfer:.2f} ms; "
+        f"{delta('vllm:hixl_pulls_total'):.0f} received, "
+        f"{delta('vllm:hixl_push_receives_total'):.0f} pushed by P, "
+        f"{delta('vllm:hixl_sync_loads_total'):.0f} read in the step of the first token"
+    )
 
 
 if __name__ == "__main__":

@@ -39,15 +39,20 @@ HOW_TO = (
 EXPOSURE = (
     "| listener | default address | exposure |\n"
     "|---|---|---|\n"
-    "| side channel (P: handshake, lease done/release/heartbeat) | "
+    "| side channel (P: handshake, lease done/release/heartbeat, push registrations) | "
     "`side_channel_host` = 127.0.0.1, port `side_channel_port` + rank | this host only; "
     "set a routable address for multi-host P/D, with `auth_token` (HMAC on every request and "
     "reply; replays and requests for another rank or start refused; hosts' clocks within "
     "30 s) |\n"
     "| engine TCP server (P: KV reads) | `engine_host` = `side_channel_host`, port "
     "`engine_port` (0 = any free) | same address as the side channel; with `auth_token` no "
-    "table or byte is served before the HMAC challenge/response; at most 16 connections in "
-    "the handshake (5 s each) and 64 authenticated, TCP keepalive on every connection |\n"
+    "table or byte is served before the HMAC challenge/response; at most "
+    "`server_handshakes` (1024) connections in the handshake (5 s each) and "
+    "`server_connections` (4096) authenticated, served by a fixed set of event loops; TCP "
+    "keepalive on every connection |\n"
+    "| return listener (D, push mode only: P's writes) | the address D's link to P leaves "
+    "from, any free port; open while D has a link | the same token and checks as the engine "
+    "server; a write lands only in blocks D granted to that P for that request |\n"
 )
 
 

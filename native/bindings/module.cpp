@@ -94,7 +94,7 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 7;  // 7: write grants, links_both_ways
+  m.attr("ABI_VERSION") = 8;  // 7: write grants, links_both_ways; 8: push names its grant
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -217,7 +217,7 @@ NB_MODULE(_native, m) {
           [](hixl::Engine& e, int64_t remote, int64_t model_id, int64_t src_cache_id,
              nb::handle src, nb::handle dst, int64_t src_first, int64_t src_count,
              int64_t dst_first, int64_t dst_count, int64_t timeout_ms, int remote_kind,
-             int64_t cache_id, int64_t batch_index, int64_t src_batch_index) {
+             int64_t cache_id, int64_t batch_index, int64_t src_batch_index, uint64_t grant) {
             hixl::PushRequest r;
             r.remote_cluster_id = remote;
             r.remote_kind = remote_kind;
@@ -233,6 +233,7 @@ NB_MODULE(_native, m) {
             r.dst_tensor_first = dst_first;
             r.dst_tensor_count = dst_count;
             r.timeout_ms = timeout_ms;
+            r.grant = grant;
             nb::gil_scoped_release release;
             return to_result(e.push(r));
           },
@@ -240,9 +241,11 @@ NB_MODULE(_native, m) {
           nb::arg("src_blocks"), nb::arg("dst_blocks"), nb::arg("src_tensor_first"),
           nb::arg("src_tensor_count"), nb::arg("dst_tensor_first"), nb::arg("dst_tensor_count"),
           nb::arg("timeout_ms"), nb::arg("remote_kind") = 0, nb::arg("cache_id") = -1,
-          nb::arg("batch_index") = 0, nb::arg("src_batch_index") = -1,
+          nb::arg("batch_index") = 0, nb::arg("src_batch_index") = -1, nb::arg("grant") = 0,
           "push_blocks; with remote_kind 1 and src_batch_index >= 0, push_cache: that row of "
-          "the local contiguous cache onto row batch_index of the peer's cache cache_id")
+          "the local contiguous cache onto row batch_index of the peer's cache cache_id. "
+          "grant: the peer's write grant the write is under (0: none), which a peer cache "
+          "registered writes_by_grant requires")
       .def(
           "grant_writes",
           [](hixl::Engine& e, int64_t writer, int64_t cache_id, nb::handle blocks) {

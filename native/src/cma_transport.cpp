@@ -162,7 +162,8 @@ class CmaTransport final : public Transport {
 
   // One WRITE request per kOpsPerWrite ops on the control connection; the peer copies each
   // in from our memory and answers when it landed.
-  Status push(const std::vector<Op>& ops, uint64_t dst_serial, Deadline deadline) override {
+  Status push(const std::vector<Op>& ops, uint64_t dst_serial, uint64_t grant,
+              Deadline deadline) override {
     std::lock_guard<std::mutex> lock(control_.mu);
     writing_.store(true);
     struct Written {
@@ -172,7 +173,7 @@ class CmaTransport final : public Transport {
     if (aborted_.load()) return busy();
     for (size_t base = 0; base < ops.size(); base += kOpsPerWrite) {
       Status s = write(ops.data() + base, std::min(kOpsPerWrite, ops.size() - base), dst_serial,
-                       deadline);
+                       grant, deadline);
       if (!s.ok()) return s;
     }
     return Status::Ok();
@@ -181,10 +182,12 @@ class CmaTransport final : public Transport {
  private:
   static constexpr size_t kOpsPerWrite = 8192;
 
-  Status write(const Op* ops, size_t count, uint64_t dst_serial, Deadline deadline) {
+  Status write(const Op* ops, size_t count, uint64_t dst_serial, uint64_t grant,
+               Deadline deadline) {
     MemoryCharge charge(meter_, static_cast<int64_t>(count * 24 + kProbeBytes + 64));
     wire::Encoder enc;
     enc.u64(dst_serial);
+    enc.u64(grant);
     enc.u8(wire::kFromWriter);
     enc.u32(static_cast<uint32_t>(count));
     for (size_t i = 0; i < count; ++i) {

@@ -239,14 +239,17 @@ class Engine::Impl {
     s = links->reach(push.remote_cluster_id, deadline, &link);
     if (!s.ok()) return s;
     return on_link(*link, push.remote_cluster_id,
-                   [&] { return push_over(*link, planned, src_pin.info(), src_range, deadline); });
+                   [&] {
+                     return push_over(*link, planned, src_pin.info(), src_range, push.grant,
+                                      deadline);
+                   });
   }
 
   // Plans from the link's copy of the peer's table and writes; when the peer's server says
   // the destination is gone, the copy drops what the peer unregistered and the push is
   // planned again (a bounded number of times).
   Status push_over(Link& link, const PullRequest& planned, const CacheInfo& src,
-                   const ResolvedRange& src_range, Deadline deadline) {
+                   const ResolvedRange& src_range, uint64_t grant, Deadline deadline) {
     constexpr int kMaxPlans = 4;
     for (int attempt = 1;; ++attempt) {
       std::shared_ptr<const RemoteTable> remote = link.table();
@@ -257,7 +260,7 @@ class Engine::Impl {
       Status s = build_ops(planned, src, src_range, *dst, &ops, &runs, Direction::kPush);
       if (!s.ok()) return s;
       MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
-      s = link.transport().push(ops, dst->serial, deadline);
+      s = link.transport().push(ops, dst->serial, grant, deadline);
       if (s.code == plan::kStale) {
         Status checked = link.drop_unregistered(remote.get(), 0, deadline);
         if (!checked.ok()) return checked;

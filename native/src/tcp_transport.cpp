@@ -50,9 +50,10 @@ class TcpTransport final : public Transport {
     });
   }
 
-  Status push(const std::vector<Op>& ops, uint64_t dst_serial, Deadline deadline) override {
+  Status push(const std::vector<Op>& ops, uint64_t dst_serial, uint64_t grant,
+              Deadline deadline) override {
     return on_shares(ops, deadline, "push", [&](int fd, const Op* part, size_t n, bool* in_sync) {
-      return write(fd, part, n, dst_serial, deadline, in_sync);
+      return write(fd, part, n, dst_serial, grant, deadline, in_sync);
     });
   }
 
@@ -219,12 +220,13 @@ class TcpTransport final : public Transport {
 
   // WRITE, then (once the server pinned and checked the ranges) one DATA frame straight from
   // our memory, then WRITE_DONE when every byte landed.
-  Status write(int fd, const Op* ops, size_t count, uint64_t dst_serial, Deadline deadline,
-               bool* in_sync) {
+  Status write(int fd, const Op* ops, size_t count, uint64_t dst_serial, uint64_t grant,
+               Deadline deadline, bool* in_sync) {
     MemoryCharge charge(meter_, static_cast<int64_t>(count * (16 + sizeof(iovec))));
     *in_sync = false;
     wire::Encoder enc;
     enc.u64(dst_serial);
+    enc.u64(grant);
     enc.u8(wire::kBytesFollow);
     enc.u32(static_cast<uint32_t>(count));
     uint64_t total = 0;

@@ -57,11 +57,13 @@ class Transport {
   virtual Status pull(const std::vector<Op>& ops, const PlanBasis& basis, Deadline deadline,
                       PeerView* seen) = 0;
   // Writes every op's local range into its remote range, all in the peer's registration
-  // `dst_serial`, before `deadline`. The peer's server pins that registration and checks
-  // every range against it before a byte lands, so a write never reaches memory the peer
-  // unregistered. Returns plan::kStale when the registration is gone, TIMEOUT, FAILED, or
-  // the peer's refusal.
-  virtual Status push(const std::vector<Op>& ops, uint64_t dst_serial, Deadline deadline) = 0;
+  // `dst_serial`, under the peer's write grant `grant` (0: none), before `deadline`. The
+  // peer's server pins that registration and checks every range against it (and, for a
+  // cache written by grant, against that grant) before a byte lands, so a write never
+  // reaches memory the peer unregistered or did not grant. Returns plan::kStale when the
+  // registration is gone, TIMEOUT, FAILED, or the peer's refusal.
+  virtual Status push(const std::vector<Op>& ops, uint64_t dst_serial, uint64_t grant,
+                      Deadline deadline) = 0;
   // Makes in-flight and later pulls fail fast (unlink, close, failure). Idempotent.
   virtual void abort() = 0;
   // False once the transport aborted itself or was aborted: the link cannot carry pulls.

@@ -40,7 +40,7 @@ class UniqueFd {
 namespace wire {
 
 constexpr uint32_t kMagic = 0x4C584948;  // "HIXL" little-endian
-constexpr uint16_t kVersion = 3;
+constexpr uint16_t kVersion = 4;  // 4: WRITE names its write grant
 constexpr size_t kHeaderBytes = 16;
 constexpr uint64_t kMaxControlPayload = 4u << 20;
 constexpr uint64_t kMaxTablePayload = 16u << 20;
@@ -71,8 +71,8 @@ enum FrameType : uint16_t {
   kBye = 9,
   kByeAck = 10,
   kStale = 11,      // s->c: the READ or WRITE named a registration that is gone; refetch
-  // c->s: u64 destination serial, u8 source (WriteSource), u32 n, n x (u64 addr, u64 len);
-  // kFromWriter adds n x u64 source addr, i64 pid, u64 probe addr and the probe's bytes.
+  // c->s: u64 destination serial, u64 write grant (0: none), u8 source (WriteSource), u32 n,
+  // n x (u64 addr, u64 len); kFromWriter adds n x u64 source addr, i64 pid, u64 probe addr and the probe's bytes.
   kWrite = 12,
   kWriteReady = 13,  // s->c: the ranges are pinned and checked; send the DATA frame
   kWriteDone = 14,   // s->c: every byte of the write landed

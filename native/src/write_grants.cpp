@@ -1,23 +1,46 @@
 #include "write_grants.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <random>
 
 namespace hixl {
+namespace {
+
+// Ids stay in [1, kLastId]: an int64 in Python, never 0.
+constexpr uint64_t kLastId = (uint64_t(1) << 63) - 1;
+
+// [1, 2^62]: random, with 2^62 ids of headroom below kLastId.
+uint64_t random_first_id() {
+  std::random_device entropy;
+  const uint64_t bits = (uint64_t(entropy()) << 32) ^ uint64_t(entropy());
+  return (bits & ((uint64_t(1) << 62) - 1)) + 1;
+}
+
+std::string grant_name(uint64_t id) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(id));
+  return text;
+}
+
+}  // namespace
+
+WriteGrants::WriteGrants() : first_id_(random_first_id()), next_id_(first_id_) {}
 
 WriteGrants::Hold& WriteGrants::Hold::operator=(Hold&& other) noexcept {
   if (this != &other) {
     release();
     grants_ = other.grants_;
-    ids_ = std::move(other.ids_);
+    id_ = other.id_;
     other.grants_ = nullptr;
   }
   return *this;
 }
 
 void WriteGrants::Hold::release() {
-  if (grants_ != nullptr) grants_->end_writes(ids_);
+  if (grants_ != nullptr) grants_->end_write(id_);
   grants_ = nullptr;
-  ids_.clear();
+  id_ = 0;
 }
 
 Status WriteGrants::grant(int64_t writer, const CacheInfo& cache,
@@ -49,7 +72,10 @@ Status WriteGrants::grant(int64_t writer, const CacheInfo& cache,
   if (std::adjacent_find(g.blocks.begin(), g.blocks.end()) != g.blocks.end()) {
     return Status::Error(status::kParamInvalid, "a grant names a block twice");
   }
-  *id = ++last_id_;
+  if (next_id_ > kLastId) {  // 2^62 grants after a random start: unreachable in practice
+    return Status::Error(status::kFailed, "this engine has issued every write grant id");
+  }
+  *id = next_id_++;
   for (int64_t b : g.blocks) owner_[{cache.cache_id, b}] = *id;
   grants_[*id] = std::move(g);
   return Status::Ok();
@@ -69,24 +95,29 @@ Status WriteGrants::revoke(uint64_t id, Deadline deadline) {
   auto it = grants_.find(id);
   if (it == grants_.end()) {
     // Issued, then revoked and its writes ended (or its cache unregistered): nothing to wait for.
-    if (id != 0 && id <= last_id_) return Status::Ok();
-    return Status::Error(status::kParamInvalid, "no write grant " + std::to_string(id));
+    if (id >= first_id_ && id < next_id_) return Status::Ok();
+    return Status::Error(status::kParamInvalid, "no write grant " + grant_name(id));
   }
   withdraw(it);
   const bool idle = idle_.wait_until(lock, deadline, [&] { return grants_.count(id) == 0; });
   if (!idle) {
-    return Status::Error(status::kTimeout, "writes under grant " + std::to_string(id) +
-                                               " are still in flight");
+    return Status::Error(status::kTimeout,
+                         "writes under grant " + grant_name(id) + " are still in flight");
   }
   return Status::Ok();
 }
 
-bool WriteGrants::admit(int64_t writer, const CacheInfo& cache, const std::vector<Op>& ops,
-                        Hold* hold, std::string* why) {
+bool WriteGrants::admit(int64_t writer, uint64_t grant, const CacheInfo& cache,
+                        const std::vector<Op>& ops, Hold* hold, std::string* why) {
   hold->release();  // before the lock: a release takes it
   const uint64_t stride = cache.stride();
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<uint64_t> ids;
+  // A block passes when owner_ (which maps only grants not revoked) names `grant` for it and
+  // `grant` is the writer's: the writer's other grants, even of the same blocks before a
+  // revoke, do not count.
+  auto named = grants_.find(grant);
+  const bool usable = named != grants_.end() && named->second.writer == writer &&
+                      !named->second.revoked;
   for (const Op& op : ops) {
     if (op.len == 0) continue;
     auto tensor = std::find_if(cache.tensor_addrs.begin(), cache.tensor_addrs.end(),
@@ -99,28 +130,26 @@ bool WriteGrants::admit(int64_t writer, const CacheInfo& cache, const std::vecto
     const uint64_t last = (op.local - *tensor + op.len - 1) / stride;
     for (uint64_t b = first; b <= last; ++b) {
       auto owner = owner_.find({cache.cache_id, static_cast<int64_t>(b)});
-      if (owner == owner_.end() || grants_.at(owner->second).writer != writer) {
+      if (!usable || owner == owner_.end() || owner->second != grant) {
         *why = "block " + std::to_string(b) + " of cache " + std::to_string(cache.cache_id) +
-               " is not granted to cluster " + std::to_string(writer);
+               " is not under grant " + grant_name(grant) + " of cluster " +
+               std::to_string(writer);
         return false;
-      }
-      if (std::find(ids.begin(), ids.end(), owner->second) == ids.end()) {
-        ids.push_back(owner->second);
       }
     }
   }
-  for (uint64_t id : ids) grants_.at(id).in_flight++;
+  if (!usable) return true;  // no byte to write (every range empty): nothing to hold
+  named->second.in_flight++;
   hold->grants_ = this;
-  hold->ids_ = std::move(ids);
+  hold->id_ = grant;
   return true;
 }
 
-void WriteGrants::end_writes(const std::vector<uint64_t>& ids) {
+void WriteGrants::end_write(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (uint64_t id : ids) {
-    auto it = grants_.find(id);
-    if (it == grants_.end()) continue;
-    if (--it->second.in_flight == 0 && it->second.revoked) grants_.erase(it);
+  auto it = grants_.find(id);
+  if (it != grants_.end() && --it->second.in_flight == 0 && it->second.revoked) {
+    grants_.erase(it);
   }
   idle_.notify_all();
 }

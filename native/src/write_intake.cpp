@@ -55,10 +55,11 @@ WriteIntake::Outcome WriteIntake::start(const std::vector<uint8_t>& payload,
                                         Status* refusal, uint64_t* bytes) {
   wire::Decoder dec(payload.data(), payload.size());
   uint64_t serial = 0;
+  uint64_t grant = 0;  // the write grant the writer names; only a writes_by_grant cache reads it
   uint8_t source = 0;
   uint32_t n = 0;
-  const bool framed = dec.u64(&serial) && dec.u8(&source) && dec.u32(&n) && n > 0 &&
-                      n <= wire::kMaxReadOps && dec.remaining() >= uint64_t(n) * 16;
+  const bool framed = dec.u64(&serial) && dec.u64(&grant) && dec.u8(&source) && dec.u32(&n) &&
+                      n > 0 && n <= wire::kMaxReadOps && dec.remaining() >= uint64_t(n) * 16;
   if (!framed || (source != wire::kBytesFollow && source != wire::kFromWriter) ||
       (source == wire::kBytesFollow && dec.remaining() != uint64_t(n) * 16)) {
     *refusal = invalid("malformed write request");
@@ -91,9 +92,10 @@ WriteIntake::Outcome WriteIntake::start(const std::vector<uint8_t>& payload,
       return Outcome::kRefused;
     }
   }
-  WriteGrants::Hold hold;  // the grants stay until the bytes landed (or the write failed)
+  WriteGrants::Hold hold;  // the grant stays until the bytes landed (or the write failed)
   std::string why;
-  if (pin.info().writes_by_grant && !grants.admit(writer_cluster, pin.info(), ops, &hold, &why)) {
+  if (pin.info().writes_by_grant &&
+      !grants.admit(writer_cluster, grant, pin.info(), ops, &hold, &why)) {
     *refusal = invalid(why);
     return Outcome::kRefused;
   }

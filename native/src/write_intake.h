@@ -1,7 +1,8 @@
 // The destination's half of a WRITE (a push): the request is checked against the local table
 // under a pin of the destination registration (and, for a cache written by grant, against
-// the writer's grants), and bytes land only in the ranges that passed, while the pin keeps
-// the registration (and so its memory) in place and the grants stay unrevoked.
+// the grant the WRITE names, which must be the writer's), and bytes land only in the ranges
+// that passed, while the pin keeps the registration (and so its memory) in place and the
+// grant stays unrevoked.
 #pragma once
 
 #include <sys/uio.h>

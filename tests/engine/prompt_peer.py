@@ -5,8 +5,9 @@ line:
 - ``switch``: switch_role(DECODER), which closes the listener;
 - ``link PORT CLUSTER``: link_clusters to 127.0.0.1:PORT (this side has no listener then);
 - ``unlink CLUSTER``: unlink_clusters without force;
-- ``push CLUSTER S,S,.. D,D,..``: push_blocks of its blocks S into blocks D of that
-  cluster's BlocksCacheKey(CLUSTER, 0) cache (a cluster linked here or linked to).
+- ``push CLUSTER S,S,.. D,D,.. [GRANT]``: push_blocks of its blocks S into blocks D of that
+  cluster's BlocksCacheKey(CLUSTER, 0) cache (a cluster linked here or linked to), under
+  write grant GRANT (``hixl_write_grant``) when given.
 
 Run: python prompt_peer.py --cluster-id N --transport cma|tcp
 """
@@ -54,9 +55,10 @@ def main() -> None:
             continue
         if words[0] == "push":
             src, dst = ([int(b) for b in w.split(",")] for w in words[2:4])
+            grant = {"hixl_write_grant": int(words[4])} if len(words) > 4 else {}
             try:
                 target = api.BlocksCacheKey(int(words[1]), 0)
-                dd.cache_manager.push_blocks(target, cache, src, dst)
+                dd.cache_manager.push_blocks(target, cache, src, dst, **grant)
                 print(json.dumps({"status": "LLM_SUCCESS"}), flush=True)
             except api.LLMException as exc:
                 print(json.dumps({"status": exc.status_code.name}), flush=True)

@@ -1,8 +1,10 @@
 """Write grants through the datadist API (an extension of the native engine), in the shape
 push mode has: this process, the decode side, registers its KV with
 ``hixl_writes_by_grant`` and links to the prompt side (prompt_peer.py), which pushes into it
-over the link back. A push lands only in blocks granted to the prompt side's cluster, and
-after ``revoke_writes`` nothing lands there."""
+over the link back. A push lands only in blocks of the grant it names
+(``hixl_write_grant``), granted to the prompt side's cluster, and after ``revoke_writes``
+nothing lands there, not even when the same blocks went to the same prompt side again under
+a new grant."""
 
 from __future__ import annotations
 
@@ -37,9 +39,16 @@ def sides(
     stop_peer_process(prompt.process)
 
 
-def push(prompt: NativePeer, src: list[int], dst: list[int]) -> str:
-    answer = prompt.command(f"push {DECODE} {','.join(map(str, src))} {','.join(map(str, dst))}")
-    return str(answer["status"])
+def push(prompt: NativePeer, src: list[int], dst: list[int], grant: int) -> str:
+    blocks = f"{','.join(map(str, src))} {','.join(map(str, dst))}"
+    return str(prompt.command(f"push {DECODE} {blocks} {grant}")["status"])
+
+
+def assert_model(tensors: list[np.ndarray], model: list[np.ndarray]) -> None:
+    for t in range(NT):
+        got = tensors[t].reshape(NB, BB)
+        wrong = [b for b in range(NB) if not np.array_equal(got[b], model[t][b])]
+        assert not wrong, f"tensor {t}: blocks {wrong} differ from the model"
 
 
 def test_pushes_land_only_while_and_where_granted(sides: tuple[Client, NativePeer]) -> None:
@@ -50,12 +59,14 @@ def test_pushes_land_only_while_and_where_granted(sides: tuple[Client, NativePee
     )
     kv = [t.reshape(NB, BB) for t in layout.make_tensors("kv", NT, NB * BB)]
     model = [np.zeros((NB, BB), np.uint8) for _ in range(NT)]
-    assert push(prompt, [0], [3]) == "LLM_PARAM_INVALID"  # nothing granted yet
+    assert push(prompt, [0], [3], 0) == "LLM_PARAM_INVALID"  # nothing granted yet
     grant = cm.grant_writes(cache, prompt.cluster_id, [3, 4])
-    assert push(prompt, [0, 1], [3, 4]) == "LLM_SUCCESS"
+    assert 0 < grant < 2**63
+    assert push(prompt, [0], [3], 0) == "LLM_PARAM_INVALID"  # granted, but named no grant
+    assert push(prompt, [0, 1], [3, 4], grant) == "LLM_SUCCESS"
     for t in range(NT):
         model[t][3], model[t][4] = kv[t][0], kv[t][1]
-    assert push(prompt, [5, 6, 7], [3, 4, 5]) == "LLM_PARAM_INVALID"  # reaches past it
+    assert push(prompt, [5, 6, 7], [3, 4, 5], grant) == "LLM_PARAM_INVALID"  # reaches past it
     with pytest.raises(api.LLMException) as taken:
         cm.grant_writes(cache, 77, [4, 9])
     assert taken.value.status_code == api.LLMStatusCode.LLM_PARAM_INVALID
@@ -63,13 +74,45 @@ def test_pushes_land_only_while_and_where_granted(sides: tuple[Client, NativePee
         cm.grant_writes(cache, 77, [NB])
     assert outside.value.status_code == api.LLMStatusCode.LLM_PARAM_INVALID
     cm.revoke_writes(grant)
-    assert push(prompt, [2], [3]) == "LLM_PARAM_INVALID"
+    assert push(prompt, [2], [3], grant) == "LLM_PARAM_INVALID"
     cm.revoke_writes(grant)  # a revoked grant: nothing to wait for
     with pytest.raises(api.LLMException) as unknown:
         cm.revoke_writes(grant + 100)
     assert unknown.value.status_code == api.LLMStatusCode.LLM_PARAM_INVALID
+    assert_model(tensors, model)
+    # The same blocks to the same prompt side, for another request: a late push naming the
+    # revoked grant still misses them, one naming the new grant lands.
+    again = cm.grant_writes(cache, prompt.cluster_id, [3, 4])
+    assert again != grant
+    assert push(prompt, [6, 7], [3, 4], grant) == "LLM_PARAM_INVALID"
+    assert_model(tensors, model)
+    assert push(prompt, [6, 7], [3, 4], again) == "LLM_SUCCESS"
     for t in range(NT):
-        got = tensors[t].reshape(NB, BB)
-        wrong = [b for b in range(NB) if not np.array_equal(got[b], model[t][b])]
-        assert not wrong, f"tensor {t}: blocks {wrong} differ from the model"
+        model[t][3], model[t][4] = kv[t][6], kv[t][7]
+    assert_model(tensors, model)
+    cm.revoke_writes(again)
     cm.unregister_cache(cache.cache_id)
+
+
+def test_hixl_write_grant_is_checked(client_factory: Any, datadist_backend: str) -> None:
+    """push_blocks' extension kwarg: an int in [0, 2**63), checked before anything moves."""
+    if datadist_backend != "native":
+        pytest.skip("write grants are the native engine's")
+    client = client_factory(cluster_id=DECODE)
+    api, cm = client.api, client.dd.cache_manager
+    src, _ = client.blocks_cache(NT, NB, layout.BLOCK_SHAPE)
+    key = api.BlocksCacheKey(DECODE + 1, 0)  # never linked: a valid grant gets that far
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(TypeError, match="hixl_write_grant only support"):
+            cm.push_blocks(key, src, [0], [0], hixl_write_grant=bad)
+    for bad in (-1, 2**63, 2**64):
+        with pytest.raises(api.LLMException) as out_of_range:
+            cm.push_blocks(key, src, [0], [0], hixl_write_grant=bad)
+        assert out_of_range.value.status_code == api.LLMStatusCode.LLM_PARAM_INVALID
+        assert "hixl_write_grant" in str(out_of_range.value)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cm.push_blocks(key, src, [0], [0], hixl_write_grants=1)
+    for fine in (0, 1, 2**63 - 1):
+        with pytest.raises(api.LLMException) as unlinked:
+            cm.push_blocks(key, src, [0], [0], hixl_write_grant=fine)
+        assert unlinked.value.status_code == api.LLMStatusCode.LLM_NOT_YET_LINK

@@ -1,6 +1,8 @@
-"""Write grants: a cache registered writes_by_grant takes a peer's writes only into blocks its
-owner granted to that peer's cluster, and once revoke_writes returns nothing lands under the
-grant, not even a write that was in flight when it was called (revoke waits for it)."""
+"""Write grants: a cache registered writes_by_grant takes a peer's writes only into blocks of
+the grant each write names, granted to that peer's cluster, and once revoke_writes returns
+nothing lands under the grant, not even a write that was in flight when it was called (revoke
+waits for it). A grant stands for one request: a late write naming a revoked grant misses the
+grant that took its blocks over, even when that one is the same writer's."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from hixl_connector import _native
 from .native_peer import (
     GRANTED_CACHE_ID,
     GRANTED_MODEL_ID,
+    MODEL_ID,
     NativePeer,
     pattern,
     start_peer,
@@ -54,8 +57,8 @@ def pusher(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]
     client.engine.close()
 
 
-def push(pusher: Pusher, src: list[int], dst: list[int]) -> tuple[int, str]:
-    return pusher.push(src, dst, model_id=GRANTED_MODEL_ID)
+def push(pusher: Pusher, src: list[int], dst: list[int], grant_id: int) -> tuple[int, str]:
+    return pusher.push(src, dst, model_id=GRANTED_MODEL_ID, grant=grant_id)
 
 
 def grant(peer: NativePeer, writer: int, blocks: list[int]) -> int:
@@ -64,32 +67,95 @@ def grant(peer: NativePeer, writer: int, blocks: list[int]) -> int:
     return int(grant_id)
 
 
-def test_writes_land_only_in_granted_blocks(peer: NativePeer, pusher: Pusher) -> None:
-    model = [pattern(PEER, GRANTED_CACHE_ID, t, BLOCKS * BLOCK_BYTES).reshape(BLOCKS, -1).copy()
-             for t in range(TENSORS)]  # fmt: skip
-    mine = [t.reshape(BLOCKS, BLOCK_BYTES) for t in pusher.src]
-    status, message = push(pusher, [0], [3])
-    assert status == _native.PARAM_INVALID and "not granted to cluster 80" in message
-    first = grant(peer, 80, [3, 4])
-    assert push(pusher, [0, 1], [3, 4]) == (0, "")
+def refusal(block: int, grant_id: int, writer: int = 80) -> str:
+    cache = GRANTED_CACHE_ID
+    return f"block {block} of cache {cache} is not under grant {grant_id:#x} of cluster {writer}"
+
+
+def initial_model() -> list[np.ndarray]:
+    return [pattern(PEER, GRANTED_CACHE_ID, t, BLOCKS * BLOCK_BYTES).reshape(BLOCKS, -1).copy()
+            for t in range(TENSORS)]  # fmt: skip
+
+
+def assert_model(pusher: Pusher, model: list[np.ndarray]) -> None:
+    got = pusher.peer_blocks(GRANTED_MODEL_ID)
     for t in range(TENSORS):
-        model[t][3], model[t][4] = mine[t][0], mine[t][1]
+        wrong = [b for b in range(BLOCKS) if not np.array_equal(got[t][b], model[t][b])]
+        assert not wrong, f"tensor {t}: blocks {wrong} differ from the model"
+
+
+def landed(model: list[np.ndarray], pusher: Pusher, src: list[int], dst: list[int]) -> None:
+    mine = [t.reshape(BLOCKS, BLOCK_BYTES) for t in pusher.src]
+    for t in range(TENSORS):
+        for s, d in zip(src, dst, strict=True):
+            model[t][d] = mine[t][s]
+
+
+def test_writes_land_only_in_granted_blocks(peer: NativePeer, pusher: Pusher) -> None:
+    model = initial_model()
+    status, message = push(pusher, [0], [3], 0)
+    assert status == _native.PARAM_INVALID and refusal(3, 0) in message, message
+    first = grant(peer, 80, [3, 4])
+    assert push(pusher, [0, 1], [3, 4], first) == (0, "")
+    landed(model, pusher, [0, 1], [3, 4])
     # A write that reaches past the grant is refused whole: blocks 3 and 4 keep the first.
-    assert push(pusher, [7, 8, 9], [3, 4, 5])[0] == _native.PARAM_INVALID
+    status, message = push(pusher, [7, 8, 9], [3, 4, 5], first)
+    assert status == _native.PARAM_INVALID and refusal(5, first) in message, message
     # Granted blocks are one grant's at a time, in range, named once.
     for blocks, why in (([4, 6], "already granted"), ([BLOCKS], "outside"), ([6, 6], "twice")):
         status, message, _ = peer.command(f"grant 81 {','.join(map(str, blocks))}")
         assert status == _native.PARAM_INVALID and why in message
     assert peer.command(f"revoke {first} 1000") == [0, ""]
     assert peer.command(f"revoke {first} 1000") == [0, ""]  # already revoked
-    assert push(pusher, [0], [3])[0] == _native.PARAM_INVALID
-    grant(peer, 81, [3])  # another writer's now
-    assert push(pusher, [0], [3])[0] == _native.PARAM_INVALID
-    got = pusher.peer_blocks(GRANTED_MODEL_ID)
-    for t in range(TENSORS):
-        wrong = [b for b in range(BLOCKS) if not np.array_equal(got[t][b], model[t][b])]
-        assert not wrong, f"tensor {t}: blocks {wrong} differ from the model"
-    assert peer.command("revoke 99999 1000")[0] == _native.PARAM_INVALID  # never issued
+    assert push(pusher, [0], [3], first)[0] == _native.PARAM_INVALID
+    other = grant(peer, 81, [3])  # another writer's now
+    assert push(pusher, [0], [3], first)[0] == _native.PARAM_INVALID
+    status, message = push(pusher, [0], [3], other)  # naming it does not make it ours
+    assert status == _native.PARAM_INVALID and refusal(3, other) in message, message
+    assert_model(pusher, model)
+    never = other + 1000
+    assert peer.command(f"revoke {never} 1000")[0] == _native.PARAM_INVALID  # never issued
+    # A cache not written by grant ignores the field, whatever it names.
+    assert pusher.push([0], [1], model_id=MODEL_ID, grant=never) == (0, "")
+
+
+def test_a_write_lands_only_under_the_grant_it_names(peer: NativePeer, pusher: Pusher) -> None:
+    model = initial_model()
+    a = grant(peer, 80, [3, 4])
+    b = grant(peer, 80, [5, 6])  # the same writer's, another request
+    for src, dst, named, bad in (
+        ([0], [3], 0, 3),  # no grant named
+        ([0], [3], b, 3),  # the writer's other grant
+        ([0], [5], a, 5),
+        ([0, 1], [4, 5], a, 5),  # partly under the grant it names: refused whole
+    ):
+        status, message = push(pusher, src, dst, named)
+        assert status == _native.PARAM_INVALID and refusal(bad, named) in message, message
+    assert_model(pusher, model)
+    assert push(pusher, [0, 1], [3, 4], a) == (0, "")
+    assert push(pusher, [2, 3], [5, 6], b) == (0, "")
+    landed(model, pusher, [0, 1, 2, 3], [3, 4, 5, 6])
+    assert_model(pusher, model)
+
+
+def test_a_late_write_for_a_revoked_grant_misses_the_next_one(
+    peer: NativePeer, pusher: Pusher
+) -> None:
+    """D grants blocks to P for request A, times out and revokes A, then grants the same
+    blocks to the same P for request B: P's late push for A must not land in B's blocks."""
+    model = initial_model()
+    a = grant(peer, 80, [3, 4])
+    assert push(pusher, [0, 1], [3, 4], a) == (0, "")
+    landed(model, pusher, [0, 1], [3, 4])
+    assert peer.command(f"revoke {a} 1000") == [0, ""]
+    b = grant(peer, 80, [3, 4])
+    assert b != a
+    status, message = push(pusher, [7, 8], [3, 4], a)
+    assert status == _native.PARAM_INVALID and refusal(3, a) in message, message
+    assert_model(pusher, model)  # B's blocks are as A's write left them
+    assert push(pusher, [9, 10], [3, 4], b) == (0, "")
+    landed(model, pusher, [9, 10], [3, 4])
+    assert_model(pusher, model)
 
 
 def test_revoke_waits_for_a_write_in_flight(peer: NativePeer) -> None:
@@ -98,7 +164,10 @@ def test_revoke_waits_for_a_write_in_flight(peer: NativePeer) -> None:
     with connect(peer.port) as s:
         handshake(s, PEER)
         serial = table_serials(s)[GRANTED_CACHE_ID]
-        s.sendall(frame(WRITE, write_request(serial, (base, 64))))
+        s.sendall(frame(WRITE, write_request(serial, (base, 8))))  # naming no grant
+        kind, payload = recv_frame(s)
+        assert kind == ERROR and refusal(0, 0, RAW_WRITER).encode() in payload
+        s.sendall(frame(WRITE, write_request(serial, (base, 64), grant=grant_id)))
         assert recv_frame(s)[0] == WRITE_READY
         message = frame(DATA, bytes(range(64)))
         s.sendall(message[:40])  # the header and part of the bytes
@@ -109,9 +178,9 @@ def test_revoke_waits_for_a_write_in_flight(peer: NativePeer) -> None:
         # Withdrawn at once: a new write under it is refused while the first one is held.
         with connect(peer.port) as other:
             handshake(other, PEER)
-            other.sendall(frame(WRITE, write_request(serial, (base + 64, 8))))
+            other.sendall(frame(WRITE, write_request(serial, (base + 64, 8), grant=grant_id)))
             kind, payload = recv_frame(other)
-            assert kind == ERROR and b"not granted" in payload
+            assert kind == ERROR and refusal(0, grant_id, RAW_WRITER).encode() in payload
         answers: list[object] = []
         waiting = threading.Thread(
             target=lambda: answers.append(peer.command(f"revoke {grant_id} 5000"))
@@ -141,3 +210,25 @@ def test_only_a_remote_accessible_blocks_cache_is_written_by_grant() -> None:
         assert engine.grant_writes(7, 3, [0])[0] == _native.KV_CACHE_NOT_EXIST
     finally:
         engine.close()
+
+
+def test_grant_ids_start_at_random_and_count_up() -> None:
+    """A restarted engine must not reissue an id a writer may still hold: each engine's first
+    id is random (never 0 or 1, always an int64 > 0), and its later ones count up."""
+    memory = np.zeros(4096, np.uint8)
+    firsts = []
+    for cluster in (96, 97):
+        engine = _native.Engine(cluster)
+        try:
+            status, message = engine.register_cache(
+                1, [memory.ctypes.data], 4096, 4, True, True, -1, [], writes_by_grant=True
+            )
+            assert status == _native.SUCCESS, message
+            ids = [engine.grant_writes(7, 1, [b]) for b in (0, 1)]
+            assert [status for status, _, _ in ids] == [0, 0], ids
+            first, second = (grant_id for _, _, grant_id in ids)
+            assert 1 < first < 2**63 and second == first + 1
+            firsts.append(first)
+        finally:
+            engine.close()
+    assert firsts[0] != firsts[1]

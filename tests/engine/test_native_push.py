@@ -72,9 +72,16 @@ class Pusher:
         assert self.engine.link(PEER, "127.0.0.1", peer.port, 3000) == (0, "")
 
     def push(
-        self, src: list[int], dst: list[int], timeout_ms: int = TIMEOUT_MS, model_id: int = MODEL_ID
+        self,
+        src: list[int],
+        dst: list[int],
+        timeout_ms: int = TIMEOUT_MS,
+        model_id: int = MODEL_ID,
+        grant: int = 0,
     ) -> tuple[int, str]:
-        return self.engine.push(PEER, model_id, SRC_CACHE, src, dst, 0, -1, 0, -1, timeout_ms)
+        return self.engine.push(
+            PEER, model_id, SRC_CACHE, src, dst, 0, -1, 0, -1, timeout_ms, grant=grant
+        )
 
     def peer_blocks(self, model_id: int = MODEL_ID) -> list[np.ndarray]:
         """The peer's whole blocks cache of `model_id`, read back with a pull."""

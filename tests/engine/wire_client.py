@@ -12,7 +12,7 @@ import struct
 import time
 
 HEADER = struct.Struct("<IHHQ")  # magic, version, frame type, payload length
-MAGIC, VERSION = 0x4C584948, 3
+MAGIC, VERSION = 0x4C584948, 4
 HELLO, CHALLENGE, AUTH, WELCOME, TABLE_REQ, TABLE, READ, DATA = 1, 2, 3, 4, 5, 6, 7, 8
 STALE, WRITE, WRITE_READY, WRITE_DONE, ERROR = 11, 12, 13, 14, 15
 RETURN_PATH, RETURN_PATH_ACK = 16, 17
@@ -124,8 +124,11 @@ def read_request(serial: int, *ranges: tuple[int, int]) -> bytes:
     return frame(READ, body + b"".join(struct.pack("<QQ", a, n) for a, n in ranges))
 
 
-def write_request(serial: int, *ranges: tuple[int, int], source: int = BYTES_FOLLOW) -> bytes:
-    """A WRITE into `ranges` of the registration with `serial`; with FROM_WRITER the caller
-    appends the source addresses and the writer's proof to the returned frame's payload."""
-    body = struct.pack("<QBI", serial, source, len(ranges))
+def write_request(
+    serial: int, *ranges: tuple[int, int], source: int = BYTES_FOLLOW, grant: int = 0
+) -> bytes:
+    """A WRITE into `ranges` of the registration with `serial`, under write grant `grant`
+    (0: none); with FROM_WRITER the caller appends the source addresses and the writer's
+    proof to the returned frame's payload."""
+    body = struct.pack("<QQBI", serial, grant, source, len(ranges))
     return body + b"".join(struct.pack("<QQ", a, n) for a, n in ranges)

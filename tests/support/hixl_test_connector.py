@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hixl_connector.connector.facade import HixlConnector
-from hixl_connector.connector.metadata import RecvSpec
+from hixl_connector.connector.metadata import PushRecvSpec, RecvSpec
+from hixl_connector.connector.worker.push_receiver import PushReceiver
 from hixl_connector.connector.worker.receiver import Receiver
 
 CORRUPT = "test_corrupt_received_kv"
@@ -55,12 +56,18 @@ def digest(views: Sequence[Any], block_ids: Sequence[int]) -> str:
     return sha.hexdigest()
 
 
-class CheckingReceiver(Receiver):
+class CheckingReceiver:
+    """Before a Receiver (pulled KV) or a PushReceiver (pushed KV) reports blocks received."""
+
     # The registered layers (in registration order) to corrupt: all if None, none if ().
     corrupted_layers: tuple[int, ...] | None = ()
     log_digests = False
+    _layout: Any
+    _tp_rank: int
 
-    def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
+    def _received(
+        self, spec: RecvSpec | PushRecvSpec, nbytes: int, pull_s: float, ready_s: float
+    ) -> None:
         import torch
 
         if self.log_digests:
@@ -80,7 +87,7 @@ class CheckingReceiver(Receiver):
             if chosen is None or i // per_layer in chosen:
                 noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
                 view[index] = noise.to(view.dtype)
-        super()._received(spec, nbytes, pull_s, ready_s)
+        super()._received(spec, nbytes, pull_s, ready_s)  # type: ignore[misc]
 
 
 def layers_named(names: list[str], prefix: str) -> tuple[int, ...]:
@@ -110,10 +117,10 @@ class HixlTestConnector(HixlConnector):
         # Scheduler (P): prompt blocks of requests finished since the last step's metadata.
         self._finished_blocks: dict[str, list[int]] = {}
         if self._worker is not None:
-            self._worker.receiver_cls = type(
-                "TestReceiver",
-                (CheckingReceiver,),
-                {"corrupted_layers": None if corrupt is True else (), "log_digests": digests},
+            checks = {"corrupted_layers": None if corrupt is True else (), "log_digests": digests}
+            self._worker.receiver_cls = type("TestReceiver", (CheckingReceiver, Receiver), checks)
+            self._worker.push_receiver_cls = type(
+                "TestPushReceiver", (CheckingReceiver, PushReceiver), checks
             )
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -121,9 +128,11 @@ class HixlTestConnector(HixlConnector):
             # The layout registers the layers in the order vLLM hands them over (no buffer
             # is shared without the hybrid manager, which this control is not used with).
             chosen = layers_named(list(kv_caches), self._corrupt)
-            receiver = self._worker.receiver_cls
-            self._worker.receiver_cls = type(
-                "LayerCorruptingReceiver", (receiver,), {"corrupted_layers": chosen}
+            corrupting = {"corrupted_layers": chosen}
+            worker = self._worker
+            worker.receiver_cls = type("LayerCorrupting", (worker.receiver_cls,), corrupting)
+            worker.push_receiver_cls = type(
+                "PushLayerCorrupting", (worker.push_receiver_cls,), corrupting
             )
         super().register_kv_caches(kv_caches)
 

@@ -49,6 +49,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (config.side_channel_host, config.side_channel_port) == ("127.0.0.1", 5701)
     assert (config.engine_host, config.engine_port) == ("127.0.0.1", 0)
     assert (config.backend, config.transport) == ("auto", "auto")
+    assert config.transfer_mode == "pull"
     assert (config.pull_timeout_s, config.handshake_timeout_s) == (30.0, 5.0)
     assert (config.transfer_threads, config.tcp_connections) == (2, 2)
     assert (config.lease_s, config.heartbeat_s) == (30.0, 5.0)
@@ -56,8 +57,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.cluster_id_base == derived_cluster_id_base("engine-a")
     assert {f.name for f in dataclasses.fields(HixlConfig)} == {
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
-        "transport", "pull_timeout_s", "handshake_timeout_s", "link_idle_s", "transfer_threads",
-        "tcp_connections", "server_handshakes", "server_connections", "lease_s",
+        "transport", "transfer_mode", "pull_timeout_s", "handshake_timeout_s", "link_idle_s",
+        "transfer_threads", "tcp_connections", "server_handshakes", "server_connections", "lease_s",
         "heartbeat_s", "auth_token", "cluster_id_base", "sync_load_bytes",
         "ascend_local_comm_res", "ascend_hccs",
     }  # fmt: skip
@@ -146,6 +147,8 @@ def test_unknown_key_is_named_with_the_valid_ones() -> None:
         ("side_channel_host", 5),
         ("backend", "cuda"),
         ("transport", "rdma"),
+        ("transfer_mode", "write"),
+        ("transfer_mode", True),
         ("pull_timeout_s", 0),
         ("pull_timeout_s", float("nan")),
         ("pull_timeout_s", 0.0001),

@@ -249,3 +249,17 @@ def test_a_heartbeat_replayed_while_its_send_time_passes_is_refused(words: Lease
         dealer.close()
         channel.close()
         context.term()
+
+
+def test_a_pinned_lease_outlives_expiry_until_it_is_ended() -> None:
+    """Push mode: P's blocks are read by a push under way, so expiry must not free them."""
+    table = LeaseTable(lease_s=10)
+    table.start("r1", 7, now=0)
+    assert not table.pin("r1", 8)  # another lease of it: not this one
+    assert table.pin("r1", 7)
+    assert table.expire(now=100) == [] and len(table) == 1
+    table.end("r1", 8)
+    assert len(table) == 1
+    table.end("r1", 7)
+    assert finished(table) == {"r1"}
+    assert not table.pin("r1", 7)  # ended: a late push must not start

@@ -99,7 +99,7 @@ def test_params_of_a_p_without_incarnations_are_refused_naming_the_field() -> No
         ({"remote_engine_id": ""}, "remote_engine_id"),
         ({"remote_lease_id": -1}, "remote_lease_id"),
         ({"remote_cluster_id": 1.5}, "remote_cluster_id"),
-        ({"transfer_mode": "push"}, "transfer_mode"),
+        ({"transfer_mode": "write"}, "transfer_mode"),
         ({"dcp_size": 2}, "dcp_size"),
         ({"pp_size": 2}, "pp_size"),
         ({"remote_num_tokens": -3}, "remote_num_tokens"),

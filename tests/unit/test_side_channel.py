@@ -325,3 +325,39 @@ def test_a_request_for_another_rank_or_incarnation_is_refused(
     finally:
         for each in servers:
             each.close()
+
+
+def test_first_contact_handshake_names_no_incarnation(context: zmq.Context) -> None:
+    """A push-mode D knows P by an engine id (maybe of P's previous start) and an address
+    only: a handshake for this rank naming incarnation 0 is answered (it reveals what P's
+    params would), anything else still is not."""
+    answered: list[str] = []
+
+    def note(kind: str) -> Any:
+        def handler(message: dict[str, Any]) -> dict[str, Any]:
+            answered.append(kind)
+            return {}
+
+        return handler
+
+    handlers = {"handshake": note("handshake"), "heartbeat": note("heartbeat")}
+    server = SideChannelServer(context, "127.0.0.1", 0, handlers, lambda: ME)
+    unknown = Destination(ME.engine_id, 0, 0)
+    try:
+        client = SideChannelClient(context, "127.0.0.1", server.port, unknown, 2.0)
+        client.request({"type": "handshake", "schema": 4})
+        with pytest.raises(SideChannelError, match="is for engine p rank 0 incarnation 0"):
+            client.request({"type": "heartbeat", "items": []})
+        client.close()
+        renamed = Destination("p-before-its-restart", 0, 0)
+        client = SideChannelClient(context, "127.0.0.1", server.port, renamed, 2.0)
+        client.request({"type": "handshake", "schema": 4})
+        client.close()
+        other_rank = Destination(ME.engine_id, 1, 0)
+        client = SideChannelClient(context, "127.0.0.1", server.port, other_rank, 2.0)
+        with pytest.raises(SideChannelError, match="rank 1"):
+            client.request({"type": "handshake", "schema": 4})
+        client.close()
+        assert answered == ["handshake", "handshake"]
+    finally:
+        server.close()

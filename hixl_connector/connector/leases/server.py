@@ -44,6 +44,7 @@ class Lease:
     expires_at: float
     ranks_done: set[int] = field(default_factory=set)
     consumers_expected: int = 1
+    pinned: bool = False  # push mode: a push reads its blocks now, so it outlives expiry
 
 
 @dataclass
@@ -100,10 +101,30 @@ class LeaseTable:
             lease.ranks_done.add(rank)
             return "finished" if self._finish_if_complete(lease) else "held"
 
-    def expire(self, now: float) -> list[str]:
-        """Ends every lease past its deadline; returns their request ids."""
+    def pin(self, request_id: str, lease_id: int) -> bool:
+        """Keeps the lease from expiring until ``end``; False when it already ended."""
         with self._lock:
-            expired = [r for r, lease in self._leases.items() if lease.expires_at <= now]
+            lease = self._leases.get(request_id)
+            if lease is None or lease.lease_id != lease_id:
+                return False
+            lease.pinned = True
+            return True
+
+    def end(self, request_id: str, lease_id: int) -> None:
+        """Ends the lease now (push mode: P wrote its blocks, or will not)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None and lease.lease_id == lease_id:
+                self._end(lease)
+
+    def expire(self, now: float) -> list[str]:
+        """Ends every lease past its deadline, but a pinned one; returns their request ids."""
+        with self._lock:
+            expired = [
+                r
+                for r, lease in self._leases.items()
+                if lease.expires_at <= now and not lease.pinned
+            ]
             for request_id in expired:
                 self._end(self._leases[request_id])
             stale = [r for r, e in self._early.items() if e.received_at + self.lease_s <= now]
@@ -184,6 +205,11 @@ class LeaseServer:
             self._words.clear(lease.slot, lease.word)
             finished.add(lease.request_id)
         return finished
+
+    @property
+    def table(self) -> LeaseTable:
+        """Push mode pins and ends leases here (push_sender)."""
+        return self._table
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """The side channel's handlers of D's notices."""

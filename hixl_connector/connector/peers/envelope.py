@@ -139,7 +139,7 @@ class RequestGate:
         if self._token and not _authentic(self._token, message):
             return "authentication failed"
         to = message.get("to")
-        if to != me.to_wire():
+        if to != me.to_wire() and not _first_contact(message, me):
             if not me.incarnation:
                 return "this prefill engine is still starting (no incarnation yet)"
             restarted = isinstance(to, list) and to[:2] == [me.engine_id, me.rank]
@@ -148,6 +148,22 @@ class RequestGate:
         if self._token:
             return self._nonces.fresh(message.get("nonce"), message.get("sent_at"), now)
         return ""
+
+
+def _first_contact(message: dict[str, Any], me: Destination) -> bool:
+    """A handshake naming this rank with incarnation 0, whatever engine id: a push-mode D
+    knows P only by what the router sends (an engine id, possibly from P's previous start,
+    and an address), and learns who serves there from this answer, which tells no more than
+    P's params would."""
+    to = message.get("to")
+    return (
+        message.get("type") == "handshake"
+        and bool(me.incarnation)
+        and isinstance(to, list)
+        and len(to) == 3
+        and to[1:] == [me.rank, 0]
+        and isinstance(to[0], str)
+    )
 
 
 def _describe(to: Any) -> str:

@@ -19,15 +19,23 @@ from typing import TYPE_CHECKING, Any
 
 from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.link_reports import LinkReport
-from hixl_connector.connector.mapping.kv_groups import blocks_to_fill, remote_blocks_to_read
+from hixl_connector.connector.mapping.kv_groups import (
+    Unfilled,
+    blocks_to_fill,
+    remote_blocks_to_read,
+)
 from hixl_connector.connector.metadata import (
     OWN_PARAMS,
     UNKNOWN_ENDPOINT,
     InvalidTransferParams,
+    PushRecvSpec,
     RecvSpec,
     ReleaseSpec,
     RemotePrefill,
     WaitingRead,
+    base_request_id,
+    is_push_identity,
+    parse_push_identity,
     parse_remote_prefill,
 )
 from hixl_connector.connector.scheduler.misconfig import Misconfigurations
@@ -45,6 +53,7 @@ class DecodeStep:
     """What D's side hands the workers for one step."""
 
     to_recv: list[RecvSpec]
+    to_push_recv: list[PushRecvSpec]
     to_release: list[ReleaseSpec]
     to_cancel: list[str]
     waiting: list[WaitingRead]
@@ -57,10 +66,13 @@ class DecodeSide:
         loads: SyncLoads,
         group_block_sizes: Sequence[int],
         misconfigured: Misconfigurations,
+        push: bool = False,
     ) -> None:
         self.loads = loads  # which reads go in the step that computes the first token
         self._group_block_sizes = tuple(group_block_sizes)
         self._misconfigured = misconfigured
+        # Push mode: params that name P only (a concurrent leg) make P write the KV here.
+        self._push = push
         # Requests whose RecvSpec went out and whose KV has not been reported yet.
         self.receiving: set[str] = set()
         # Requests waiting for their KV, from on_new_request until it arrived (or never will);
@@ -69,11 +81,14 @@ class DecodeSide:
         self._began_waiting: dict[str, WaitingRead] = {}
         self._done_waiting: list[str] = []
         self._to_recv: list[RecvSpec] = []
+        self._to_push_recv: list[PushRecvSpec] = []
         self._to_release: list[ReleaseSpec] = []
         self._to_cancel: list[str] = []
 
     def on_new_request(self, request_id: str, params: dict[str, Any]) -> None:
         """A request that asks for remote prefill: its lease is renewed while it waits."""
+        if self._pushed(params):
+            return  # no lease to renew: P holds its blocks until it wrote them here
         try:
             prefill = parse_remote_prefill(params)
         except InvalidTransferParams as exc:
@@ -114,6 +129,9 @@ class DecodeSide:
             blocks.blocks, local_hit, self._group_block_sizes, request.num_prompt_tokens
         )
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
+        if self._pushed(params):
+            self._push_recv(request_id, params, unfilled, external)
+            return
         try:
             prefill = parse_remote_prefill(params)
         except InvalidTransferParams as exc:
@@ -179,6 +197,9 @@ class DecodeSide:
         # Finished before its blocks were allocated (e.g. aborted): P still leases the
         # blocks, so tell it to free them now rather than at lease expiry.
         params["do_remote_prefill"] = False
+        if self._pushed(params):
+            self._push_recv(request_id, params, [], 0)
+            return True
         try:
             self._release(request_id, parse_remote_prefill(params))
         except InvalidTransferParams as exc:
@@ -188,14 +209,40 @@ class DecodeSide:
     def take_step(self) -> DecodeStep:
         step = DecodeStep(
             self._to_recv,
+            self._to_push_recv,
             self._to_release,
             self._to_cancel,
             list(self._began_waiting.values()),
             self._done_waiting,
         )
         self._to_recv, self._to_release, self._to_cancel = [], [], []
+        self._to_push_recv = []
         self._began_waiting, self._done_waiting = {}, []
         return step
+
+    def _pushed(self, params: dict[str, Any]) -> bool:
+        return self._push and is_push_identity(params)
+
+    def _push_recv(
+        self, request_id: str, params: dict[str, Any], unfilled: Sequence[Unfilled], external: int
+    ) -> None:
+        """P writes the unfilled blocks (none: P frees its own at once)."""
+        try:
+            remote = parse_push_identity(params)
+        except InvalidTransferParams as exc:
+            if external > 0:
+                blocks = tuple(block for _, group in unfilled for block in group)
+                self._fail_later(request_id, None, blocks, str(exc), False)
+            else:
+                logger.error("request %s: nothing to receive, P not told: %s", request_id, exc)
+            return
+        positions: tuple[int, ...] = ()
+        local: tuple[int, ...] = ()
+        if external > 0:
+            ((positions, local),) = unfilled  # push mode runs one KV-cache group
+            self.receiving.add(request_id)
+        spec = PushRecvSpec(request_id, base_request_id(request_id), remote, positions, local)
+        self._to_push_recv.append(spec)
 
     def _stop_waiting(self, request_id: str) -> None:
         if self.waiting.pop(request_id, None) is None:

@@ -49,6 +49,13 @@ class HixlScheduler:
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         self._group_block_sizes = group_block_sizes(vllm_config, kv_cache_config)
+        push = config.transfer_mode == "push"
+        if push and len(self._group_block_sizes) > 1:
+            raise ValueError(
+                "kv_connector_extra_config 'transfer_mode': 'push' moves one KV-cache group, "
+                f"this model has {len(self._group_block_sizes)} (a hybrid or sliding-window "
+                "model under vLLM's hybrid KV-cache manager): use 'transfer_mode': 'pull'"
+            )
         self.misconfigured = Misconfigurations()
         self.decode: DecodeSide | None = None
         self.prefill: PrefillSide | None = None
@@ -59,7 +66,7 @@ class HixlScheduler:
                 self._group_block_sizes[0],
                 tp_size,
             )
-            self.decode = DecodeSide(loads, self._group_block_sizes, self.misconfigured)
+            self.decode = DecodeSide(loads, self._group_block_sizes, self.misconfigured, push)
         if kv_transfer_config.is_kv_producer:
             dp_rank = parallel.data_parallel_index
             self.prefill = PrefillSide(config, engine_id, dp_rank, tp_size, self._group_block_sizes)
@@ -128,10 +135,13 @@ class HixlScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HixlConnectorMetadata:
         step = (
-            self.decode.take_step() if self.decode is not None else DecodeStep([], [], [], [], [])
+            self.decode.take_step()
+            if self.decode is not None
+            else DecodeStep([], [], [], [], [], [])
         )
         return HixlConnectorMetadata(
             to_recv=step.to_recv,
+            to_push_recv=step.to_push_recv,
             to_release=step.to_release,
             to_send=self.prefill.take_sends() if self.prefill is not None else [],
             to_cancel=step.to_cancel,

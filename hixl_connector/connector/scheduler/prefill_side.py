@@ -33,6 +33,7 @@ class PrefillSide:
         group_block_sizes: Sequence[int],
     ) -> None:
         self._group_block_sizes = tuple(group_block_sizes)
+        self._push = config.transfer_mode == "push"
         # P announces rank 0's port and cluster id; D finds rank r at position r from there.
         rank_zero = rank_address(config, dp_rank, 0, tp_size)
         # This start of the engine: in every lease word, in the params and (through the lease
@@ -81,7 +82,9 @@ class PrefillSide:
         for rank_words in self._words:
             rank_words.publish(slot, word)
         self.leased[request_id] = (lease_id, slot)
-        self._to_send.append(SendSpec(request_id, lease_id, slot, word))
+        # Push mode: the blocks go to the workers too, for a D that registers its own.
+        pushed = prompt_blocks[0] if self._push else ()
+        self._to_send.append(SendSpec(request_id, lease_id, slot, word, pushed))
         return True, build_remote_decode_params(
             self._endpoint,
             request_id,
@@ -89,6 +92,7 @@ class PrefillSide:
             request.num_prompt_tokens,
             (lease_id, slot),
             self._group_block_sizes,
+            "push" if self._push else "pull",
         )
 
     def finished_sending(self, request_id: str) -> None:

@@ -39,6 +39,7 @@ from hixl_connector.connector.stats import HixlKVConnectorStats
 from hixl_connector.connector.worker.announcement import describe_groups, handshake_payload
 from hixl_connector.connector.worker.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.worker.prefill_serving import PrefillServing
+from hixl_connector.connector.worker.push_receiver import PushReceiver
 from hixl_connector.connector.worker.receiver import Receiver
 from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
 
@@ -75,6 +76,7 @@ class TransferResults:
 class HixlWorker:
     # What reads the KV on D: a subclass may watch or alter reads (the tests' controls).
     receiver_cls: type[Receiver] = Receiver
+    push_receiver_cls: type[PushReceiver] = PushReceiver
 
     def __init__(
         self,
@@ -115,6 +117,7 @@ class HixlWorker:
         self._peers: PeerRegistry | None = None
         self._lease_client: LeaseClient | None = None
         self._receiver: Receiver | None = None
+        self._push_receiver: PushReceiver | None = None  # D, push mode
         self._serving: PrefillServing | None = None  # P
 
     # -- registration -------------------------------------------------------------------
@@ -192,6 +195,19 @@ class HixlWorker:
             self._finish,
             self._invalidate,
         )
+        if self._is_consumer and self._config.transfer_mode == "push":
+            self._push_receiver = self.push_receiver_cls(
+                self._config,
+                kv,
+                layout,
+                self._block_sizes,
+                self._peers,
+                (self._tp_rank, self._tp_size),
+                self._address.cluster_id,
+                self._record,
+                self._record_pull,
+                self._finish,
+            )
         if lease_words is not None:
             self._serving = PrefillServing(
                 self._context,
@@ -201,6 +217,7 @@ class HixlWorker:
                 lease_words,
                 self._record,
                 self._wake.set,
+                kv,
             )
         logger.info(
             "hixl: registered %d KV tensors x %d blocks of %d bytes (cluster %d, rank %d)",
@@ -227,6 +244,11 @@ class HixlWorker:
                 self._receiver.settle_sync_loads()  # this step's forward reads their KV
             for request_id in metadata.to_cancel:
                 self._receiver.cancel(request_id)
+        if self._push_receiver is not None:
+            for push in metadata.to_push_recv:
+                self._push_receiver.start(push, now)
+            for request_id in metadata.to_cancel:
+                self._push_receiver.cancel(request_id)
         if pooled:
             # Hands the GIL over so the pool begins its handshakes now rather than when this
             # step next blocks.
@@ -246,6 +268,8 @@ class HixlWorker:
         elif idle:
             self._wake.wait(IDLE_STEP_WAIT_S)
         self._wake.clear()
+        if self._push_receiver is not None:
+            self._push_receiver.collect()
         recving: set[str] = set()
         failed: set[str] = set()
         failed_blocks: set[int] = set()
@@ -313,6 +337,8 @@ class HixlWorker:
         began = time.monotonic()
         if self._peers is not None:
             self._peers.stop()  # handshakes and notices under way give up at once
+        if self._push_receiver is not None:
+            self._push_receiver.shutdown()
         if self._receiver is not None and not self._receiver.shutdown(SHUTDOWN_WAIT_S):
             logger.warning("hixl: a handshake still under way at shutdown is abandoned")
         if self._lease_client is not None:

@@ -1,5 +1,6 @@
-"""P's serving side of a worker rank: the side channel that answers D's handshakes and lease
-notices, and the leases it holds on this rank (their words and their expiry)."""
+"""P's serving side of a worker rank: the side channel that answers D's handshakes, lease
+notices and (push mode) push registrations, and the leases it holds on this rank (their
+words and their expiry)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.envelope import Destination
 from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
 from hixl_connector.connector.peers.side_channel import SideChannelServer
+from hixl_connector.connector.worker.push_sender import PushSender
+from hixl_connector.connector.worker.registered_kv import RegisteredKV
 
 
 class PrefillServing:
@@ -31,29 +34,42 @@ class PrefillServing:
         words: LeaseWords,
         record: Callable[[str, int], None],
         wake: Callable[[], None],
+        kv: RegisteredKV,
     ) -> None:
         self._payload = payload
         self._words = words
         self._leases = LeaseServer(config.lease_s, words, record, wake)
+        self._pusher: PushSender | None = None
+        if config.transfer_mode == "push":
+            self._pusher = PushSender(kv, self._leases.table, config.transfer_threads, record, wake)
+        pushing = self._pusher.handlers() if self._pusher is not None else {}
         self._server = SideChannelServer(
             context,
             config.side_channel_host,
             side_channel_port,
-            {"handshake": self._on_handshake, **self._leases.handlers()},
+            {"handshake": self._on_handshake, **self._leases.handlers(), **pushing},
             self._identity,
             config.auth_token,
         )
 
     def hold(self, sends: Iterable[SendSpec]) -> None:
-        """Starts the leases the scheduler took this step."""
+        """Starts the leases the scheduler took this step (push mode: and their pushes)."""
+        sends = list(sends)
         self._leases.start(sends, time.monotonic())
+        if self._pusher is not None:
+            self._pusher.hold(sends)
 
     def finished(self) -> set[str]:
         """The requests whose leases ended since the last call: their blocks may go."""
-        return self._leases.finished(time.monotonic())
+        finished = self._leases.finished(time.monotonic())
+        if self._pusher is not None and finished:
+            self._pusher.forget(finished)
+        return finished
 
     def close(self) -> None:
         self._server.close()
+        if self._pusher is not None:
+            self._pusher.close()
         self._words.unlink()  # normally gone already: the scheduler unlinks it
 
     def _on_handshake(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hixl_connector.connector.config import HixlConfig
@@ -45,6 +45,8 @@ SLICES_MODEL_ID = 1024
 # P's lease words, and the scratch words D reads them into (leases.guarded_read).
 LEASE_WORDS_MODEL_ID = 2048
 SCRATCH_WORDS_MODEL_ID = 2049
+# Push mode, D: one word per request being pushed, which P writes after its blocks.
+PUSH_WORDS_MODEL_ID = 2050
 ONE_TENSOR = {"tensor_num_per_layer": 1}
 
 
@@ -64,6 +66,12 @@ class RegisteredCache:
     model_id: int
     cache: Any
     tensors_per_layer: int
+    units_per_block: int = 1  # registered "blocks" per KV block (KV heads where they split)
+
+    def units(self, blocks: Sequence[int]) -> list[int]:
+        """The registered units of ``blocks``, block by block."""
+        n = self.units_per_block
+        return [block * n + unit for block in blocks for unit in range(n)]
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,9 @@ class RegisteredKV:
     slices: RegisteredCache | None = None  # the caches again in slices, where registered
     scratch: RegisteredCache | None = None  # D: where peers' lease words are read to
     scratch_words: Any = None  # ... and the words themselves (ctypes array)
+    lease_words: RegisteredCache | None = None  # P: its lease words (a push's last write)
+    push_words: RegisteredCache | None = None  # D, push mode: where P's last writes land
+    push_word_memory: Any = None  # ... and the words themselves (ctypes array)
 
     def lease_guarded_pull(
         self,
@@ -118,6 +129,35 @@ class RegisteredKV:
         the first failure (LLMException), and its ``finished_at`` is when the last byte landed.
         Bad arguments raise here."""
         return self.api.pull_blocks_batch_async(self.datadist.cache_manager, pulls)
+
+    def grant(self, writer_cluster_id: int, cache: RegisteredCache, units: Sequence[int]) -> int:
+        """Lets that peer push into ``units`` of ``cache`` (write_grants); the grant id."""
+        return int(self.datadist.cache_manager.grant_writes(cache.cache, writer_cluster_id, units))
+
+    def revoke(self, grant: int, timeout_s: float) -> None:
+        """Once this returns, nothing lands under ``grant``; raises LLMException(LLM_TIMEOUT)
+        while a write under it is still in flight after ``timeout_s``."""
+        self.datadist.cache_manager.revoke_writes(grant, max(1, int(timeout_s * 1000)))
+
+    def push(
+        self,
+        remote_cluster_id: int,
+        part: RegisteredCache,
+        dst_model_id: int,
+        pairs: tuple[Sequence[int], Sequence[int]],
+        grant: int,
+    ) -> None:
+        """Writes units ``pairs[0]`` of ``part`` into units ``pairs[1]`` of that peer's cache
+        ``dst_model_id``, under the peer's ``grant``; returns once they landed."""
+        src, dst = pairs
+        self.datadist.cache_manager.push_blocks(
+            self.api.BlocksCacheKey(remote_cluster_id, dst_model_id),
+            part.cache,
+            list(src),
+            list(dst),
+            tensor_num_per_layer=part.tensors_per_layer,
+            hixl_write_grant=grant,
+        )
 
     def reads_in_place(self, remote_cluster_id: int) -> bool:
         """Whether reads from this linked peer are one-sided copies out of this host's
@@ -182,8 +222,11 @@ def _configure(api: Backend, config: HixlConfig, layout: KVLayout) -> Any:
         # Always set, even empty: the connector's config is the one source of the token, so
         # the engine never falls back to HIXL_AUTH_TOKEN behind an explicit "auth_token": "".
         llm_config.hixl_auth_token = config.auth_token
-        # Pull mode: D reads, P never reaches back, so D opens no return listener.
-        llm_config.hixl_links_both_ways = False
+        # Pull mode: D reads, P never reaches back, so D opens no return listener. Push
+        # mode: P writes into D over the link D opened, and only where D granted it.
+        push = config.transfer_mode == "push"
+        llm_config.hixl_links_both_ways = push
+        llm_config.hixl_writes_by_grant = push
     return llm_config
 
 
@@ -201,6 +244,12 @@ def register_kv(
     device = _kv_device(layout)
     api = load_backend(config.backend, getattr(device, "type", None))
     profile = api.PROFILE
+    if config.transfer_mode == "push" and not profile.native_options:
+        raise ValueError(
+            f"kv_connector_extra_config 'transfer_mode': 'push' needs the native engine's "
+            f"write grants, which the {profile.name!r} back-end lacks: use 'transfer_mode': "
+            "'pull'"
+        )
     on_device = device is not None and device.type != "cpu"
     if on_device and not profile.device_memory:
         raise ValueError(
@@ -229,8 +278,16 @@ def register_kv(
     datadist.init(llm_config.generate_options())
     host = api.Placement.HOST
     scratch_words = (ctypes.c_uint64 * SCRATCH_WORDS)() if consumer else None
+    pushed = consumer and config.transfer_mode == "push"
+    push_word_memory = (ctypes.c_uint64 * layout.num_blocks)() if pushed else None
     try:
-        caches = tuple(_register(api, datadist, cluster_id, p, placement) for p in kv_parts)
+        caches = tuple(
+            replace(
+                _register(api, datadist, cluster_id, p, placement),
+                units_per_block=p.units // layout.num_blocks,
+            )
+            for p in kv_parts
+        )
         slices = None
         if layout.slice_bytes:
             registration = Registration(
@@ -241,12 +298,18 @@ def register_kv(
                 layout.num_blocks * layout.block_bytes // layout.slice_bytes,
             )
             slices = _register(api, datadist, cluster_id, registration, placement)
+        words = None
         if producer:
             if lease_words is None:
                 raise ValueError("a prefill engine needs its lease words")
             address, count = lease_words
             registration = Registration(LEASE_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
-            _register(api, datadist, cluster_id, registration, host)
+            words = _register(api, datadist, cluster_id, registration, host)
+        push_words = None
+        if push_word_memory is not None:
+            address, count = ctypes.addressof(push_word_memory), len(push_word_memory)
+            registration = Registration(PUSH_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
+            push_words = _register(api, datadist, cluster_id, registration, host)
         scratch = None
         if scratch_words is not None:
             address, count = ctypes.addressof(scratch_words), len(scratch_words)
@@ -268,6 +331,9 @@ def register_kv(
         slices,
         scratch,
         scratch_words,
+        words,
+        push_words,
+        push_word_memory,
     )
 
 

@@ -115,6 +115,10 @@ struct PushRequest {
   int64_t dst_tensor_first = 0;
   int64_t dst_tensor_count = -1;
   int64_t timeout_ms = 1000;
+  // The write grant (grant_writes on the peer) this write is made under: a peer cache
+  // registered writes_by_grant takes it only into blocks of exactly that grant. 0 names none;
+  // caches not written by grant ignore it.
+  uint64_t grant = 0;
 };
 
 // Thread-safe engine. Constructor throws std::invalid_argument for bad options and
@@ -159,7 +163,8 @@ class Engine {
   Status push(const PushRequest& request);
 
   // Lets `writer_cluster` write `blocks` of cache `cache_id` (registered writes_by_grant)
-  // until revoke_writes(*grant); a block belongs to one grant at a time.
+  // until revoke_writes(*grant), with writes that name *grant (PushRequest::grant); a block
+  // belongs to one grant at a time. Ids start at random per engine, never 0 (write_grants.h).
   Status grant_writes(int64_t writer_cluster, int64_t cache_id, const std::vector<int64_t>& blocks,
                       uint64_t* grant);
   // Withdraws the grant and returns once no write under it is in flight (TIMEOUT when one

@@ -1,0 +1,314 @@
+"""D side of push mode, one worker rank: hands the request's blocks to the P rank it mirrors
+and waits for P to write them.
+
+For each ``PushRecvSpec``, on a small pool (never the step thread): learn P's cluster id and
+incarnation from a first-contact handshake when the router named P only by address (kept per
+address until a link to it fails), link that P rank as a pull would (PeerRegistry), grant P's
+cluster the request's blocks in every registered KV cache and one push word, clear the word,
+and register all of it with P (``push_register``). P writes the blocks, then its lease word
+into the push word. `collect` (on the step thread) looks at the words: a set word means every
+block landed, and the request is reported received.
+
+The safety argument, for the native engine (push mode refuses other back-ends at start):
+- D decodes a block only after P's last write of the request, its word, landed; P writes the
+  word only after every block write returned, and each write returns only once it landed.
+- Every write names its grant, and D's engine refuses one into a block that grant does not
+  hold, so a write meant for another request (an earlier one that used these blocks, or a P
+  that restarted since) never lands here; grant ids start at random, so a new start of
+  either side reissues none.
+- D revokes a request's grants before it reports the request, ok or failed; a revoke returns
+  only once no write under the grant is in flight and refuses every later one. So once vLLM
+  may free or reuse a block (after the report), nothing writes it.
+- D gives up on its own after ``pull_timeout_s`` (the router never aborts D): it revokes and
+  reports a failed receive, and vLLM's kv_load_failure_policy decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
+from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
+from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.peers.registry import Peer, PeerRegistry
+from hixl_connector.connector.worker.kv_layout import KVLayout
+from hixl_connector.connector.worker.registered_kv import RegisteredKV
+
+logger = logging.getLogger(__name__)
+
+# How long a revoke waits for a write under way before it tries again.
+REVOKE_WAIT_S = 1.0
+
+
+class PushRefused(RuntimeError):
+    """This deployment cannot take the request's KV by push."""
+
+
+@dataclass
+class _Awaited:
+    spec: PushRecvSpec
+    peer: Peer | None = None
+    grants: list[int] = field(default_factory=list)
+    slot: int | None = None
+    registered_at: float = 0.0
+    fresh: bool = False  # P's start was learned for this request (first contact)
+
+
+class PushReceiver:
+    def __init__(
+        self,
+        config: HixlConfig,
+        kv: RegisteredKV,
+        layout: KVLayout,
+        block_sizes: tuple[int, ...],
+        peers: PeerRegistry,
+        rank: tuple[int, int],
+        cluster_id: int,
+        record: Callable[[str], None],
+        record_pull: Callable[[float, float, int, int], None],
+        finish: Callable[[str, bool, tuple[int, ...]], None],
+    ) -> None:
+        if kv.push_words is None:
+            raise ValueError("push mode needs this decode engine's push words registered")
+        self._config = config
+        self._kv = kv
+        self._layout = layout
+        self._block_sizes = block_sizes
+        self._peers = peers
+        self._tp_rank, self._tp_size = rank
+        self._cluster_id = cluster_id
+        self._record = record
+        self._record_pull = record_pull
+        self._finish = finish
+        self._words = kv.push_word_memory
+        self._free_slots = list(range(len(self._words) - 1, -1, -1))
+        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-push")
+        self._lock = threading.Lock()
+        self._awaited: dict[str, _Awaited] = {}  # registered with P, word not set yet
+        self._cancelled: set[str] = set()
+        # P engines by (engine id, host, port) as first contact found them.
+        self._endpoints: dict[tuple[str, str, int], RemoteEndpoint] = {}
+
+    def start(self, spec: PushRecvSpec, queued_at: float) -> None:
+        """Registers the request's blocks with P (on the pool)."""
+        self._pool.submit(self._register, spec, queued_at)
+
+    def cancel(self, request_id: str) -> None:
+        """Aborted: its grants are revoked and it is reported failed (vLLM frees after)."""
+        with self._lock:
+            self._cancelled.add(request_id)
+            awaited = self._awaited.pop(request_id, None)
+        if awaited is not None:
+            self._pool.submit(self._give_up, awaited, "aborted")
+
+    def collect(self) -> None:
+        """Ends the requests whose word P set (on the step thread), and those past their time."""
+        now = time.monotonic()
+        with self._lock:
+            landed = [
+                a for a in self._awaited.values() if a.slot is not None and self._words[a.slot]
+            ]
+            late = [
+                a
+                for a in self._awaited.values()
+                if a not in landed and now - a.registered_at > self._config.pull_timeout_s
+            ]
+            for awaited in landed + late:
+                del self._awaited[awaited.spec.request_id]
+        for awaited in landed:
+            self._landed(awaited, now)
+        for awaited in late:
+            self._record("push_timeouts")
+            reason = f"no push from P within pull_timeout_s ({self._config.pull_timeout_s:g} s)"
+            self._pool.submit(self._give_up, awaited, reason)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._awaited)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _register(self, spec: PushRecvSpec, queued_at: float) -> None:
+        awaited = _Awaited(spec, registered_at=queued_at)
+        try:
+            try:
+                self._offer(awaited, fresh=False)
+            except PushRefused:
+                raise
+            except Exception as e:
+                if awaited.fresh:
+                    raise
+                # P may have restarted since D first contacted it (the router keeps naming
+                # its old start): once more, from a first contact.
+                logger.info("hixl: request %s: %s; contacting P again", spec.request_id, e)
+                self._revoke(awaited)
+                self._offer(awaited, fresh=True)
+        except Exception as e:
+            if not isinstance(e, PushRefused):
+                self._forget_endpoint(spec.remote)
+            self._give_up(awaited, str(e))
+            return
+        if not spec.local_block_ids:
+            return  # P was told to free its blocks: nothing to wait for
+        with self._lock:
+            if spec.request_id not in self._cancelled:
+                self._awaited[spec.request_id] = awaited
+                return
+        self._give_up(awaited, "aborted")
+
+    def _offer(self, awaited: _Awaited, fresh: bool) -> None:
+        """Links P's rank, grants it the blocks and registers them with it."""
+        spec = awaited.spec
+        peer = awaited.peer = self._peer(awaited, fresh)
+        if spec.local_block_ids:
+            self._grant(awaited, peer)
+        message = PushRegistration(
+            request=spec.base_request_id,
+            cluster_id=self._cluster_id,
+            positions=spec.positions,
+            blocks=spec.local_block_ids,
+            grants=tuple(awaited.grants[:-1]),
+            word=(awaited.slot or 0, awaited.grants[-1] if awaited.grants else 0),
+            wait_s=self._config.pull_timeout_s,
+        )
+        peer.client.request(message.to_dict())
+        self._record("push_registrations")
+
+    def _peer(self, awaited: _Awaited, fresh: bool) -> Peer:
+        """The P rank this rank mirrors, linked; its start learned first where D knows none
+        for this address yet, or ``fresh``."""
+        remote = awaited.spec.remote
+        if remote.tp_size != self._tp_size:
+            raise PushRefused(
+                f"push mode needs prefill and decode of one tensor-parallel size: prefill "
+                f"engine {remote.engine_id} has {remote.tp_size}, this engine {self._tp_size}; "
+                "use 'transfer_mode': 'pull' for this pair"
+            )
+        key = (remote.engine_id, remote.host, remote.port)
+        with self._lock:
+            endpoint = None if fresh else self._endpoints.get(key)
+        if endpoint is None:
+            awaited.fresh = True
+            endpoint = self._first_contact(remote, key)
+        peer = self._peers.get(endpoint.rank(self._tp_rank))
+        if tuple(peer.payload.block_sizes) != self._block_sizes:
+            raise PushRefused(
+                f"push mode needs one block size on both sides: prefill engine "
+                f"{remote.engine_id} has {peer.payload.block_sizes}, this engine "
+                f"{list(self._block_sizes)}; use 'transfer_mode': 'pull' for this pair"
+            )
+        return peer
+
+    def _first_contact(self, remote: RemoteEndpoint, key: tuple[str, str, int]) -> RemoteEndpoint:
+        """Whoever serves P's side channel now, by a handshake naming no incarnation: its
+        engine id, cluster id and start. The router's picture of P may be older than P's
+        start (it keeps an identity until P's next answer), but the router sent P's leg to
+        that same address, so the engine there is the one prefilling the request."""
+        client = self._peers.client_for(remote.rank(0))
+        try:
+            reply = client.request({"type": "handshake", "schema": SCHEMA_VERSION})
+        finally:
+            client.close()
+        payload = HandshakePayload.from_dict(reply.get("payload"))
+        if payload.tp_rank != 0:
+            raise PushRefused(
+                f"{remote.host}:{remote.port} serves rank {payload.tp_rank} of engine "
+                f"{payload.engine_id}, not rank 0"
+            )
+        if payload.engine_id != remote.engine_id:
+            logger.info(
+                "hixl: %s:%d now serves prefill engine %s (the router named %s)",
+                remote.host,
+                remote.port,
+                payload.engine_id,
+                remote.engine_id,
+            )
+        endpoint = replace(
+            remote,
+            engine_id=payload.engine_id,
+            cluster_id=payload.cluster_id,
+            incarnation=payload.incarnation,
+        )
+        with self._lock:
+            self._endpoints[key] = endpoint
+        return endpoint
+
+    def _forget_endpoint(self, remote: RemoteEndpoint) -> None:
+        """A failure with this P: the next request learns its start again (P restarted?)."""
+        with self._lock:
+            self._endpoints.pop((remote.engine_id, remote.host, remote.port), None)
+
+    def _grant(self, awaited: _Awaited, peer: Peer) -> None:
+        """Grants P the blocks in every KV cache, then a cleared push word (last)."""
+        blocks = awaited.spec.local_block_ids
+        for part in self._kv.caches:
+            awaited.grants.append(self._kv.grant(peer.cluster_id, part, part.units(blocks)))
+        with self._lock:
+            if not self._free_slots:
+                raise RuntimeError("every push word is taken")  # one per block: cannot be
+            awaited.slot = self._free_slots.pop()
+        self._words[awaited.slot] = 0
+        assert self._kv.push_words is not None
+        awaited.grants.append(self._kv.grant(peer.cluster_id, self._kv.push_words, [awaited.slot]))
+
+    def _landed(self, awaited: _Awaited, now: float) -> None:
+        """P set the word: every block landed. Revoked before the report (a write under
+        the word's grant may still be returning), then the blocks are vLLM's."""
+        try:
+            self._revoke(awaited)
+        except Exception as e:
+            self._pool.submit(self._give_up, awaited, f"revoke failed: {e}")
+            return
+        spec = awaited.spec
+        nbytes = len(spec.local_block_ids) * self._layout.block_bytes * self._layout.num_tensors
+        self._received(spec, nbytes, now - awaited.registered_at, now - awaited.registered_at)
+
+    def _received(self, spec: PushRecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
+        """The blocks of ``spec`` hold P's KV for it: reports them."""
+        self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
+        self._record("push_receives")
+        self._finish(spec.request_id, True, spec.local_block_ids)
+
+    def _give_up(self, awaited: _Awaited, reason: str) -> None:
+        """Revokes (waiting for any write under way), then reports a failed receive."""
+        spec = awaited.spec
+        while True:
+            try:
+                self._revoke(awaited)
+                break
+            except Exception as e:  # a write still under way: its blocks are not ours yet
+                logger.warning("hixl: request %s: revoking its grants: %s", spec.request_id, e)
+        with self._lock:
+            self._cancelled.discard(spec.request_id)
+        if not spec.local_block_ids:
+            if reason:
+                logger.warning("hixl: request %s: P not told to free: %s", spec.request_id, reason)
+            return
+        if reason != "aborted":
+            logger.error("hixl: KV push for request %s failed: %s", spec.request_id, reason)
+        self._record("failed_push_receives")
+        self._finish(spec.request_id, False, spec.local_block_ids)
+
+    def _revoke(self, awaited: _Awaited) -> None:
+        """Revokes every grant still held (each only once), then frees the word."""
+        timeout = self._kv.api.LLMStatusCode.LLM_TIMEOUT
+        while awaited.grants:
+            try:
+                self._kv.revoke(awaited.grants[-1], REVOKE_WAIT_S)
+            except Exception as e:
+                if getattr(e, "status_code", None) == timeout:
+                    raise
+                # Not a grant any more (the engine closed): nothing can write under it.
+                logger.warning("hixl: grant %d: %s", awaited.grants[-1], e)
+            awaited.grants.pop()
+        if awaited.slot is not None:
+            with self._lock:
+                self._free_slots.append(awaited.slot)
+            awaited.slot = None

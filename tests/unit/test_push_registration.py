@@ -1,0 +1,68 @@
+"""Push mode's D -> P registration: what P accepts, and what it refuses naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hixl_connector.connector.peers.push_registration import PushRegistration
+
+ids = st.integers(0, 2**31)
+
+
+@st.composite
+def registrations(draw: st.DrawFn) -> PushRegistration:
+    blocks = draw(st.lists(ids, max_size=40))
+    positions = draw(st.lists(ids, min_size=len(blocks), max_size=len(blocks)))
+    grants = draw(st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=4))
+    return PushRegistration(
+        request=draw(st.text(min_size=1, max_size=60)),
+        cluster_id=draw(st.integers(0, 2**63 - 1)),
+        positions=tuple(positions),
+        blocks=tuple(blocks),
+        grants=tuple(grants),
+        word=(draw(ids), draw(st.integers(0, 2**63 - 1))),
+        wait_s=draw(st.floats(0.001, 3600)),
+    )
+
+
+@given(registrations())
+def test_a_registration_survives_the_wire(registration: PushRegistration) -> None:
+    assert PushRegistration.from_dict(registration.to_dict()) == registration
+
+
+GOOD = PushRegistration("cmpl-x-0", 9, (0, 1), (5, 6), (11,), (3, 12), 30.0).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"request": ""}, "request"),
+        ({"request": "x" * 2000}, "longer than"),
+        ({"cluster_id": -1}, "cluster_id"),
+        ({"positions": [0]}, "1 positions for 2 blocks"),
+        ({"blocks": [5, True]}, "blocks"),
+        ({"blocks": "56"}, "blocks"),
+        ({"grants": []}, "grants no cache"),
+        ({"grants": [2**63]}, "grants"),
+        ({"word": [3]}, "word must be"),
+        ({"word": None}, "word"),
+        ({"wait_s": 0}, "wait_s"),
+        ({"wait_s": float("nan")}, "wait_s"),
+        ({"wait_s": True}, "wait_s"),
+        ({"wait_s": 1e12}, "wait_s"),
+    ],
+)
+def test_hostile_registrations_are_refused_naming_the_field(
+    change: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        PushRegistration.from_dict({**GOOD, **change})
+
+
+def test_not_a_dict_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be a dict"):
+        PushRegistration.from_dict([1, 2])

@@ -1,0 +1,155 @@
+"""Push mode in vLLM's real Scheduler (CPU, one process, no worker): what D asks P to write
+when the router names P only, what P hands its workers, and what each side refuses.
+
+The worker side is played by hand, as in test_decode_scheduling.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+from vllm_harness import (
+    BLOCK_SIZE,
+    block_ids,
+    finished_outputs,
+    free_blocks,
+    make_request,
+    make_scheduler,
+    metadata,
+    prefill_params,
+    prompt,
+    run_until_finished,
+    runner_output,
+    step,
+)
+
+from hixl_connector.connector.metadata import (
+    InvalidTransferParams,
+    PushRecvSpec,
+    RemoteEndpoint,
+    base_request_id,
+    is_push_identity,
+    parse_push_identity,
+    parse_remote_prefill,
+)
+
+pytestmark = pytest.mark.usefixtures("scheduling")
+
+PUSH = {"transfer_mode": "push"}
+# What vllm-router 0.1.17 sends D once P answered with its push identity (seen on the wire:
+# the X-Request-Id comes along as remote_request_id).
+IDENTITY = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-engine",
+    "remote_host": "10.0.0.9",
+    "remote_port": 7100,
+    "tp_size": 1,
+    "remote_request_id": "x-request-id",
+}
+P_ENDPOINT = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 0, 0)
+
+
+def test_base_request_id_strips_vllms_random_suffix_only() -> None:
+    assert base_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
+    assert base_request_id("chatcmpl-xyz-DEADBEEF") == "chatcmpl-xyz"
+    assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-1a2b3c4") == "cmpl-abc-1a2b3c4"
+
+
+def test_identity_params_parse_and_bad_ones_name_the_field() -> None:
+    assert is_push_identity(IDENTITY)
+    assert not is_push_identity(prefill_params(2))
+    assert parse_push_identity(IDENTITY) == P_ENDPOINT
+    for key, bad in (("remote_port", 0), ("remote_host", ""), ("tp_size", "1")):
+        with pytest.raises(InvalidTransferParams, match=key):
+            parse_push_identity({**IDENTITY, key: bad})
+    # P's full answer in push mode (the router's first, sequential leg) is pulled.
+    assert parse_remote_prefill(prefill_params(2, transfer_mode="push")).lease_id == 77
+    with pytest.raises(InvalidTransferParams, match="transfer_mode"):
+        parse_remote_prefill(prefill_params(2, transfer_mode="write"))
+
+
+def test_concurrent_leg_registers_ds_blocks_and_waits_for_p(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH)
+    idle = free_blocks(scheduler)
+    request = make_request("cmpl-x-0-0badcafe", prompt(3 * BLOCK_SIZE + 5), params=dict(IDENTITY))
+    scheduler.add_request(request)
+
+    output, _ = step(scheduler)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    meta = metadata(output)
+    assert meta.to_recv == [] and meta.waiting == []  # no lease to read or renew
+    (spec,) = meta.to_push_recv
+    assert spec == PushRecvSpec(
+        "cmpl-x-0-0badcafe",
+        "cmpl-x-0",
+        P_ENDPOINT,
+        (0, 1, 2, 3),
+        tuple(block_ids(scheduler, "cmpl-x-0-0badcafe")),
+    )
+    output, _ = step(scheduler, finished_recving={"cmpl-x-0-0badcafe"})
+    assert metadata(output).to_push_recv == []
+    finished = run_until_finished(scheduler, "cmpl-x-0-0badcafe")
+    assert finished.finish_reason == FinishReason.LENGTH
+    assert free_blocks(scheduler) == idle
+
+
+def test_aborted_while_p_writes_is_cancelled_and_before_allocation_releases_p(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH)
+    scheduler.add_request(make_request("d1", prompt(40), params=dict(IDENTITY)))
+    step(scheduler)
+    scheduler.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)
+    output, _ = step(scheduler)
+    assert metadata(output).to_cancel == ["d1"]
+
+    # Aborted before it had blocks: P is told to free its own (a spec without blocks).
+    scheduler.add_request(make_request("d2-00000000", prompt(40), params=dict(IDENTITY)))
+    scheduler.finish_requests(["d2-00000000"], RequestStatus.FINISHED_ABORTED)
+    output, _ = step(scheduler, finished_recving={"d1"})
+    (spec,) = metadata(output).to_push_recv
+    assert (spec.base_request_id, spec.positions, spec.local_block_ids) == ("d2", (), ())
+
+
+def test_pull_mode_d_refuses_identity_params(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
+    scheduler.add_request(make_request("d1", prompt(40), params=dict(IDENTITY)))
+    output, _ = step(scheduler)
+    meta = metadata(output)
+    assert meta.to_push_recv == []
+    (spec,) = meta.to_recv
+    assert "remote_block_ids" in spec.error
+
+
+def test_push_mode_p_hands_its_workers_the_prompt_blocks_and_names_the_mode(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", extra=PUSH)
+    # What the router sends P in a concurrent leg.
+    params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        **dict.fromkeys(("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")),
+    }
+    scheduler.add_request(
+        make_request("p1", prompt(2 * BLOCK_SIZE + 3), max_tokens=1, params=params)
+    )
+    output = scheduler.schedule()
+    blocks = block_ids(scheduler, "p1")
+    finished = finished_outputs(scheduler.update_from_output(output, runner_output(output)))
+    answer = finished["p1"].kv_transfer_params
+    assert answer["transfer_mode"] == "push"
+    assert answer["remote_engine_id"] == "engine-under-test"
+    assert answer["remote_host"] and answer["remote_port"] and answer["tp_size"] == 1
+    (send,) = metadata(step(scheduler)[0]).to_send
+    assert send.block_ids == tuple(blocks[:3])
+
+
+def test_push_mode_refuses_a_hybrid_model_at_start(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="transfer_mode.*one KV-cache group"):
+        make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH, sliding_window=32)
