@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hixl_connector.datadist.allocations import Pools
-from hixl_connector.datadist.cache_rows import validate_pull_cache, validate_push_cache
+from hixl_connector.datadist.cache_rows import validate_pull_cache
 from hixl_connector.datadist.checks import (
     check_int64,
     check_isinstance,
@@ -27,6 +27,7 @@ from hixl_connector.datadist.llm_types import (
 )
 from hixl_connector.datadist.local_calls import LocalCacheCalls
 from hixl_connector.datadist.pull_handle import PullHandle
+from hixl_connector.datadist.push_calls import PushCalls
 from hixl_connector.datadist.status import (
     LLMException,
     LLMStatusCode,
@@ -34,12 +35,9 @@ from hixl_connector.datadist.status import (
     raise_if_false,
     raise_if_true,
 )
-from hixl_connector.datadist.transfer_async import CacheTask, check_transfer_args, layer_push
 from hixl_connector.datadist.validation import (
-    DEFAULT_TENSOR_NUM_PER_LAYER,
     PullArgs,
     validate_pull_blocks,
-    validate_push_blocks,
 )
 from hixl_connector.datadist.write_grants import WriteGrantCalls
 
@@ -52,10 +50,10 @@ def _feature_not_enabled(what: str) -> LLMException:
     )
 
 
-class CacheManager(LocalCacheCalls, WriteGrantCalls):
+class CacheManager(LocalCacheCalls, WriteGrantCalls, PushCalls):
     """Registers host caches with the engine, pulls blocks from linked peers and pushes
-    blocks to them; the calls that stay in this process are LocalCacheCalls', the write
-    grants (an extension) WriteGrantCalls'."""
+    blocks to them; the calls that stay in this process are LocalCacheCalls', the pushes
+    PushCalls', the write grants (an extension) WriteGrantCalls'."""
 
     def __init__(self, engine: Any, options: dict[str, str], sync_kv_timeout_ms: int) -> None:
         self._engine = engine
@@ -303,106 +301,3 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls):
             lambda: self._engine.pull_cache(*native), row.remote_cluster_id
         )
         check_status(status, "[pull_cache]", f"cache_key = {cache_key}: {message}")
-
-    def push_blocks(
-        self,
-        dst_cache_key: BlocksCacheKey,
-        src_cache: Cache,
-        src_blocks: list[int] | tuple[int, ...] = (),
-        dst_blocks: list[int] | tuple[int, ...] = (),
-        src_layer_range: range | None = None,
-        dst_layer_range: range | None = None,
-        tensor_num_per_layer: int = DEFAULT_TENSOR_NUM_PER_LAYER,
-        **kwargs: Any,
-    ) -> None:
-        """Write local blocks into a linked peer's blocks cache (reference section 6.5):
-        ``src_blocks[i]`` of ``src_cache`` lands on ``dst_blocks[i]`` of the peer's cache
-        registered under ``dst_cache_key``, for the layers of the ranges (all by default).
-
-        The peer's engine pins its cache and checks every range before a byte lands; on
-        the same host it copies the bytes in from this process, over TCP it receives them.
-        After a failed push the destination blocks hold undefined content.
-
-        Extension kwarg ``hixl_write_grant`` (int, default 0 = none): the id the peer's
-        ``grant_writes`` returned for these blocks; a peer cache registered with
-        ``hixl_writes_by_grant`` takes the push only into blocks of exactly that grant
-        (write_grants.py), other caches ignore it."""
-        self._check_is_inited()
-        raise_if_false(
-            self._remote_cache_accessible,
-            "push_blocks needs enable_remote_cache_accessible (llm.EnableRemoteCacheAccessible)",
-        )
-        args = validate_push_blocks(
-            dst_cache_key,
-            src_cache,
-            src_blocks,
-            dst_blocks,
-            src_layer_range,
-            dst_layer_range,
-            tensor_num_per_layer,
-            self._caches,
-            kwargs,
-        )
-        status, message = self._engine.push(
-            *args.native_args(self._timeout_ms), grant=args.write_grant
-        )
-        check_status(status, "[push_blocks]", f"dst_cache_key = {dst_cache_key}: {message}")
-
-    def push_cache(
-        self,
-        dst_cache_key: CacheKeyByIdAndIndex,
-        src_cache: Cache,
-        src_batch_index: int = 0,
-        src_layer_range: range | None = None,
-        dst_layer_range: range | None = None,
-        size: int = -1,
-        tensor_num_per_layer: int = DEFAULT_TENSOR_NUM_PER_LAYER,
-    ) -> None:
-        """Row ``src_batch_index`` of a local contiguous cache onto the row the key names of
-        a linked peer's cache, for the layers of the ranges (all by default). As with
-        ``push_blocks``, the peer's engine pins its cache and checks every range first."""
-        self._check_is_inited()
-        raise_if_false(
-            self._remote_cache_accessible,
-            "push_cache is only supported while enable_remote_cache_accessible is True",
-        )
-        row = validate_push_cache(
-            dst_cache_key,
-            src_cache,
-            src_batch_index,
-            src_layer_range,
-            dst_layer_range,
-            size,
-            tensor_num_per_layer,
-            self._caches,
-        )
-        status, message = self._engine.push(*row.push_args(self._timeout_ms))
-        check_status(status, "[push_cache]", f"dst_cache_key = {dst_cache_key}: {message}")
-
-    def transfer_cache_async(
-        self,
-        src_cache: Cache,
-        layer_synchronizer: Any,
-        transfer_configs: Any,
-        src_block_indices: list[int] | tuple[int, ...] | None = None,
-        dst_block_indices: list[int] | tuple[int, ...] | None = None,
-        dst_block_memory_size: int | None = None,
-    ) -> CacheTask:
-        """Layer-wise push (reference section 6.5): layer by layer, once the synchronizer says
-        it is computed, each configuration's layers go to the peer as ``push_blocks`` (a
-        blocks cache) or ``push_cache`` (a contiguous one) moves them (transfer_async.py)."""
-        self._check_is_inited()
-        check_transfer_args(
-            src_cache,
-            layer_synchronizer,
-            transfer_configs,
-            src_block_indices,
-            dst_block_indices,
-            dst_block_memory_size,
-            self._remote_cache_accessible,
-        )
-        pushes = [
-            layer_push(self, src_cache, c, src_block_indices, dst_block_indices)
-            for c in transfer_configs
-        ]
-        return CacheTask(transfer_configs, pushes, layer_synchronizer)

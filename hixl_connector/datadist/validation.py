@@ -22,8 +22,6 @@ from hixl_connector.datadist.llm_types import BlocksCacheKey, Cache, CacheKey, C
 from hixl_connector.datadist.status import LLMStatusCode, raise_if_false, raise_if_true
 
 PULL_BLOCKS_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
-# push_blocks' extension keyword arguments (not in CANN's API).
-PUSH_BLOCKS_KWARGS = ("hixl_write_grant",)
 DEFAULT_TENSOR_NUM_PER_LAYER = 2
 
 # Values of the native engine's remote_kind argument.
@@ -119,7 +117,7 @@ def layer_range_to_tensors(
     return layer_range.start * tensor_num_per_layer, len(layer_range) * tensor_num_per_layer
 
 
-def _check_block_ids(name: str, blocks: list[int] | tuple[int, ...]) -> None:
+def check_block_ids(name: str, blocks: list[int] | tuple[int, ...]) -> None:
     # The CANN binding converts ids to uint64 and raises TypeError when it cannot.
     if blocks and (min(blocks) < 0 or max(blocks) > UINT64_MAX):
         raise TypeError(f"{name} ids must fit uint64, got range [{min(blocks)}, {max(blocks)}]")
@@ -214,8 +212,8 @@ def validate_pull_blocks(
     dst_first, dst_count = layer_range_to_tensors(
         "dst_layer_range", dst_layer_range, tensor_num_per_layer
     )
-    _check_block_ids("src_blocks", src_blocks)
-    _check_block_ids("dst_blocks", dst_blocks)
+    check_block_ids("src_blocks", src_blocks)
+    check_block_ids("dst_blocks", dst_blocks)
     raise_if_false(
         registered.get(dst_cache.cache_id) is dst_cache,
         f"local cache {dst_cache.cache_id} does not exist (unregistered or from another engine)",
@@ -276,37 +274,6 @@ def _to_pull_args(
     )
 
 
-@dataclass(frozen=True)
-class PushArgs:
-    """A validated push, in the form the native engine takes it."""
-
-    remote_cluster_id: int
-    model_id: int
-    src_cache_id: int
-    src_blocks: list[int] | tuple[int, ...]
-    dst_blocks: list[int] | tuple[int, ...]
-    src_tensor_first: int
-    src_tensor_count: int
-    dst_tensor_first: int
-    dst_tensor_count: int
-    write_grant: int = 0
-
-    def native_args(self, timeout_ms: int) -> tuple[Any, ...]:
-        """The native ``push``'s positional arguments; ``write_grant`` goes as ``grant=``."""
-        return (
-            to_int64(self.remote_cluster_id),
-            to_int64(self.model_id),
-            self.src_cache_id,
-            self.src_blocks,
-            self.dst_blocks,
-            self.src_tensor_first,
-            self.src_tensor_count,
-            self.dst_tensor_first,
-            self.dst_tensor_count,
-            timeout_ms,
-        )
-
-
 def push_layers(name: str, layer_range: Any, default: range) -> range:
     """CANN's check_layer_range for the pushes: unlike pull_blocks, an empty range is refused."""
     check_isinstance(name, layer_range, range)
@@ -317,98 +284,3 @@ def push_layers(name: str, layer_range: Any, default: range) -> range:
     check_uint32(name, chosen.start)
     check_uint32(name, chosen[-1])
     return chosen
-
-
-def check_write_grant(value: Any) -> int:
-    """The ``hixl_write_grant`` extension: a grant id of the destination's ``grant_writes``
-    (ids are in [1, 2**63)), or 0 for none. ``TypeError`` for anything but an int (a bool
-    too), ``LLM_PARAM_INVALID`` outside [0, 2**63)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"hixl_write_grant only support ['int'], but got {type(value)}.")
-    raise_if_false(
-        0 <= value <= INT64_MAX,
-        f"hixl_write_grant {value} is out of range [0, 2**63)",
-    )
-    return value
-
-
-def validate_push_blocks(
-    dst_cache_key: Any,
-    src_cache: Any,
-    src_blocks: Any,
-    dst_blocks: Any,
-    src_layer_range: Any,
-    dst_layer_range: Any,
-    tensor_num_per_layer: Any,
-    registered: dict[int, Cache],
-    kwargs: dict[str, Any] | None = None,
-) -> PushArgs:
-    """push_blocks' checks (reference section 6.5), in pull_blocks' order where they share one.
-    ``registered``: this process's live caches by id; ``kwargs``: the extension keyword
-    arguments (PUSH_BLOCKS_KWARGS)."""
-    extensions = kwargs or {}
-    check_kwargs("push_blocks", extensions, PUSH_BLOCKS_KWARGS)
-    write_grant = check_write_grant(extensions.get("hixl_write_grant", 0))
-    check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
-    check_isinstance("src_cache", src_cache, Cache, allow_none=False)
-    check_block_list("src_blocks", src_blocks)
-    check_block_list("dst_blocks", dst_blocks)
-    raise_if_false(
-        src_cache.is_blocks_cache, "param check failed, src_cache should be blocks cache."
-    )
-    raise_if_false(len(dst_blocks) > 0, "dst_blocks can not be empty.")
-    raise_if_false(len(src_blocks) > 0, "src_blocks can not be empty.")
-    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-    num_tensors = src_cache.cache_desc.num_tensors
-    raise_if_false(
-        tensor_num_per_layer > 0,
-        f"[push_blocks] param check failed, tensor_num_per_layer ({tensor_num_per_layer}) is "
-        f"invalid, should [1, {num_tensors}]",
-    )
-    every_layer = range(num_tensors // tensor_num_per_layer)
-    src_layers = push_layers("src_layer_range", src_layer_range, every_layer)
-    dst_layers = push_layers("dst_layer_range", dst_layer_range, every_layer)
-    raise_if_false(
-        len(src_layers) == len(dst_layers),
-        f"src_layer_range {src_layers} and dst_layer_range {dst_layers} differ in length",
-    )
-    _check_block_ids("src_blocks", src_blocks)
-    _check_block_ids("dst_blocks", dst_blocks)
-    raise_if_false(
-        registered.get(src_cache.cache_id) is src_cache,
-        f"local cache {src_cache.cache_id} does not exist (unregistered or from another engine)",
-        status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-    )
-    num_blocks = src_cache.cache_desc.batch_size
-    bad = [b for b in src_blocks if b >= num_blocks]
-    raise_if_true(
-        bool(bad),
-        f"src block id {bad[0] if bad else 0} out of range [0, {num_blocks}) of cache "
-        f"{src_cache.cache_id}",
-    )
-    raise_if_true(
-        len(src_blocks) != len(dst_blocks),
-        f"src_blocks size {len(src_blocks)} != dst_blocks size {len(dst_blocks)}",
-    )
-    raise_if_true(
-        max(dst_blocks) > INT64_MAX,
-        f"dst block id {max(dst_blocks)} is out of range of any cache",
-    )
-    count = len(src_layers) * tensor_num_per_layer
-    raise_if_true(
-        src_layers.start * tensor_num_per_layer + count > num_tensors,
-        f"src_layer_range {src_layers} with tensor_num_per_layer {tensor_num_per_layer} is "
-        f"out of range of cache {src_cache.cache_id} ({num_tensors} tensors)",
-    )
-    return PushArgs(
-        remote_cluster_id=dst_cache_key.cluster_id,
-        model_id=dst_cache_key.model_id,
-        src_cache_id=src_cache.cache_id,
-        src_blocks=src_blocks,
-        dst_blocks=dst_blocks,
-        src_tensor_first=src_layers.start * tensor_num_per_layer,
-        src_tensor_count=count,
-        dst_tensor_first=dst_layers.start * tensor_num_per_layer,
-        dst_tensor_count=count,
-        write_grant=write_grant,
-    )

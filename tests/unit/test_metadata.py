@@ -11,14 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hixl_connector.connector.metadata import (
-    REQUIRED_PARAMS,
     HixlConnectorMetadata,
-    InvalidTransferParams,
     RecvSpec,
     ReleaseSpec,
     RemoteEndpoint,
     SendSpec,
     WaitingRead,
+)
+from hixl_connector.connector.transfer_params import (
+    REQUIRED_PARAMS,
+    InvalidTransferParams,
     build_remote_decode_params,
     parse_remote_prefill,
 )

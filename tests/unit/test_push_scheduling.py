@@ -26,10 +26,9 @@ from vllm_harness import (
     step,
 )
 
-from hixl_connector.connector.metadata import (
+from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
+from hixl_connector.connector.transfer_params import (
     InvalidTransferParams,
-    PushRecvSpec,
-    RemoteEndpoint,
     base_request_id,
     is_push_identity,
     parse_push_identity,

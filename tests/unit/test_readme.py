@@ -7,13 +7,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hixl_connector.connector.metadata import (
+from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.scheduler.misconfig import KINDS
+from hixl_connector.connector.transfer_params import (
     OWN_PARAMS,
     REQUIRED_PARAMS,
-    RemoteEndpoint,
     build_remote_decode_params,
 )
-from hixl_connector.connector.scheduler.misconfig import KINDS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}

@@ -9,7 +9,7 @@ from typing import Any
 
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
 from hixl_connector.connector.mapping.blocks import blocks_for_tokens, remote_at_positions
-from hixl_connector.connector.metadata import RemotePrefill
+from hixl_connector.connector.transfer_params import RemotePrefill
 
 # (positions, block ids) of one group's blocks to fill; a position is the block's index
 # within the request.

@@ -25,21 +25,23 @@ from hixl_connector.connector.mapping.kv_groups import (
     remote_blocks_to_read,
 )
 from hixl_connector.connector.metadata import (
-    OWN_PARAMS,
     UNKNOWN_ENDPOINT,
-    InvalidTransferParams,
     PushRecvSpec,
     RecvSpec,
     ReleaseSpec,
-    RemotePrefill,
     WaitingRead,
+)
+from hixl_connector.connector.scheduler.misconfig import Misconfigurations
+from hixl_connector.connector.scheduler.sync_loads import SyncLoads
+from hixl_connector.connector.transfer_params import (
+    OWN_PARAMS,
+    InvalidTransferParams,
+    RemotePrefill,
     base_request_id,
     is_push_identity,
     parse_push_identity,
     parse_remote_prefill,
 )
-from hixl_connector.connector.scheduler.misconfig import Misconfigurations
-from hixl_connector.connector.scheduler.sync_loads import SyncLoads
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

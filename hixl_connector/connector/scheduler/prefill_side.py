@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID, blocks_for_tokens
-from hixl_connector.connector.metadata import RemoteEndpoint, SendSpec, build_remote_decode_params
+from hixl_connector.connector.metadata import RemoteEndpoint, SendSpec
 from hixl_connector.connector.peers.rank_addresses import rank_address
+from hixl_connector.connector.transfer_params import build_remote_decode_params
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hixl_connector.connector.leases.server import LeaseTable
-from hixl_connector.connector.metadata import SendSpec, base_request_id
+from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.transfer_params import base_request_id
 from hixl_connector.connector.worker.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
 
 logger = logging.getLogger(__name__)
