@@ -91,17 +91,24 @@ class PushReceiver:
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-push")
         self._lock = threading.Lock()
         self._awaited: dict[str, _Awaited] = {}  # registered with P, word not set yet
+        # Requests with blocks to receive, from start until reported; those aborted meanwhile.
+        self._started: set[str] = set()
         self._cancelled: set[str] = set()
         # P engines by (engine id, host, port) as first contact found them.
         self._endpoints: dict[tuple[str, str, int], RemoteEndpoint] = {}
 
     def start(self, spec: PushRecvSpec, queued_at: float) -> None:
         """Registers the request's blocks with P (on the pool)."""
+        if spec.local_block_ids:
+            with self._lock:
+                self._started.add(spec.request_id)
         self._pool.submit(self._register, spec, queued_at)
 
     def cancel(self, request_id: str) -> None:
         """Aborted: its grants are revoked and it is reported failed (vLLM frees after)."""
         with self._lock:
+            if request_id not in self._started:
+                return  # not a push of this rank's (a pull), or reported already
             self._cancelled.add(request_id)
             awaited = self._awaited.pop(request_id, None)
         if awaited is not None:
@@ -110,15 +117,14 @@ class PushReceiver:
     def collect(self) -> None:
         """Ends the requests whose word P set (on the step thread), and those past their time."""
         now = time.monotonic()
+        landed: list[_Awaited] = []
+        late: list[_Awaited] = []
         with self._lock:
-            landed = [
-                a for a in self._awaited.values() if a.slot is not None and self._words[a.slot]
-            ]
-            late = [
-                a
-                for a in self._awaited.values()
-                if a not in landed and now - a.registered_at > self._config.pull_timeout_s
-            ]
+            for awaited in self._awaited.values():
+                if awaited.slot is not None and self._words[awaited.slot]:
+                    landed.append(awaited)
+                elif now - awaited.registered_at > self._config.pull_timeout_s:
+                    late.append(awaited)
             for awaited in landed + late:
                 del self._awaited[awaited.spec.request_id]
         for awaited in landed:
@@ -127,10 +133,6 @@ class PushReceiver:
             self._record("push_timeouts")
             reason = f"no push from P within pull_timeout_s ({self._config.pull_timeout_s:g} s)"
             self._pool.submit(self._give_up, awaited, reason)
-
-    def waiting(self) -> int:
-        with self._lock:
-            return len(self._awaited)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -272,6 +274,8 @@ class PushReceiver:
 
     def _received(self, spec: PushRecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` hold P's KV for it: reports them."""
+        with self._lock:
+            self._started.discard(spec.request_id)
         self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
         self._record("push_receives")
         self._finish(spec.request_id, True, spec.local_block_ids)
@@ -287,6 +291,7 @@ class PushReceiver:
                 logger.warning("hixl: request %s: revoking its grants: %s", spec.request_id, e)
         with self._lock:
             self._cancelled.discard(spec.request_id)
+            self._started.discard(spec.request_id)
         if not spec.local_block_ids:
             if reason:
                 logger.warning("hixl: request %s: P not told to free: %s", spec.request_id, reason)
