@@ -44,9 +44,6 @@ LEASE_S = 120.0
 # than the launcher's default 300 s; requests get more than the usual 180 s for the DP stall.
 HEALTH_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 300.0
-# D links each P engine while all of them still settle on 2 cores: a table fetch missed the
-# default 5 s once, and the failed request then held vLLM's DP engines for the lease's time.
-HANDSHAKE_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +63,7 @@ def fleet(
         # Every DP engine of P has its own side-channel port: DP_SIZE of them.
         configs = {
             "p": hixl_connector_config("prefill", ranks=DP_SIZE, lease_s=LEASE_S),
-            "d": hixl_connector_config(
-                "decode", lease_s=LEASE_S, handshake_timeout_s=HANDSHAKE_TIMEOUT_S
-            ),
+            "d": hixl_connector_config("decode", lease_s=LEASE_S),
         }
         servers = {
             name: launcher.server(
@@ -79,12 +74,7 @@ def fleet(
         # The control: a one-engine D reading from P's DP engines, corrupting what it received.
         servers["d_corrupt"] = launcher.server(
             "d_corrupt",
-            hixl_connector_config(
-                "decode",
-                lease_s=LEASE_S,
-                handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
-                test_corrupt_received_kv=True,
-            ),
+            hixl_connector_config("decode", lease_s=LEASE_S, test_corrupt_received_kv=True),
         )
         pairs = {"dp": ("p", "d"), "corrupt": ("p", "d_corrupt")}
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
