@@ -138,13 +138,24 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Reads are whole-request: a synchronous one has landed when start_load_kv returns."""
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, HixlConnectorMetadata)
+            self._worker.bind(connector_metadata)
+
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Pull mode: D reads P's blocks; P never pushes."""
+        """Push mode, P: writes the layer to the Ds that registered for the forward's
+        prompts. Pull mode: nothing (D reads P's blocks)."""
+        assert self._worker is not None
+        self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Pull mode: nothing is saved; P's blocks stay leased until D is done."""
+        """Nothing waits: P's blocks stay leased until D read them or P wrote them."""
+        assert self._worker is not None
+        self._worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """vLLM with KVConnectorTransferResults: failed receives by request id."""

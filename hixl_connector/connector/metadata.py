@@ -136,6 +136,16 @@ class SendSpec:
 
 
 @dataclass(frozen=True)
+class PromptBlocks:
+    """P, push mode: a prompt the step's forward computes to its end, and its blocks (one
+    KV-cache group) by position: a D that registered for it is written each layer as the
+    forward computes it."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PushRecvSpec:
     """D, push mode: P writes the prompt's blocks at ``positions`` into ``local_block_ids``
     under grants of this rank's. No blocks: D takes none, so P frees its own at once.
@@ -174,6 +184,7 @@ class HixlConnectorMetadata:
     to_release: list[ReleaseSpec] = field(default_factory=list)
     to_send: list[SendSpec] = field(default_factory=list)
     to_push_recv: list[PushRecvSpec] = field(default_factory=list)
+    prefilling: list[PromptBlocks] = field(default_factory=list)
     # D: requests aborted after their RecvSpec: not read if not yet read, P told at once.
     to_cancel: list[str] = field(default_factory=list)
     # D: requests that began waiting for their KV this step (their leases are renewed while

@@ -47,6 +47,7 @@ _COUNTS = (
     "pushes",
     "failed_pushes",
     "early_push_registrations",  # P: D registered before P's prefill finished (concurrent)
+    "layered_pushes",  # P: pushes whose first layers were written while P computed them
     "push_registrations",  # D: requests whose blocks P accepted to write
     "push_receives",
     "failed_push_receives",

@@ -87,6 +87,7 @@ def test_p_pushes_first_after_then_while_it_prefills_token_identical(
     assert first.token_ids == plain_outputs[97].token_ids
     assert wait_for_counter(decode, "push_receives", 1) == 1
     assert hixl_counter(prefill, "early_push_registrations") == 0
+    assert hixl_counter(prefill, "layered_pushes") == 0  # D registered after the forward
     wait_kv_idle(prefill)
 
     # Then the router sends P and D at once: D registers while P still prefills.
@@ -100,6 +101,10 @@ def test_p_pushes_first_after_then_while_it_prefills_token_identical(
     pushed = wait_for_counter(decode, "push_receives", 1 + len(lengths))
     assert pushed == 1 + len(lengths), f"{pushed - 1} of {len(lengths)} requests were pushed"
     assert hixl_counter(prefill, "early_push_registrations") >= 1
+    # Some Ds registered while P's forward computed their prompt: P wrote those layer by layer.
+    layered = hixl_counter(prefill, "layered_pushes")
+    print(f"layered pushes: {layered} of {len(lengths)}")
+    assert layered >= 1
     now = wait_for_pulls(decode, receives + len(lengths))
     expected_blocks = sum(math.ceil(n / BLOCK_SIZE) for n in lengths)
     assert now[1] - blocks == expected_blocks

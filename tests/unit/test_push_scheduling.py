@@ -26,7 +26,7 @@ from vllm_harness import (
     step,
 )
 
-from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
+from hixl_connector.connector.metadata import PromptBlocks, PushRecvSpec, RemoteEndpoint
 from hixl_connector.connector.transfer_params import (
     InvalidTransferParams,
     base_request_id,
@@ -140,6 +140,8 @@ def test_push_mode_p_hands_its_workers_the_prompt_blocks_and_names_the_mode(
     )
     output = scheduler.schedule()
     blocks = block_ids(scheduler, "p1")
+    # The step computes the whole prompt: its workers write each layer as it is computed.
+    assert metadata(output).prefilling == [PromptBlocks("p1", tuple(blocks[:3]))]
     finished = finished_outputs(scheduler.update_from_output(output, runner_output(output)))
     answer = finished["p1"].kv_transfer_params
     assert answer["transfer_mode"] == "push"

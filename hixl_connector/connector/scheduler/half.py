@@ -144,6 +144,7 @@ class HixlScheduler:
             to_push_recv=step.to_push_recv,
             to_release=step.to_release,
             to_send=self.prefill.take_sends() if self.prefill is not None else [],
+            prefilling=self.prefill.prefilling(scheduler_output) if self.prefill else [],
             to_cancel=step.to_cancel,
             waiting=step.waiting,
             done_waiting=step.done_waiting,

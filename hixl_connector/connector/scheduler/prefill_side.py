@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID, blocks_for_tokens
-from hixl_connector.connector.metadata import RemoteEndpoint, SendSpec
+from hixl_connector.connector.metadata import PromptBlocks, RemoteEndpoint, SendSpec
 from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.connector.transfer_params import build_remote_decode_params
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,25 @@ class PrefillSide:
             self._group_block_sizes,
             "push" if self._push else "pull",
         )
+
+    def prefilling(self, scheduler_output: SchedulerOutput) -> list[PromptBlocks]:
+        """Push mode: the prompts this step computes to their end, so that the workers write
+        each layer to a D that registered as soon as it is computed. Only requests the step
+        schedules for the first time: a prompt prefilled in chunks is written once finished."""
+        if not self._push:
+            return []
+        scheduled = scheduler_output.num_scheduled_tokens
+        block_size = self._group_block_sizes[0]
+        prompts = []
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = new.prompt_token_ids
+            if prompt is None or not new.block_ids:
+                continue
+            if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(prompt):
+                continue
+            blocks = new.block_ids[0][: blocks_for_tokens(len(prompt), block_size)]
+            prompts.append(PromptBlocks(new.req_id, tuple(blocks)))
+        return prompts
 
     def finished_sending(self, request_id: str) -> None:
         """Every rank cleared the lease's word before reporting it: the slot is free."""

@@ -218,6 +218,7 @@ class HixlWorker:
                 self._record,
                 self._wake.set,
                 kv,
+                dict(layout.layer_names),
             )
         logger.info(
             "hixl: registered %d KV tensors x %d blocks of %d bytes (cluster %d, rank %d)",
@@ -259,6 +260,25 @@ class HixlWorker:
             for release in metadata.to_release:
                 self._lease_client.notify("release", release)
             self._lease_client.waiting(metadata.waiting, metadata.done_waiting, now)
+
+    def bind(self, metadata: HixlConnectorMetadata) -> None:
+        """Before the step's forward (vLLM may start loads only after it)."""
+        pusher = self._serving.pusher if self._serving is not None else None
+        if pusher is not None:
+            pusher.computing(metadata.prefilling)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """The forward computed ``layer_name``: push mode writes it to the Ds waiting."""
+        pusher = self._serving.pusher if self._serving is not None else None
+        if pusher is not None:
+            pusher.layer_saved(layer_name)
+
+    def wait_for_save(self) -> None:
+        """The forward ended. Writes go on beside the next steps: P's lease keeps the
+        blocks until the last one landed."""
+        pusher = self._serving.pusher if self._serving is not None else None
+        if pusher is not None:
+            pusher.computed()
 
     def get_transfer_results(self) -> TransferResults:
         """What ended since the last call."""

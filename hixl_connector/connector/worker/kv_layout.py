@@ -45,6 +45,8 @@ class KVLayout:
     head_major: bool = False
     # Bytes of one slice where the layout is also registered in slices; 0 where it is not.
     slice_bytes: int = 0
+    # Each attention layer's name (vLLM's) and the registered layer that holds its KV.
+    layer_names: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_tensors(self) -> int:
@@ -110,17 +112,21 @@ def describe_kv_caches(
     if not kv_caches:
         raise ValueError("register_kv_caches got no KV-cache tensors")
     per_layer: list[list[Any]] = []
-    seen: dict[tuple[int, ...], list[tuple[Any, ...]]] = {}
-    for entry in kv_caches.values():
+    seen: dict[tuple[int, ...], tuple[list[tuple[Any, ...]], int]] = {}
+    names: list[tuple[str, int]] = []
+    for name, entry in kv_caches.items():
         layer = _block_major_views(entry, num_blocks)
         starts = tuple(int(view.data_ptr()) for view in layer)
         forms = [(view.dtype, tuple(view.shape)) for view in layer]
         # The hybrid KV-cache manager lays one layer of each group on the same buffer (a
         # block id belongs to one group at a time): register such a buffer once. Any other
         # sharing is left for the overlap check to refuse.
-        if groups_share_buffers and seen.get(starts) == forms:
+        shared = seen.get(starts)
+        if groups_share_buffers and shared is not None and shared[0] == forms:
+            names.append((name, shared[1]))
             continue
-        seen[starts] = forms
+        seen[starts] = (forms, len(per_layer))
+        names.append((name, len(per_layer)))
         per_layer.append(layer)
     counts = {len(layer) for layer in per_layer}
     if len(counts) != 1:
@@ -169,6 +175,7 @@ def describe_kv_caches(
         part_block_bytes=tuple(part_bytes) if unlike else (),
         head_major=head_major,
         slice_bytes=SLICE_ELEMENTS * int(first.element_size()) if sliced else 0,
+        layer_names=tuple(names),
     )
 
 

@@ -5,7 +5,7 @@ words and their expiry)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import zmq
@@ -23,7 +23,8 @@ from hixl_connector.connector.worker.registered_kv import RegisteredKV
 
 class PrefillServing:
     """Serves from construction until ``close()``; ``words`` are this rank's lease words,
-    whose incarnation P's scheduler writes after the workers start."""
+    whose incarnation P's scheduler writes after the workers start; ``layers``: the
+    registered layer of each attention layer's name."""
 
     def __init__(
         self,
@@ -35,14 +36,18 @@ class PrefillServing:
         record: Callable[[str, int], None],
         wake: Callable[[], None],
         kv: RegisteredKV,
+        layers: Mapping[str, int],
     ) -> None:
         self._payload = payload
         self._words = words
         self._leases = LeaseServer(config.lease_s, words, record, wake)
-        self._pusher: PushSender | None = None
+        # Push mode: what writes into D (the worker tells it what each forward computes).
+        self.pusher: PushSender | None = None
         if config.transfer_mode == "push":
-            self._pusher = PushSender(kv, self._leases.table, config.transfer_threads, record, wake)
-        pushing = self._pusher.handlers() if self._pusher is not None else {}
+            self.pusher = PushSender(
+                kv, self._leases.table, layers, config.transfer_threads, record, wake
+            )
+        pushing = self.pusher.handlers() if self.pusher is not None else {}
         self._server = SideChannelServer(
             context,
             config.side_channel_host,
@@ -56,20 +61,20 @@ class PrefillServing:
         """Starts the leases the scheduler took this step (push mode: and their pushes)."""
         sends = list(sends)
         self._leases.start(sends, time.monotonic())
-        if self._pusher is not None:
-            self._pusher.hold(sends)
+        if self.pusher is not None:
+            self.pusher.hold(sends)
 
     def finished(self) -> set[str]:
         """The requests whose leases ended since the last call: their blocks may go."""
         finished = self._leases.finished(time.monotonic())
-        if self._pusher is not None and finished:
-            self._pusher.forget(finished)
+        if self.pusher is not None and finished:
+            self.pusher.forget(finished)
         return finished
 
     def close(self) -> None:
         self._server.close()
-        if self._pusher is not None:
-            self._pusher.close()
+        if self.pusher is not None:
+            self.pusher.close()
         self._words.unlink()  # normally gone already: the scheduler unlinks it
 
     def _on_handshake(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -1,19 +1,21 @@
-"""P side of push mode, one worker rank: matches each finished prefill with the D rank that
-registered its blocks for it, and writes the KV there.
+"""P side of push mode, one worker rank: matches each prefill with the D rank that
+registered its blocks for it, and writes the KV there (``request_push``).
 
 The two halves meet by base request id (vllm-router sends P's and D's legs with one
-X-Request-Id), in either order: D's registration (``push_register`` on the side channel)
-may come before P's prefill finished, or after. Each is kept until its partner arrives: a
-registration for as long as its D waits (it says how long), at most
-``MAX_WAITING_REGISTRATIONS`` of them; a finished prefill as long as its lease lives.
+X-Request-Id), in any order. D's registration (``push_register`` on the side channel) may
+come before P's forward computes the prompt, while it does, or after the prefill finished:
+- before or during: the layers are written as the forward computes them (``computing``,
+  ``layer_saved``), the rest and the word once the prefill finished (``hold``);
+- after: everything once both are here.
+Each half is kept until its partner arrives: a registration as long as its D waits (it says
+how long), at most ``MAX_WAITING_REGISTRATIONS`` of them; a finished prefill as long as its
+lease lives. Only prompts a step computes to their end are written layer by layer (a prompt
+prefilled in chunks is written whole once finished).
 
-A small pool (``transfer_threads``) writes, a request per thread: every registered KV
-cache's blocks, then P's lease word into D's push word, each under D's grant, so D sees the
-word set only once every block landed. The lease is pinned meanwhile (its blocks cannot be
-freed under the write) and ends after the last write, ok or not: vLLM then frees P's
-blocks. A failed write is logged and counted; D, which never sees its word set, times out
-on its own and reports a failed receive. A D that does not answer holds a thread for up to
-``pull_timeout_s`` (the engine's bound on one write).
+A small pool (``transfer_threads``) writes, a request at a time per thread, each request's
+writes in order. A D that does not answer holds a thread for up to ``pull_timeout_s`` per
+write (the engine's bound on one write); a failed write is logged and counted, and D,
+which never sees its word set, times out on its own and reports a failed receive.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hixl_connector.connector.leases.server import LeaseTable
-from hixl_connector.connector.metadata import SendSpec
+from hixl_connector.connector.metadata import PromptBlocks, SendSpec
 from hixl_connector.connector.peers.push_registration import PushRegistration
 from hixl_connector.connector.transfer_params import base_request_id
-from hixl_connector.connector.worker.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
+from hixl_connector.connector.worker.registered_kv import RegisteredKV
+from hixl_connector.connector.worker.request_push import (
+    RequestPush,
+    layer_ranges,
+    source_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +44,13 @@ MAX_WAITING_REGISTRATIONS = 4096
 
 
 class PushSender:
+    """``layers``: the registered layer index of each attention layer's name."""
+
     def __init__(
         self,
         kv: RegisteredKV,
         leases: LeaseTable,
+        layers: Mapping[str, int],
         threads: int,
         record: Callable[[str, int], None],
         wake: Callable[[], None],
@@ -49,6 +59,8 @@ class PushSender:
             raise ValueError("push mode needs the prefill engine's lease words registered")
         self._kv = kv
         self._leases = leases
+        self._layers = dict(layers)
+        self._num_layers = len(set(layers.values()))
         self._record = record
         self._wake = wake
         self._lock = threading.Lock()
@@ -56,13 +68,19 @@ class PushSender:
         self._registered: dict[str, tuple[PushRegistration, float]] = {}
         # base request id -> the lease of a finished prefill: waits for D's registration.
         self._finished: dict[str, SendSpec] = {}
+        # base request id -> (a push begun while P computed, until when its D waits).
+        self._begun: dict[str, tuple[RequestPush, float]] = {}
+        # While a forward runs: the prompts it computes to their end, and the layers it saved.
+        self._computing: dict[str, PromptBlocks] = {}
+        self._saved: set[int] = set()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hixl-push")
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         return {"push_register": self._on_register}
 
     def hold(self, sends: Iterable[SendSpec]) -> None:
-        """The prefills this step finished: each is pushed once its D registered."""
+        """The prefills the last step finished: each is pushed (or its push finished) once
+        its D registered."""
         with self._lock:
             self._expire(time.monotonic())
             for send in sends:
@@ -70,6 +88,32 @@ class PushSender:
                     base = base_request_id(send.request_id)
                     self._finished[base] = send
                     self._match(base)
+
+    def computing(self, prompts: Iterable[PromptBlocks]) -> None:
+        """Before a forward: the prompts it computes to their end."""
+        with self._lock:
+            self._computing = {base_request_id(p.request_id): p for p in prompts}
+            self._saved = set()
+            for base in self._computing:
+                if base in self._registered:
+                    self._begin(base)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """The forward computed ``layer_name`` of every prompt in it."""
+        layer = self._layers.get(layer_name)
+        if layer is None or not self._computing:
+            return
+        with self._lock:
+            self._saved.add(layer)
+            for base in self._computing:
+                begun = self._begun.get(base)
+                if begun is not None:
+                    begun[0].write_layers(range(layer, layer + 1))
+
+    def computed(self) -> None:
+        """The forward ended: a registration from now on waits for the finished prefill."""
+        with self._lock:
+            self._computing, self._saved = {}, set()
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Leases that ended otherwise (a pulling D's "done", expiry): nothing to push."""
@@ -86,67 +130,59 @@ class PushSender:
 
     def _on_register(self, message: dict[str, Any]) -> dict[str, Any]:
         registration = PushRegistration.from_dict(message)
+        base = registration.request
         with self._lock:
             self._expire(time.monotonic())
-            if len(self._registered) >= MAX_WAITING_REGISTRATIONS:
+            if len(self._registered) + len(self._begun) >= MAX_WAITING_REGISTRATIONS:
                 raise ValueError(
                     f"{MAX_WAITING_REGISTRATIONS} push registrations already wait for their "
                     "prefill on this rank"
                 )
-            if registration.request not in self._finished:
+            if base not in self._finished:
                 # D registered while P still prefills: the router sent both legs at once.
                 self._record("early_push_registrations", 1)
             until = time.monotonic() + registration.wait_s
-            self._registered[registration.request] = (registration, until)
-            self._match(registration.request)
+            self._registered[base] = (registration, until)
+            if base in self._computing:
+                self._begin(base)
+            else:
+                self._match(base)
         return {}
 
     def _expire(self, now: float) -> None:
         """Forgets the registrations whose D gave up waiting (lock held)."""
-        gone = [base for base, (_, until) in self._registered.items() if until <= now]
-        for base in gone:
-            del self._registered[base]
+        for waiting in (self._registered, self._begun):
+            for base in [base for base, (_, until) in waiting.items() if until <= now]:
+                del waiting[base]
+
+    def _begin(self, base: str) -> None:
+        """The forward computes ``base``'s prompt and its D registered: its layers are
+        written from now on, those computed already first (lock held)."""
+        registration, until = self._registered[base]
+        if not registration.blocks:
+            return  # D takes nothing: the lease ends once the prefill finished
+        try:
+            src = source_blocks(self._computing[base].block_ids, registration, len(self._kv.caches))
+        except ValueError:
+            return  # refused once the prefill finished, where it is counted
+        del self._registered[base]
+        push = self._new_push(registration, src)
+        for layers in layer_ranges(self._saved):
+            push.write_layers(layers)
+        self._begun[base] = (push, until)
+
+    def _new_push(self, registration: PushRegistration, src: tuple[int, ...]) -> RequestPush:
+        return RequestPush(self._kv, registration, src, self._num_layers, self._pool, self._record)
 
     def _match(self, base: str) -> None:
-        """Queues the push of ``base`` once both halves are here (lock held)."""
-        if base in self._registered and base in self._finished:
+        """Finishes the push of ``base`` once both halves are here (lock held)."""
+        if base not in self._finished:
+            return
+        if base in self._begun:
+            push, _ = self._begun.pop(base)
+        elif base in self._registered:
             registration, _ = self._registered.pop(base)
-            self._pool.submit(self._run, self._finished.pop(base), registration)
-
-    def _run(self, send: SendSpec, registration: PushRegistration) -> None:
-        if not self._leases.pin(send.request_id, send.lease_id):
-            return  # ended meanwhile (expired): its blocks may be another's now
-        try:
-            self._push(send, registration)
-            self._record("pushes", 1)
-        except Exception as e:
-            self._record("failed_pushes", 1)
-            logger.error("hixl: push of request %s failed: %s", send.request_id, e)
-        finally:
-            self._leases.end(send.request_id, send.lease_id)
-            self._wake()
-
-    def _push(self, send: SendSpec, registration: PushRegistration) -> None:
-        if not registration.blocks:
-            return  # D takes nothing: the lease ends
-        if len(registration.grants) != len(self._kv.caches):
-            raise ValueError(
-                f"D granted {len(registration.grants)} KV caches, this engine registers "
-                f"{len(self._kv.caches)}"
-            )
-        beyond = [p for p in registration.positions if p >= len(send.block_ids)]
-        if beyond:
-            raise ValueError(
-                f"D asks for prompt block {beyond[0]}, the prompt has {len(send.block_ids)}"
-            )
-        src_blocks = [send.block_ids[p] for p in registration.positions]
-        for part, grant in zip(self._kv.caches, registration.grants, strict=True):
-            units = (part.units(src_blocks), part.units(registration.blocks))
-            self._kv.push(registration.cluster_id, part, part.model_id, units, grant)
-        # Last: the lease word (set while the lease lives) tells D every block landed.
-        assert self._kv.lease_words is not None
-        slot, grant = registration.word
-        words = ((send.slot,), (slot,))
-        self._kv.push(
-            registration.cluster_id, self._kv.lease_words, PUSH_WORDS_MODEL_ID, words, grant
-        )
+            push = self._new_push(registration, ())
+        else:
+            return
+        push.finish(self._finished.pop(base), self._leases, self._wake)

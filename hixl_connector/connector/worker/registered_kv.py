@@ -146,15 +146,19 @@ class RegisteredKV:
         dst_model_id: int,
         pairs: tuple[Sequence[int], Sequence[int]],
         grant: int,
+        layers: range | None = None,
     ) -> None:
         """Writes units ``pairs[0]`` of ``part`` into units ``pairs[1]`` of that peer's cache
-        ``dst_model_id``, under the peer's ``grant``; returns once they landed."""
+        ``dst_model_id``, under the peer's ``grant``, ``layers`` of them (None: all);
+        returns once they landed."""
         src, dst = pairs
         self.datadist.cache_manager.push_blocks(
             self.api.BlocksCacheKey(remote_cluster_id, dst_model_id),
             part.cache,
             list(src),
             list(dst),
+            src_layer_range=layers,
+            dst_layer_range=layers,
             tensor_num_per_layer=part.tensors_per_layer,
             hixl_write_grant=grant,
         )

@@ -1,0 +1,143 @@
+"""One request's push on P: its writes into the blocks D registered for it, and the word
+that vouches for them.
+
+Layers P's forward computes while D's registration is here are written as they are
+computed (``write_layers``, from ``save_kv_layer``); once the prefill finished
+(``finish``), the layers not yet written follow, then P's lease word into D's push word.
+D decodes only once it sees that word, so what keeps D from decoding wrong KV is the order:
+- every write of a request runs in order (SerialJobs), the word last, and only when every
+  write before it succeeded;
+- the word is written while P's lease is pinned, so the blocks cannot be freed under it;
+- a layer written before the lease existed came from blocks the running request owned. Had
+  the request ended otherwise (aborted: its blocks freed and reused), it gets no lease, so
+  no word: D times out, and what was written is never decoded;
+- every write names D's grant: once D revoked (timeout, abort), nothing lands.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+
+from hixl_connector.connector.leases.server import LeaseTable
+from hixl_connector.connector.metadata import SendSpec
+from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.worker.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
+from hixl_connector.connector.worker.serial_jobs import SerialJobs
+
+logger = logging.getLogger(__name__)
+
+
+def source_blocks(
+    prompt_blocks: Sequence[int], registration: PushRegistration, num_caches: int
+) -> tuple[int, ...]:
+    """P's blocks at the prompt positions D registered; raises ValueError where D's
+    registration does not fit this engine or this prompt."""
+    if len(registration.grants) != num_caches:
+        raise ValueError(
+            f"D granted {len(registration.grants)} KV caches, this engine registers {num_caches}"
+        )
+    beyond = [p for p in registration.positions if p >= len(prompt_blocks)]
+    if beyond:
+        raise ValueError(
+            f"D asks for prompt block {beyond[0]}, the prompt has {len(prompt_blocks)}"
+        )
+    return tuple(prompt_blocks[p] for p in registration.positions)
+
+
+def layer_ranges(layers: Iterable[int]) -> list[range]:
+    """``layers`` as the fewest ascending runs of consecutive layers."""
+    runs: list[range] = []
+    for layer in sorted(set(layers)):
+        if runs and runs[-1].stop == layer:
+            runs[-1] = range(runs[-1].start, layer + 1)
+        else:
+            runs.append(range(layer, layer + 1))
+    return runs
+
+
+class RequestPush:
+    """Created once P knows both D's registration and the prompt's blocks; ``src`` is what
+    ``source_blocks`` returned for them."""
+
+    def __init__(
+        self,
+        kv: RegisteredKV,
+        registration: PushRegistration,
+        src: tuple[int, ...],
+        num_layers: int,
+        pool: Executor,
+        record: Callable[[str, int], None],
+    ) -> None:
+        self.registration = registration
+        self._kv = kv
+        self._src = src
+        self._num_layers = num_layers
+        self._record = record
+        self._jobs = SerialJobs(pool)
+        # Touched by the jobs only, one at a time.
+        self._written: set[int] = set()
+        self._error = ""
+
+    def write_layers(self, layers: range) -> None:
+        """Queues the write of ``layers`` (computed, not yet written) of every block."""
+        self._jobs.submit(lambda: self._write_layers(layers))
+
+    def finish(self, send: SendSpec, leases: LeaseTable, wake: Callable[[], None]) -> None:
+        """Queues the rest, after what is queued: the layers not written, then the word,
+        then the end of ``send``'s lease."""
+        self._jobs.submit(lambda: self._finish(send, leases, wake))
+
+    def _write_layers(self, layers: range) -> None:
+        if self._error:
+            return  # the request failed already: D gets no word
+        try:
+            self._write(layers)
+            self._written.update(layers)
+        except Exception as e:
+            self._error = f"layers {layers.start}-{layers.stop - 1}: {e}"
+
+    def _finish(self, send: SendSpec, leases: LeaseTable, wake: Callable[[], None]) -> None:
+        if not leases.pin(send.request_id, send.lease_id):
+            return  # ended meanwhile (expired): its blocks may be another's now
+        try:
+            self._push_rest(send)
+            self._record("pushes", 1)
+            if self._written:
+                self._record("layered_pushes", 1)
+        except Exception as e:
+            self._record("failed_pushes", 1)
+            logger.error("hixl: push of request %s failed: %s", send.request_id, e)
+        finally:
+            leases.end(send.request_id, send.lease_id)
+            wake()
+
+    def _push_rest(self, send: SendSpec) -> None:
+        if self._error:
+            raise RuntimeError(self._error)
+        if not self.registration.blocks:
+            return  # D takes nothing: the lease ends
+        src = source_blocks(send.block_ids, self.registration, len(self._kv.caches))
+        if src != self._src:  # cannot happen: the prompt's blocks are fixed once computed
+            self._src, self._written = src, set()
+        missing = [layer for layer in range(self._num_layers) if layer not in self._written]
+        if len(missing) == self._num_layers:
+            self._write(None)
+        else:
+            for layers in layer_ranges(missing):
+                self._write(layers)
+        # Last: the lease word (set while the lease lives) tells D every block landed.
+        assert self._kv.lease_words is not None
+        slot, grant = self.registration.word
+        words = ((send.slot,), (slot,))
+        self._kv.push(
+            self.registration.cluster_id, self._kv.lease_words, PUSH_WORDS_MODEL_ID, words, grant
+        )
+
+    def _write(self, layers: range | None) -> None:
+        """``layers`` (None: all) of every block, in every KV cache, under D's grants."""
+        registration = self.registration
+        for part, grant in zip(self._kv.caches, registration.grants, strict=True):
+            units = (part.units(self._src), part.units(registration.blocks))
+            self._kv.push(registration.cluster_id, part, part.model_id, units, grant, layers)
