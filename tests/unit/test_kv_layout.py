@@ -20,6 +20,7 @@ def test_cpu_layout_layers_are_views_of_one_buffer() -> None:
         buffer.data_ptr() + i * num_blocks * block_bytes for i in range(3)
     )
     assert layout.dtype == "float32" and layout.block_shape == (heads, block, head2)
+    assert layout.layer_index == (("layer.0", 0), ("layer.1", 1), ("layer.2", 2))
 
 
 def test_kv_split_and_tuple_forms_give_k_v_order() -> None:
@@ -78,6 +79,8 @@ def test_layers_of_hybrid_groups_sharing_a_buffer_are_registered_once() -> None:
     layout = describe_kv_caches(caches, num_blocks, 2, groups_share_buffers=True)
     assert layout.num_tensors == 2 and layout.num_layers == 2
     assert layout.tensor_addrs == (buffers[0].data_ptr(), buffers[1].data_ptr())
+    # Each layer's name finds the registered layer holding its KV.
+    assert layout.layer_index == (("l0", 0), ("l1", 0), ("l2", 1), ("l3", 1))
     # The same bytes seen as another shape are not a shared buffer: refused.
     with pytest.raises(ValueError, match="overlap|differ"):
         describe_kv_caches(

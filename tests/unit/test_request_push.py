@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 from hypothesis import given
@@ -63,7 +64,7 @@ def test_serial_jobs_run_in_order_one_at_a_time_beside_other_queues() -> None:
         queues = {name: SerialJobs(pool) for name in done}
         for i in range(50):
             for name, queue in queues.items():
-                queue.submit(lambda name=name, i=i: job(name, i))  # type: ignore[misc]
+                queue.submit(partial(job, name, i))
         deadline = time.monotonic() + 10
         while any(len(v) < 50 for v in done.values()) and time.monotonic() < deadline:
             time.sleep(0.01)

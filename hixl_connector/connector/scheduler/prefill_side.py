@@ -63,14 +63,9 @@ class PrefillSide:
         """Keeps the prompt's blocks of every group under a fresh lease: (delay the free,
         the params for D)."""
         request_id = request.request_id
-        # D needs the prompt's KV only; blocks past it hold P's generated tokens (when the
-        # router asked P for more than one) and must not be offered. A sliding-window group
-        # holds the null block where its blocks left the window: offered as such, never
-        # leased, and D never reads it.
-        prompt_blocks = tuple(
-            tuple(group[: blocks_for_tokens(request.num_prompt_tokens, block_size)])
-            for group, block_size in zip(block_ids, self._group_block_sizes, strict=True)
-        )
+        # A sliding-window group holds the null block where its blocks left the window:
+        # offered as such, never leased, and D never reads it.
+        prompt_blocks = self._prompt_blocks(block_ids, request.num_prompt_tokens)
         leased = tuple(b for group in prompt_blocks for b in group if b != NULL_BLOCK_ID)
         if not leased:
             return False, None
@@ -104,7 +99,6 @@ class PrefillSide:
         if not self._push:
             return []
         scheduled = scheduler_output.num_scheduled_tokens
-        block_size = self._group_block_sizes[0]
         prompts = []
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids
@@ -112,9 +106,20 @@ class PrefillSide:
                 continue
             if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(prompt):
                 continue
-            blocks = new.block_ids[0][: blocks_for_tokens(len(prompt), block_size)]
-            prompts.append(PromptBlocks(new.req_id, tuple(blocks)))
+            blocks = self._prompt_blocks(new.block_ids, len(prompt))[0]
+            prompts.append(PromptBlocks(new.req_id, blocks))
         return prompts
+
+    def _prompt_blocks(
+        self, block_ids: Sequence[Sequence[int]], num_prompt_tokens: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """Each group's blocks that hold the prompt. D needs the prompt's KV only; blocks past
+        it hold P's generated tokens (when the router asked P for more than one) and must not
+        be offered."""
+        return tuple(
+            tuple(group[: blocks_for_tokens(num_prompt_tokens, block_size)])
+            for group, block_size in zip(block_ids, self._group_block_sizes, strict=True)
+        )
 
     def finished_sending(self, request_id: str) -> None:
         """Every rank cleared the lease's word before reporting it: the slot is free."""

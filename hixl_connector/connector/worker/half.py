@@ -40,6 +40,7 @@ from hixl_connector.connector.worker.announcement import describe_groups, handsh
 from hixl_connector.connector.worker.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.worker.prefill_serving import PrefillServing
 from hixl_connector.connector.worker.push_receiver import PushReceiver
+from hixl_connector.connector.worker.push_sender import PushSender
 from hixl_connector.connector.worker.receiver import Receiver
 from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
 
@@ -218,7 +219,7 @@ class HixlWorker:
                 self._record,
                 self._wake.set,
                 kv,
-                dict(layout.layer_names),
+                dict(layout.layer_index),
             )
         logger.info(
             "hixl: registered %d KV tensors x %d blocks of %d bytes (cluster %d, rank %d)",
@@ -261,24 +262,26 @@ class HixlWorker:
                 self._lease_client.notify("release", release)
             self._lease_client.waiting(metadata.waiting, metadata.done_waiting, now)
 
+    @property
+    def _pusher(self) -> PushSender | None:
+        """P in push mode: what writes into D."""
+        return self._serving.pusher if self._serving is not None else None
+
     def bind(self, metadata: HixlConnectorMetadata) -> None:
         """Before the step's forward (vLLM may start loads only after it)."""
-        pusher = self._serving.pusher if self._serving is not None else None
-        if pusher is not None:
-            pusher.computing(metadata.prefilling)
+        if self._pusher is not None:
+            self._pusher.computing(metadata.prefilling)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The forward computed ``layer_name``: push mode writes it to the Ds waiting."""
-        pusher = self._serving.pusher if self._serving is not None else None
-        if pusher is not None:
-            pusher.layer_saved(layer_name)
+        if self._pusher is not None:
+            self._pusher.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         """The forward ended. Writes go on beside the next steps: P's lease keeps the
         blocks until the last one landed."""
-        pusher = self._serving.pusher if self._serving is not None else None
-        if pusher is not None:
-            pusher.computed()
+        if self._pusher is not None:
+            self._pusher.computed()
 
     def get_transfer_results(self) -> TransferResults:
         """What ended since the last call."""

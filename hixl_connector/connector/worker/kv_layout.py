@@ -46,7 +46,7 @@ class KVLayout:
     # Bytes of one slice where the layout is also registered in slices; 0 where it is not.
     slice_bytes: int = 0
     # Each attention layer's name (vLLM's) and the registered layer that holds its KV.
-    layer_names: tuple[tuple[str, int], ...] = ()
+    layer_index: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_tensors(self) -> int:
@@ -175,7 +175,7 @@ def describe_kv_caches(
         part_block_bytes=tuple(part_bytes) if unlike else (),
         head_major=head_major,
         slice_bytes=SLICE_ELEMENTS * int(first.element_size()) if sliced else 0,
-        layer_names=tuple(names),
+        layer_index=tuple(names),
     )
 
 

@@ -100,8 +100,10 @@ class PushSender:
 
     def layer_saved(self, layer_name: str) -> None:
         """The forward computed ``layer_name`` of every prompt in it."""
+        if not self._computing:
+            return
         layer = self._layers.get(layer_name)
-        if layer is None or not self._computing:
+        if layer is None:
             return
         with self._lock:
             self._saved.add(layer)

@@ -58,8 +58,9 @@ def layer_ranges(layers: Iterable[int]) -> list[range]:
 
 
 class RequestPush:
-    """Created once P knows both D's registration and the prompt's blocks; ``src`` is what
-    ``source_blocks`` returned for them."""
+    """Created once P knows D's registration; ``src`` is what ``source_blocks`` returned for
+    it and the prompt's blocks, or () for a push that begins once the prefill finished
+    (``finish`` takes the blocks from the finished prefill then)."""
 
     def __init__(
         self,
@@ -119,7 +120,9 @@ class RequestPush:
         if not self.registration.blocks:
             return  # D takes nothing: the lease ends
         src = source_blocks(send.block_ids, self.registration, len(self._kv.caches))
-        if src != self._src:  # cannot happen: the prompt's blocks are fixed once computed
+        if src != self._src:
+            # A push begun only now (src ()), which has written nothing; or, which cannot
+            # happen, blocks that changed since the layers were written: all are written again.
             self._src, self._written = src, set()
         missing = [layer for layer in range(self._num_layers) if layer not in self._written]
         if len(missing) == self._num_layers:
