@@ -20,6 +20,10 @@ COMMANDS = {
         "hixl_connector.tools.bench_serve",
         "vllm bench serve: plain server vs P/D through the router",
     ),
+    "bench-link": (
+        "hixl_connector.tools.bench_link",
+        "long prompts over a rate-limited link: pull vs push vs layer by layer (root)",
+    ),
     "demo": (
         "hixl_connector.tools.demo.pd_demo",
         "P/D with real vLLM and vllm-router vs a plain server",

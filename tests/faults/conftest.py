@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
+from hixl_connector.tools.netns import NetnsBed, NetnsUnavailable, make_bed
 
 from .deployments import short_lease_pair
 from .fault_harness import FaultReport, Servers
-from .netns import NetnsBed, NetnsUnavailable, make_bed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPORT = REPO_ROOT / "artifacts" / "faults" / "reliability.json"

@@ -32,8 +32,7 @@ from hixl_connector.tools.demo.servers import (
     lean_env,
     vllm_server_argv,
 )
-
-from .netns import NetnsBed
+from hixl_connector.tools.netns import NetnsBed
 
 HEALTH_TIMEOUT_S = 300.0
 MAX_TOKENS = 16

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from hixl_connector.tools.demo.client import metric_total, read_metrics
+from hixl_connector.tools.netns import NetnsBed
 
 from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S, short_lease_pair
 from .fault_harness import (
@@ -42,7 +43,6 @@ from .fault_harness import (
     wait_for,
     wait_idle,
 )
-from .netns import NetnsBed
 
 # A failed receive reaches the client one engine step after the read gave up; a reset
 # from a killed P waits behind what P's slowed link still holds.

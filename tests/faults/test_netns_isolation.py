@@ -19,6 +19,7 @@ import pytest
 
 from hixl_connector.tools.demo.processes import free_port
 from hixl_connector.tools.demo.servers import RouterProcess, start_router
+from hixl_connector.tools.netns import NetnsBed
 
 from .deployments import (
     AUTH_TOKEN,
@@ -58,7 +59,6 @@ from .isolation_harness import (
     through_router,
     timed_out_in_isolation,
 )
-from .netns import NetnsBed
 
 
 def kept(pd: Servers, before: tuple[int, int]) -> str:

@@ -23,6 +23,7 @@ import pytest
 
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS, RequestFailed, complete
 from hixl_connector.tools.demo.servers import RouterProcess, start_router
+from hixl_connector.tools.netns import NetnsBed
 
 from .deployments import HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, LEASE_S, PULL_TIMEOUT_S
 from .deployments import connector_config as base_config
@@ -40,10 +41,16 @@ from .fault_harness import (
     wait_idle,
 )
 from .isolation_harness import MAX_GAP_S, Bystander, through_router
-from .netns import NetnsBed
 
 IDLE_TIMEOUT_S = LEASE_S + 10.0
 MAX_TOKENS = 16
+# P's side of the data link while a fault lands mid-push: a 160-token prompt's blocks (5 of
+# 32 KiB) take about 2 s to write, under PULL_TIMEOUT_S, so an unfaulted push would land.
+MID_PUSH_RATE = "640kbit"
+INTO_THE_PUSH_S = 0.5
+# D's failed receive after P died: D's own timeout, then the revoke waits out what P's slowed
+# link still delivers of the write under way.
+MARGIN_S = 3.0
 
 
 def connector_config(role: str) -> dict[str, Any]:
@@ -241,6 +248,95 @@ def test_decode_aborted_while_waiting_for_the_push_refuses_the_late_write(
         "vLLM aborts the request; D revokes its grants and frees its blocks; P's push, "
         "later, is refused by D's engine (it names a revoked grant); next request identical",
         took,
+        both_idle(pd.servers, IDLE_TIMEOUT_S),
+    )
+
+
+def _mid_push(pd: PushPair, net: NetnsBed, seed: int) -> tuple[Future, float]:
+    """D registered and P's prefill done, its writes crawling over the slowed link,
+    INTO_THE_PUSH_S in; D's leg and how many pushes P had finished before this one."""
+    prompt = token_prompt(160, seed)
+    request_id = uuid.uuid4().hex
+    registered = hixl_counter(pd["decode"], "push_registrations")
+    d_leg = pd.d_leg(prompt, request_id)
+    pd.registered(registered)
+    pushes = hixl_counter(pd["prefill"], "pushes")
+    net.throttle(MID_PUSH_RATE)
+    p_result, _ = pd.p_leg(prompt, request_id).result(60)
+    assert p_result.error is None, p_result.error
+    time.sleep(INTO_THE_PUSH_S)
+    return d_leg, pushes
+
+
+def test_prefill_killed_mid_push_d_fails_on_its_own(
+    pd: PushPair, net: NetnsBed, fault_report: FaultReport
+) -> None:
+    """P dies with D's blocks half written: no word ever comes, D gives up within
+    pull_timeout_s, revokes (after the write under way ended with P's connection) and fails
+    the request; D keeps streaming its own; a restarted P serves the next request."""
+    timeouts = hixl_counter(pd["decode"], "push_timeouts")
+    with Bystander(pd["decode"].url) as bystander:
+        try:
+            d_leg, pushes = _mid_push(pd, net, seed=40)
+            assert hixl_counter(pd["prefill"], "pushes") == pushes, "the push ended before P died"
+            pd.servers.kill("prefill")
+            killed_at = time.monotonic()
+            result, _ = d_leg.result(60)
+            detected = result.finished_at - killed_at
+        finally:
+            net.restore()
+    assert bystander.error is None, bystander.error
+    assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
+    assert result.failed, "a request whose push P never finished must not decode"
+    assert detected <= PULL_TIMEOUT_S + MARGIN_S, f"D failed it {detected:.2f} s after P died"
+    assert hixl_counter(pd["decode"], "push_timeouts") == timeouts + 1
+    pd.servers.wait_gone("prefill")
+    restarted = pd.servers.restart("prefill", engine_id=f"push-p-{uuid.uuid4().hex[:8]}")
+    pd.learn_identity(seed=41)
+    pd.concurrent_identical(seed=42)
+    fault_report.record(
+        "push, netns + TCP: P killed (SIGKILL) mid-push, D streaming",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; no word comes, "
+        "D gives up after pull_timeout_s on its own, revokes its grants and fails the "
+        f"request; P restarted in {restarted:.0f} s, next request identical",
+        detected,
+        both_idle(pd.servers, IDLE_TIMEOUT_S),
+    )
+
+
+def test_decode_killed_mid_push_then_restarted(
+    pd: PushPair, net: NetnsBed, fault_report: FaultReport
+) -> None:
+    """D dies while P writes into its blocks: P's write fails, P ends the lease and frees
+    its blocks at once; D, started again on the same ports, registers anew and the next
+    request is pushed into it, token-identical."""
+    failed = hixl_counter(pd["prefill"], "failed_pushes")
+    try:
+        d_leg, pushes = _mid_push(pd, net, seed=50)
+        assert hixl_counter(pd["prefill"], "pushes") == pushes, "the push ended before D died"
+        pd.servers.kill("decode")
+        killed_at = time.monotonic()
+        wait_for(
+            lambda: hixl_counter(pd["prefill"], "failed_pushes") > failed,
+            PULL_TIMEOUT_S + MARGIN_S,
+            "P's failed push",
+        )
+        detected = time.monotonic() - killed_at
+        freed = detected + wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+    finally:
+        net.restore()
+    assert freed < LEASE_S, f"P freed {freed:.2f} s after D died: it waited for the lease"
+    assert d_leg.result(60)[0].failed
+    assert hixl_counter(pd["prefill"], "pushes") == pushes
+    pd.servers.wait_gone("decode")
+    restarted = pd.servers.restart("decode")
+    pd.concurrent_identical(seed=51)
+    fault_report.record(
+        "push, netns + TCP: D killed (SIGKILL) mid-push, then restarted",
+        "P's write fails on the dead connection; P counts a failed push and frees its blocks "
+        f"without waiting for the lease; D restarted in {restarted:.0f} s registers anew, "
+        "next request pushed and identical",
+        detected,
         both_idle(pd.servers, IDLE_TIMEOUT_S),
     )
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from hixl_connector.tools.demo.client import metric_total, read_metrics
+from hixl_connector.tools.netns import NetnsBed
 
 from .deployments import AUTH_TOKEN, HEARTBEAT_S, LEASE_S, connector_config
 from .fault_harness import (
@@ -36,7 +37,6 @@ from .fault_harness import (
     token_prompt,
     wait_idle,
 )
-from .netns import NetnsBed
 
 # P: 24 blocks of 32 tokens, so three 480-token fillers must reuse every freed block.
 P_ARGS = ("--kv-cache-memory-bytes", str(24 * 32 * 1024), "--max-model-len", "512")

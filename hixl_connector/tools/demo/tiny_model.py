@@ -6,6 +6,9 @@
 - ``gemma3``: a hybrid model, 4 layers alternating sliding-window (64 tokens) and full
   attention, so vLLM's hybrid KV-cache manager runs two KV-cache groups. Weights N(0, 0.1);
   Gemma's norms scale by 1 + w, so norm weights are drawn near 0.
+- ``llama-wide``: KV heavy enough for a transfer to show beside a prefill: 8 layers of 8 KV
+  heads of 64, float32, so 32 KiB of KV per token (the llama holds 1 KiB), and positions up
+  to 16384. Weights N(0, 0.05).
 - ``deepseek-v2``: multi-head latent attention (MLA, as DeepSeek-V2/V3): 3 layers caching a
   512-wide latent plus a 64-wide rotary key per token (one KV "head" of 576), dense MLPs
   throughout (no experts), served by vLLM's CPU MLA backend.
@@ -51,7 +54,10 @@ _SEED_CORPUS = 1234
 _SEED_WEIGHTS = 0
 _INIT_STD = 0.2
 # llama-kv4: the llama with 4 KV heads instead of 2, an incompatible peer for the handshake.
-ARCHITECTURES = ("llama", "gemma3", "llama-kv4", "deepseek-v2")
+ARCHITECTURES = ("llama", "gemma3", "llama-kv4", "llama-wide", "deepseek-v2")
+WIDE_LAYERS = 8
+WIDE_MAX_POSITIONS = 16384
+_WIDE_INIT_STD = 0.05
 GEMMA3_SLIDING_WINDOW = 64
 MLA_KV_LORA_RANK = 512  # the latent D reads per token and layer, beside the rotary key
 MLA_ROPE_DIM = 64
@@ -170,6 +176,20 @@ def _build_model(out_dir: Path, tokenizer: Any, kv_heads: int = 2) -> None:
     _save_random(LlamaForCausalLM, config, out_dir, _INIT_STD, 0.0)
 
 
+def _build_wide(out_dir: Path, tokenizer: Any) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=WIDE_MAX_POSITIONS,
+    )
+    config = LlamaConfig(**{**_shared_config(tokenizer), **sizes}, num_hidden_layers=WIDE_LAYERS)
+    _save_random(LlamaForCausalLM, config, out_dir, _WIDE_INIT_STD, 0.0)
+
+
 def _recipe(architecture: str) -> dict[str, object]:
     # The llama stamp keeps its original form, so existing builds stay valid.
     if architecture == "llama":
@@ -208,6 +228,8 @@ def build_tiny_model(model_dir: str | os.PathLike[str], architecture: str = "lla
             _build_gemma3(staging, tokenizer)
         elif architecture == "deepseek-v2":
             _build_deepseek_v2(staging, tokenizer)
+        elif architecture == "llama-wide":
+            _build_wide(staging, tokenizer)
         else:
             _build_model(staging, tokenizer, kv_heads=4 if architecture == "llama-kv4" else 2)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())

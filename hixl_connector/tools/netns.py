@@ -1,5 +1,5 @@
-"""P, D and the router each in their own network namespace, made and removed by a test (needs
-root).
+"""P, D and the router each in their own network namespace, made and removed by a test or a
+benchmark (needs root).
 
 Layout (X derived from the test's pid so parallel runs do not collide):
 - data link: ``hxd<X>p`` in the P namespace (10.77.X.1) <-> ``hxd<X>d`` in the D namespace
@@ -155,13 +155,14 @@ class NetnsBed:
                        "numgen", "random", "mod", "100", "<", "2", "counter", "drop")  # fmt: skip
         return "tbf 4 Mbit/s with a 24 KiB queue, and 2 % random loss (nftables; no sch_netem)"
 
-    def throttle(self, rate: str) -> None:
+    def throttle(self, rate: str, burst: str = "4kb", limit: str = "4mb") -> None:
         """Slows what P sends over the data link to ``rate`` (a token bucket with a queue
         deep enough that nothing is dropped): a read of P's blocks takes seconds, with no
-        hook in either engine. ``restore`` lifts it."""
+        hook in either engine. A fast rate needs a ``burst`` of at least what it sends in
+        one timer tick (a few ms). ``restore`` lifts it."""
         self.in_ns(
             self.ns_p, "tc", "qdisc", "add", "dev", self.data_p, "root",
-            "tbf", "rate", rate, "burst", "4kb", "limit", "4mb",
+            "tbf", "rate", rate, "burst", burst, "limit", limit,
         )  # fmt: skip
 
     def dropped_packets(self) -> int:
