@@ -288,7 +288,7 @@ class HixlWorker:
         idle = self._idle_step and self._outcomes.empty()
         if self._receiver is not None and self._receiver.in_flight():
             self._receiver.collect(IDLE_STEP_WAIT_S if idle else 0.0)
-        elif idle:
+        elif idle and not self._word_awaited():
             self._wake.wait(IDLE_STEP_WAIT_S)
         self._wake.clear()
         if self._push_receiver is not None:
@@ -307,6 +307,12 @@ class HixlWorker:
                 failed_blocks.update(outcome.block_ids)
         finished = set() if self._serving is None else self._serving.finished()
         return TransferResults(finished, recving, failed, failed_blocks)
+
+    def _word_awaited(self) -> bool:
+        """Push mode: waits for a word as an idle step would for a read (P's word lands
+        straight in memory; a step that slept it out would see it up to a wait late)."""
+        receiver = self._push_receiver
+        return receiver is not None and receiver.wait_for_word(IDLE_STEP_WAIT_S, self._wake)
 
     def take_load_errors(self) -> set[int]:
         """Blocks of synchronous reads that failed since the last call: they hold no KV."""

@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # How long a revoke waits for a write under way before it tries again.
 REVOKE_WAIT_S = 1.0
+# How often an idle step looks at the words of the requests awaited: P's engine writes a
+# word straight into memory, so nothing signals it.
+WORD_POLL_S = 0.0001
 
 
 class PushRefused(RuntimeError):
@@ -113,6 +116,21 @@ class PushReceiver:
             awaited = self._awaited.pop(request_id, None)
         if awaited is not None:
             self._pool.submit(self._give_up, awaited, "aborted")
+
+    def wait_for_word(self, timeout_s: float, woken: threading.Event) -> bool:
+        """An idle step's wait: until a word of a request awaited is set, ``woken`` is set, or
+        ``timeout_s`` passed. False at once where no request is awaited."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                slots = [a.slot for a in self._awaited.values() if a.slot is not None]
+            if not slots:
+                return False
+            if woken.is_set() or any(self._words[slot] for slot in slots):
+                return True
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(WORD_POLL_S)
 
     def collect(self) -> None:
         """Ends the requests whose word P set (on the step thread), and those past their time."""
