@@ -48,6 +48,8 @@ MAX_TOKENS = 16
 # 32 KiB) take about 2 s to write, under PULL_TIMEOUT_S, so an unfaulted push would land.
 MID_PUSH_RATE = "640kbit"
 INTO_THE_PUSH_S = 0.5
+# D's client gives up this long after it sent D's leg: after P's prefill, within the push.
+ABORT_AFTER_S = 1.0
 # D's failed receive after P died: D's own timeout, then the revoke waits out what P's slowed
 # link still delivers of the write under way.
 MARGIN_S = 3.0
@@ -252,13 +254,16 @@ def test_decode_aborted_while_waiting_for_the_push_refuses_the_late_write(
     )
 
 
-def _mid_push(pd: PushPair, net: NetnsBed, seed: int) -> tuple[Future, float]:
+def _mid_push(
+    pd: PushPair, net: NetnsBed, seed: int, d_timeout_s: float = 60.0
+) -> tuple[Future, float]:
     """D registered and P's prefill done, its writes crawling over the slowed link,
-    INTO_THE_PUSH_S in; D's leg and how many pushes P had finished before this one."""
+    INTO_THE_PUSH_S in; D's leg (its client gives up after ``d_timeout_s``) and how many
+    pushes P had finished before this one."""
     prompt = token_prompt(160, seed)
     request_id = uuid.uuid4().hex
     registered = hixl_counter(pd["decode"], "push_registrations")
-    d_leg = pd.d_leg(prompt, request_id)
+    d_leg = pd.d_leg(prompt, request_id, timeout_s=d_timeout_s)
     pd.registered(registered)
     pushes = hixl_counter(pd["prefill"], "pushes")
     net.throttle(MID_PUSH_RATE)
@@ -299,6 +304,40 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
         f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; no word comes, "
         "D gives up after pull_timeout_s on its own, revokes its grants and fails the "
         f"request; P restarted in {restarted:.0f} s, next request identical",
+        detected,
+        both_idle(pd.servers, IDLE_TIMEOUT_S),
+    )
+
+
+def test_decode_aborted_mid_push_refuses_the_rest(
+    pd: PushPair, net: NetnsBed, fault_report: FaultReport
+) -> None:
+    """D's client leaves while P's writes are landing: vLLM aborts the request, D revokes
+    its grants (the revoke waits out the write under way) and frees its blocks; P's next
+    write is refused by D's engine, P fails the push and frees its blocks."""
+    failed = hixl_counter(pd["prefill"], "failed_pushes")
+    try:
+        d_leg, pushes = _mid_push(pd, net, seed=60, d_timeout_s=ABORT_AFTER_S)
+        result, _ = d_leg.result(60)
+        aborted_at = result.finished_at
+        assert hixl_counter(pd["prefill"], "pushes") == pushes, "the push ended before D left"
+        wait_for(
+            lambda: hixl_counter(pd["prefill"], "failed_pushes") > failed,
+            PULL_TIMEOUT_S + MARGIN_S,
+            "P's refused write",
+        )
+        detected = time.monotonic() - aborted_at
+    finally:
+        net.restore()
+    assert result.failed, "an aborted request must not decode"
+    assert "is not under grant" in pd["prefill"].log_tail(300)
+    assert hixl_counter(pd["prefill"], "pushes") == pushes
+    pd.concurrent_identical(seed=61)
+    fault_report.record(
+        "push, netns + TCP: D's client disconnects mid-push",
+        "vLLM aborts the request; D revokes its grants once the write under way landed, and "
+        "frees its blocks; P's next write is refused by D's engine (a revoked grant), P "
+        "fails the push and frees; next request identical",
         detected,
         both_idle(pd.servers, IDLE_TIMEOUT_S),
     )

@@ -125,6 +125,7 @@ class PeerRegistry:
     def get(self, target: PeerRank) -> Peer:
         """The peer, handshaken and linked now if it is not yet (the transfer pool only)."""
         key = target.key
+        asked = time.monotonic()
         with self._holding(target.address):
             peer = self.linked(target)
             if peer is not None:
@@ -132,7 +133,7 @@ class PeerRegistry:
             self._unlink_dropped_at(target.address)
             self._raise_if_just_failed(key)
             try:
-                return self._connect(key, target)
+                return self._connect(key, target, asked)
             except Exception as e:
                 with self._guard:
                     self._failures[key] = (time.monotonic(), str(e))
@@ -320,7 +321,10 @@ class PeerRegistry:
                 logger.warning("hixl: peers still unlinking after %.1f s are left", UNLINK_BOUND_S)
                 return
 
-    def _connect(self, key: tuple[str, int, str, int], target: PeerRank) -> Peer:
+    def _connect(self, key: tuple[str, int, str, int], target: PeerRank, asked: float) -> Peer:
+        """Handshakes and links ``target``; ``asked``: when the link was asked for (the log
+        tells a slow link from one that waited for the address)."""
+        began = time.monotonic()
         client = self.client_for(target)
         try:
             reply = client.request({"type": "handshake", "schema": SCHEMA_VERSION})
@@ -351,13 +355,17 @@ class PeerRegistry:
         except Exception:
             client.close()
             raise
+        done = time.monotonic()
         logger.info(
-            "hixl: linked to prefill engine %s rank %d (cluster %d at %s:%d)",
+            "hixl: linked to prefill engine %s rank %d (cluster %d at %s:%d) in %.2f s, "
+            "after %.2f s waiting for the address",
             payload.engine_id,
             payload.tp_rank,
             payload.cluster_id,
             payload.engine_host,
             payload.engine_port,
+            done - began,
+            began - asked,
         )
         in_place = self._reads_in_place(payload.cluster_id)
         peer = Peer(target, payload, client, in_place, used_at=time.monotonic())

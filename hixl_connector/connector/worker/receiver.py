@@ -58,6 +58,10 @@ from hixl_connector.connector.worker.registered_kv import RegisteredKV
 
 logger = logging.getLogger(__name__)
 
+# A read that waited longer than this to begin on the pool (behind other links, or for a
+# scratch row) says so: the wait counts against the prefill engine's lease.
+SLOW_START_S = 5.0
+
 
 @dataclass(frozen=True)
 class _InFlight:
@@ -241,10 +245,21 @@ class Receiver:
         return peers
 
     def _begin_pooled(self, spec: RecvSpec, queued_at: float) -> None:
+        began = time.monotonic()
         row = self._rows.take(self._closing)  # waits while every row is in flight
         if row is None:
             self._end(spec)
             return
+        waited = time.monotonic() - began
+        if began - queued_at > SLOW_START_S or waited > SLOW_START_S:
+            logger.warning(
+                "hixl: request %s: read queued %.1f s for the pool, then %.1f s for a row "
+                "(%d reads in flight)",
+                spec.request_id,
+                began - queued_at,
+                waited,
+                self.in_flight(),
+            )
         self._begin(spec, queued_at, row)
 
     def _begin(
