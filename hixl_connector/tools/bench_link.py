@@ -19,7 +19,8 @@ TTFT runs from the first leg sent until both legs answered (the router forwards 
 after P's answer; D's leg asks for one token). P's prefill is its own leg's time in the same
 request. The exposed transfer is TTFT minus that; the share hidden is
 1 - exposed(while P computes) / exposed(push after P). The goal: the layered push exposes at
-most one layer's transfer (the prompt's KV / layers / rate). D's token must be P's.
+most one layer's transfer (the prompt's KV / layers / rate). D's token must be P's, and
+every push while P computes must have been written layer by layer (P's counter).
 
     python -m hixl_connector bench-link [--rate 1gbit] [--input-lens 2048,4096]
                                         [--repeats 3] [--work-dir DIR]
@@ -43,7 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS, Generation, complete
+from hixl_connector.tools.demo.client import (
+    PREFILL_LEG_PARAMS,
+    Generation,
+    complete,
+    metric_total,
+    push_identity,
+    read_metrics,
+)
 from hixl_connector.tools.demo.pd_demo import connector_config
 from hixl_connector.tools.demo.processes import free_port
 from hixl_connector.tools.demo.servers import (
@@ -68,6 +76,7 @@ class Samples:
     ttft_s: list[float] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
     mismatches: int = 0
+    layered: int | None = None  # pushes P wrote layer by layer, the warm-up's included
 
     @property
     def exposed_s(self) -> float:
@@ -82,7 +91,9 @@ class Pair:
         self.identity: dict[str, Any] = {}
         self._pool = ThreadPoolExecutor(2)
 
-    def leg(self, server: VllmServer, prompt: list[int], params: dict[str, Any], rid: str) -> Any:
+    def leg(
+        self, server: VllmServer, prompt: list[int], params: dict[str, Any], rid: str
+    ) -> Generation:
         return complete(
             server.url,
             prompt,
@@ -98,10 +109,9 @@ class Pair:
         rid, began = uuid.uuid4().hex, time.monotonic()
         p_out = self.leg(self.prefill, prompt, dict(PREFILL_LEG_PARAMS), rid)
         prefill_s = time.monotonic() - began
-        params = p_out.kv_transfer_params
+        params = p_out.kv_transfer_params or {}
         if push:
-            self.identity = push_identity(params)
-            params = self.identity
+            self.identity = params = push_identity(params)
         d_out = self.leg(self.decode, prompt, params, rid)
         return time.monotonic() - began, prefill_s, _same_token(p_out, d_out)
 
@@ -116,14 +126,6 @@ class Pair:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def push_identity(answer: dict[str, Any] | None) -> dict[str, Any]:
-    """What the router sends D once P answered with its push identity."""
-    if not answer or answer.get("transfer_mode") != "push":
-        raise RuntimeError(f"P did not answer with a push identity: {answer!r}")
-    keys = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
-    return {"do_remote_prefill": True, "do_remote_decode": False, **{k: answer[k] for k in keys}}
 
 
 def _same_token(p_out: Generation, d_out: Generation) -> bool:
@@ -188,6 +190,7 @@ def measure(
     samples = Samples()
     for i in range(repeats + 1):
         rng = random.Random(f"{seed}-{length}-{i}")
+        # Ids 0..2 are the tiny tokenizer's special tokens; it has over 440 ids.
         ttft, prefill, same = run([rng.randrange(3, 440) for _ in range(length)])
         if i:
             samples.ttft_s.append(ttft)
@@ -212,11 +215,16 @@ class KVShape:
         return cls(layers, 2 * layers * width)
 
 
+def layered_pushes(prefill: VllmServer) -> float:
+    return metric_total(read_metrics(prefill.url), "vllm:hixl_layered_pushes_total")
+
+
 def rate_bits(rate: str) -> float:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
-    if not match:
-        raise ValueError(f"--rate takes a tc rate such as 1gbit or 500mbit, got {rate!r}")
-    return float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
+    bits = float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]] if match else 0.0
+    if bits <= 0:
+        raise ValueError(f"--rate takes a positive tc rate such as 1gbit or 500mbit, got {rate!r}")
+    return bits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["push after P", n] = measure(
                     lambda p: pd.sequential(p, True), n, args.repeats, 2
                 )
-                results["push while P computes", n] = measure(pd.concurrent, n, args.repeats, 3)
+                before = layered_pushes(pd.prefill)
+                results[WAYS[2], n] = measure(pd.concurrent, n, args.repeats, 3)
+                time.sleep(2.0)  # P's counters reach its API server a step or so later
+                results[WAYS[2], n].layered = int(layered_pushes(pd.prefill) - before)
     finally:
         net.remove()
     return report(results, lengths, args, KVShape.of(model), bits_per_s, work)
@@ -265,7 +276,7 @@ def report(
         f"({kv.layers} layers, {kv.bytes_per_token // 1024} KiB of KV per token), one "
         f"core each; medians of {args.repeats} requests"
     )
-    mismatches = 0
+    failures = 0
     for n in lengths:
         wire_s = n * kv.bytes_per_token * 8 / bits_per_s
         layer_s = wire_s / kv.layers
@@ -275,11 +286,15 @@ def report(
         )
         for way in WAYS:
             s = results[way, n]
-            mismatches += s.mismatches
+            failures += s.mismatches
+            how = ""
+            if s.layered is not None:
+                how = f"; {s.layered} of {args.repeats + 1} written layer by layer"
+                failures += s.layered < args.repeats + 1
             print(
                 f"    {way:22s} TTFT {statistics.median(s.ttft_s) * 1000:7.0f} ms, P's prefill "
                 f"{statistics.median(s.prefill_s) * 1000:6.0f} ms, exposed transfer "
-                f"{s.exposed_s * 1000:6.0f} ms ({s.exposed_s / layer_s:.1f} layers)"
+                f"{s.exposed_s * 1000:6.0f} ms ({s.exposed_s / layer_s:.1f} layers){how}"
             )
         whole, layered = results["push after P", n].exposed_s, results[WAYS[2], n].exposed_s
         print(
@@ -287,10 +302,10 @@ def report(
             f"goal (at most one layer's transfer exposed): "
             f"{'met' if layered <= layer_s else 'not met'}"
         )
-    if mismatches:
-        print(f"  {mismatches} request(s) where D's first token was not P's")
+    if failures:
+        print(f"  {failures} failure(s): D's first token not P's, or a push not layered")
     print(f"  files: {work}")
-    return 1 if mismatches else 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

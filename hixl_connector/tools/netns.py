@@ -224,7 +224,14 @@ class NetnsBed:
 
 
 def make_bed() -> NetnsBed:
-    bed = NetnsBed(tag=20 + os.getpid() % 200)
+    """A bed under a tag no other run's namespaces use (a failed create removes what it
+    made, by name: it must not be another run's)."""
+    taken = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+    names = {line.split()[0] for line in taken.stdout.splitlines() if line.strip()}
+    free = [tag for tag in range(20, 220) if not {f"hxf{tag}{end}" for end in "pdrm"} & names]
+    if not free:
+        raise NetnsUnavailable("every network-namespace tag of this module is in use")
+    bed = NetnsBed(tag=free[os.getpid() % len(free)])
     try:
         bed.create()
     except Exception:

@@ -11,27 +11,19 @@ nothing is left leased or held.
 
 from __future__ import annotations
 
-import signal
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS, RequestFailed, complete
 from hixl_connector.tools.demo.servers import RouterProcess, start_router
 from hixl_connector.tools.netns import NetnsBed
 
-from .deployments import HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, LEASE_S, PULL_TIMEOUT_S
-from .deployments import connector_config as base_config
+from .deployments import LEASE_S, PULL_TIMEOUT_S
 from .fault_harness import (
-    SERVED_MODEL_NAME,
     FaultReport,
-    LegResult,
-    Servers,
     both_idle,
     hixl_counter,
     in_namespaces,
@@ -41,109 +33,16 @@ from .fault_harness import (
     wait_idle,
 )
 from .isolation_harness import MAX_GAP_S, Bystander, through_router
+from .push_harness import MAX_TOKENS, PushPair, connector_config, mid_push, stuck
 
 IDLE_TIMEOUT_S = LEASE_S + 10.0
-MAX_TOKENS = 16
-# P's side of the data link while a fault lands mid-push: a 160-token prompt's blocks (5 of
-# 32 KiB) take about 2 s to write, under PULL_TIMEOUT_S, so an unfaulted push would land.
-MID_PUSH_RATE = "640kbit"
-INTO_THE_PUSH_S = 0.5
 # D's client gives up this long after it sent D's leg: after P's prefill, within the push.
 ABORT_AFTER_S = 1.0
 # D's failed receive after P died: D's own timeout, then the revoke waits out what P's slowed
 # link still delivers of the write under way.
 MARGIN_S = 3.0
-
-
-def connector_config(role: str) -> dict[str, Any]:
-    return base_config(
-        role,
-        transfer_mode="push",
-        transport="tcp",
-        lease_s=LEASE_S,
-        heartbeat_s=HEARTBEAT_S,
-        pull_timeout_s=PULL_TIMEOUT_S,
-        handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
-    )
-
-
-def leg(
-    url: str, prompt: list[int], params: dict[str, Any], request_id: str, timeout_s: float
-) -> tuple[LegResult, dict[str, Any] | None]:
-    """One leg, with the request id both legs share; and P's answer."""
-    try:
-        out = complete(
-            url,
-            prompt,
-            model=SERVED_MODEL_NAME,
-            max_tokens=1 if params.get("do_remote_decode") else MAX_TOKENS,
-            extra={"kv_transfer_params": params},
-            headers={"X-Request-Id": request_id},
-            timeout_s=timeout_s,
-        )
-    except RequestFailed as e:
-        return LegResult(None, str(e), time.monotonic()), None
-    if out.finish_reason == "error":
-        return LegResult(out.token_ids, "finish_reason=error", time.monotonic()), None
-    return LegResult(out.token_ids, None, time.monotonic()), out.kv_transfer_params
-
-
-def identity(answer: dict[str, Any]) -> dict[str, Any]:
-    """What the router sends D once P answered with ``answer`` (its push identity)."""
-    assert answer["transfer_mode"] == "push", answer
-    keys = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
-    return {"do_remote_prefill": True, "do_remote_decode": False, **{k: answer[k] for k in keys}}
-
-
-class PushPair:
-    """P and D in push mode, and the identity of P that D is sent (the router's cache)."""
-
-    def __init__(self, servers: Servers) -> None:
-        self.servers = servers
-        self.identity: dict[str, Any] = {}
-        self.pool = ThreadPoolExecutor(4)
-
-    def __getitem__(self, name: str) -> Any:
-        return self.servers[name]
-
-    def p_leg(self, prompt: list[int], request_id: str, timeout_s: float = 60.0) -> Future:
-        return self.pool.submit(
-            leg, self["prefill"].url, prompt, dict(PREFILL_LEG_PARAMS), request_id, timeout_s
-        )
-
-    def d_leg(self, prompt: list[int], request_id: str, timeout_s: float = 60.0) -> Future:
-        return self.pool.submit(
-            leg, self["decode"].url, prompt, dict(self.identity), request_id, timeout_s
-        )
-
-    def learn_identity(self, seed: int) -> None:
-        """A sequential request, as the router's first: P's answer is its identity."""
-        prompt = token_prompt(100, seed)
-        request_id = uuid.uuid4().hex
-        result, answer = self.p_leg(prompt, request_id).result(120)
-        assert result.error is None and answer, result.error
-        self.identity = identity(answer)
-        decoded, _ = self.d_leg(prompt, request_id).result(120)
-        assert decoded.tokens == plain(self["prefill"], prompt, MAX_TOKENS), decoded.error
-
-    def concurrent_identical(self, seed: int) -> None:
-        """Both legs at once: D's tokens are the plain run's, and P pushed them."""
-        prompt = token_prompt(150, seed)
-        expected = plain(self["prefill"], prompt, MAX_TOKENS)
-        request_id = uuid.uuid4().hex
-        d_leg = self.d_leg(prompt, request_id)
-        p_result, _ = self.p_leg(prompt, request_id).result(120)
-        d_result, _ = d_leg.result(120)
-        assert p_result.error is None and d_result.error is None, (p_result, d_result)
-        assert d_result.tokens == expected
-
-    def registered(self, before: float) -> None:
-        """Until P accepted D's registration (D counts it; an idle P reports nothing)."""
-        wait_for(
-            lambda: hixl_counter(self["decode"], "push_registrations") > before,
-            10.0,
-            "D's registration at P",
-        )
+# P learns of a dead D from its connection (a reset), well within a write's own limit.
+DEAD_PEER_SEEN_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -178,38 +77,13 @@ def router(pd: PushPair, log_dir: Path, net: NetnsBed) -> Iterator[RouterProcess
         router.stop()
 
 
-def _stuck(pd: PushPair, seed: int, d_timeout_s: float) -> tuple[LegResult, float]:
-    """D registers; P is stopped before it prefills; D's leg ends (D's own timeout, or the
-    client's ``d_timeout_s``) and D takes its blocks back (D revokes before it reports a
-    failure, and before vLLM frees an aborted request's blocks); only then does P resume and
-    prefill. Returns D's leg and how long it took."""
-    prompt = token_prompt(150, seed)
-    request_id = uuid.uuid4().hex
-    registered = hixl_counter(pd["decode"], "push_registrations")
-    began = time.monotonic()
-    d_leg = pd.d_leg(prompt, request_id, timeout_s=d_timeout_s)
-    pd.registered(registered)
-    pd.servers.kill("prefill", signal.SIGSTOP)
-    try:
-        p_leg = pd.p_leg(prompt, request_id)
-        d_result, _ = d_leg.result(120)
-        took = time.monotonic() - began
-        if d_timeout_s < PULL_TIMEOUT_S:  # the client gave up: D aborts after that
-            wait_idle(pd["decode"], 10.0)  # revoked and reported: vLLM freed D's blocks
-    finally:
-        pd.servers.kill("prefill", signal.SIGCONT)
-    p_result, _ = p_leg.result(120)
-    assert p_result.error is None, p_result.error
-    return d_result, took
-
-
 def test_prefill_stopped_before_its_push_d_gives_up_on_its_own(
     pd: PushPair, fault_report: FaultReport
 ) -> None:
     timeouts = hixl_counter(pd["decode"], "push_timeouts")
     pushes = hixl_counter(pd["prefill"], "pushes")
     with Bystander(pd["decode"].url) as bystander:
-        result, took = _stuck(pd, seed=10, d_timeout_s=60.0)
+        result, took = stuck(pd, seed=10, d_timeout_s=60.0)
     assert bystander.error is None, bystander.error
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
     assert result.failed, "a request P never pushed must not decode"
@@ -236,7 +110,7 @@ def test_decode_aborted_while_waiting_for_the_push_refuses_the_late_write(
     resumed within D's wait, still holds the registration and pushes: D's engine refuses
     every byte (the write names a revoked grant)."""
     refused = hixl_counter(pd["prefill"], "failed_pushes")
-    result, took = _stuck(pd, seed=20, d_timeout_s=1.0)
+    result, took = stuck(pd, seed=20, d_timeout_s=1.0)
     assert result.failed, "an aborted request must not decode"
     wait_for(
         lambda: hixl_counter(pd["prefill"], "failed_pushes") >= refused + 1,
@@ -254,25 +128,6 @@ def test_decode_aborted_while_waiting_for_the_push_refuses_the_late_write(
     )
 
 
-def _mid_push(
-    pd: PushPair, net: NetnsBed, seed: int, d_timeout_s: float = 60.0
-) -> tuple[Future, float]:
-    """D registered and P's prefill done, its writes crawling over the slowed link,
-    INTO_THE_PUSH_S in; D's leg (its client gives up after ``d_timeout_s``) and how many
-    pushes P had finished before this one."""
-    prompt = token_prompt(160, seed)
-    request_id = uuid.uuid4().hex
-    registered = hixl_counter(pd["decode"], "push_registrations")
-    d_leg = pd.d_leg(prompt, request_id, timeout_s=d_timeout_s)
-    pd.registered(registered)
-    pushes = hixl_counter(pd["prefill"], "pushes")
-    net.throttle(MID_PUSH_RATE)
-    p_result, _ = pd.p_leg(prompt, request_id).result(60)
-    assert p_result.error is None, p_result.error
-    time.sleep(INTO_THE_PUSH_S)
-    return d_leg, pushes
-
-
 def test_prefill_killed_mid_push_d_fails_on_its_own(
     pd: PushPair, net: NetnsBed, fault_report: FaultReport
 ) -> None:
@@ -282,11 +137,13 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
     timeouts = hixl_counter(pd["decode"], "push_timeouts")
     with Bystander(pd["decode"].url) as bystander:
         try:
-            d_leg, pushes = _mid_push(pd, net, seed=40)
-            assert hixl_counter(pd["prefill"], "pushes") == pushes, "the push ended before P died"
+            push = mid_push(pd, net, seed=40)
+            assert hixl_counter(pd["prefill"], "pushes") == push.pushes_before, (
+                "the push ended before P died"
+            )
             pd.servers.kill("prefill")
             killed_at = time.monotonic()
-            result, _ = d_leg.result(60)
+            result, _ = push.d_leg.result(60)
             detected = result.finished_at - killed_at
         finally:
             net.restore()
@@ -316,11 +173,15 @@ def test_decode_aborted_mid_push_refuses_the_rest(
     its grants (the revoke waits out the write under way) and frees its blocks; P's next
     write is refused by D's engine, P fails the push and frees its blocks."""
     failed = hixl_counter(pd["prefill"], "failed_pushes")
+    log_before = pd["prefill"].log_path.stat().st_size
     try:
-        d_leg, pushes = _mid_push(pd, net, seed=60, d_timeout_s=ABORT_AFTER_S)
-        result, _ = d_leg.result(60)
+        push = mid_push(pd, net, seed=60, d_timeout_s=ABORT_AFTER_S)
+        result, _ = push.d_leg.result(60)
         aborted_at = result.finished_at
-        assert hixl_counter(pd["prefill"], "pushes") == pushes, "the push ended before D left"
+        assert aborted_at > push.prefilled_at, "D's client left before P's writes began"
+        assert hixl_counter(pd["prefill"], "pushes") == push.pushes_before, (
+            "the push ended before D's client left"
+        )
         wait_for(
             lambda: hixl_counter(pd["prefill"], "failed_pushes") > failed,
             PULL_TIMEOUT_S + MARGIN_S,
@@ -330,8 +191,10 @@ def test_decode_aborted_mid_push_refuses_the_rest(
     finally:
         net.restore()
     assert result.failed, "an aborted request must not decode"
-    assert "is not under grant" in pd["prefill"].log_tail(300)
-    assert hixl_counter(pd["prefill"], "pushes") == pushes
+    with pd["prefill"].log_path.open("rb") as log:
+        log.seek(log_before)
+        assert b"is not under grant" in log.read(), "P's write was not refused by D's engine"
+    assert hixl_counter(pd["prefill"], "pushes") == push.pushes_before
     pd.concurrent_identical(seed=61)
     fault_report.record(
         "push, netns + TCP: D's client disconnects mid-push",
@@ -346,13 +209,16 @@ def test_decode_aborted_mid_push_refuses_the_rest(
 def test_decode_killed_mid_push_then_restarted(
     pd: PushPair, net: NetnsBed, fault_report: FaultReport
 ) -> None:
-    """D dies while P writes into its blocks: P's write fails, P ends the lease and frees
-    its blocks at once; D, started again on the same ports, registers anew and the next
-    request is pushed into it, token-identical."""
+    """D dies while P writes into its blocks: P's write fails on the dead connection at
+    once (not at its own pull_timeout_s), P ends the lease and frees its blocks; D, started
+    again on the same ports, registers anew and the next request is pushed into it,
+    token-identical."""
     failed = hixl_counter(pd["prefill"], "failed_pushes")
     try:
-        d_leg, pushes = _mid_push(pd, net, seed=50)
-        assert hixl_counter(pd["prefill"], "pushes") == pushes, "the push ended before D died"
+        push = mid_push(pd, net, seed=50)
+        assert hixl_counter(pd["prefill"], "pushes") == push.pushes_before, (
+            "the push ended before D died"
+        )
         pd.servers.kill("decode")
         killed_at = time.monotonic()
         wait_for(
@@ -364,9 +230,12 @@ def test_decode_killed_mid_push_then_restarted(
         freed = detected + wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
     finally:
         net.restore()
+    # A write P had not seen fail would end at its own limit, pull_timeout_s after it began
+    # (before the kill): well after this.
+    assert detected < DEAD_PEER_SEEN_S, f"P saw D's death after {detected:.2f} s"
     assert freed < LEASE_S, f"P freed {freed:.2f} s after D died: it waited for the lease"
-    assert d_leg.result(60)[0].failed
-    assert hixl_counter(pd["prefill"], "pushes") == pushes
+    assert push.d_leg.result(60)[0].failed
+    assert hixl_counter(pd["prefill"], "pushes") == push.pushes_before
     pd.servers.wait_gone("decode")
     restarted = pd.servers.restart("decode")
     pd.concurrent_identical(seed=51)

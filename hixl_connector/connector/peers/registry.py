@@ -322,8 +322,7 @@ class PeerRegistry:
                 return
 
     def _connect(self, key: tuple[str, int, str, int], target: PeerRank, asked: float) -> Peer:
-        """Handshakes and links ``target``; ``asked``: when the link was asked for (the log
-        tells a slow link from one that waited for the address)."""
+        """Handshakes and links ``target`` (asked for at ``asked``, which the log shows)."""
         began = time.monotonic()
         client = self.client_for(target)
         try:
@@ -355,18 +354,11 @@ class PeerRegistry:
         except Exception:
             client.close()
             raise
-        done = time.monotonic()
-        logger.info(
-            "hixl: linked to prefill engine %s rank %d (cluster %d at %s:%d) in %.2f s, "
-            "after %.2f s waiting for the address",
-            payload.engine_id,
-            payload.tp_rank,
-            payload.cluster_id,
-            payload.engine_host,
-            payload.engine_port,
-            done - began,
-            began - asked,
-        )
+        peer_id = (payload.engine_id, payload.tp_rank, payload.cluster_id)
+        where = f"{payload.engine_host}:{payload.engine_port}"
+        took = (time.monotonic() - began, began - asked)
+        message = "hixl: linked to prefill engine %s rank %d (cluster %d at %s) in %.2f s, %s"
+        logger.info(message, *peer_id, where, took[0], f"begun {took[1]:.2f} s after it was asked")
         in_place = self._reads_in_place(payload.cluster_id)
         peer = Peer(target, payload, client, in_place, used_at=time.monotonic())
         with self._guard:

@@ -288,7 +288,7 @@ class HixlWorker:
         idle = self._idle_step and self._outcomes.empty()
         if self._receiver is not None and self._receiver.in_flight():
             self._receiver.collect(IDLE_STEP_WAIT_S if idle else 0.0)
-        elif idle and not self._word_awaited():
+        elif idle and not self._waited_for_word():
             self._wake.wait(IDLE_STEP_WAIT_S)
         self._wake.clear()
         if self._push_receiver is not None:
@@ -308,9 +308,10 @@ class HixlWorker:
         finished = set() if self._serving is None else self._serving.finished()
         return TransferResults(finished, recving, failed, failed_blocks)
 
-    def _word_awaited(self) -> bool:
-        """Push mode: waits for a word as an idle step would for a read (P's word lands
-        straight in memory; a step that slept it out would see it up to a wait late)."""
+    def _waited_for_word(self) -> bool:
+        """Push mode: an idle step waits for P's words (which land straight in memory, so
+        a step that slept its wait out would see one up to a wait late); False when no
+        request awaits one."""
         receiver = self._push_receiver
         return receiver is not None and receiver.wait_for_word(IDLE_STEP_WAIT_S, self._wake)
 

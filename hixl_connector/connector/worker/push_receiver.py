@@ -118,19 +118,19 @@ class PushReceiver:
             self._pool.submit(self._give_up, awaited, "aborted")
 
     def wait_for_word(self, timeout_s: float, woken: threading.Event) -> bool:
-        """An idle step's wait: until a word of a request awaited is set, ``woken`` is set, or
-        ``timeout_s`` passed. False at once where no request is awaited."""
+        """An idle step's wait: until a word of a request awaited now is set, ``woken`` is
+        set, or ``timeout_s`` passed; False, without waiting, when no request is awaited.
+        (A request registered meanwhile is looked at in the next step, ``timeout_s`` on.)"""
+        with self._lock:
+            slots = [a.slot for a in self._awaited.values() if a.slot is not None]
+        if not slots:
+            return False
         deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                slots = [a.slot for a in self._awaited.values() if a.slot is not None]
-            if not slots:
-                return False
-            if woken.is_set() or any(self._words[slot] for slot in slots):
-                return True
+        while not woken.is_set() and not any(self._words[slot] for slot in slots):
             if time.monotonic() >= deadline:
-                return True
+                break
             time.sleep(WORD_POLL_S)
+        return True
 
     def collect(self) -> None:
         """Ends the requests whose word P set (on the step thread), and those past their time."""

@@ -250,16 +250,10 @@ class Receiver:
         if row is None:
             self._end(spec)
             return
-        waited = time.monotonic() - began
-        if began - queued_at > SLOW_START_S or waited > SLOW_START_S:
-            logger.warning(
-                "hixl: request %s: read queued %.1f s for the pool, then %.1f s for a row "
-                "(%d reads in flight)",
-                spec.request_id,
-                began - queued_at,
-                waited,
-                self.in_flight(),
-            )
+        waits = (began - queued_at, time.monotonic() - began)
+        if max(waits) > SLOW_START_S:
+            message = "hixl: request %s: read queued %.1f s for the pool, %.1f s for a row"
+            logger.warning(message, spec.request_id, *waits)
         self._begin(spec, queued_at, row)
 
     def _begin(

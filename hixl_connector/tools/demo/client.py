@@ -35,6 +35,15 @@ class RequestFailed(RuntimeError):
     """The server answered with an HTTP error or an unreadable body."""
 
 
+def push_identity(answer: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The kv_transfer_params vllm-router sends D once P answered with ``answer``, its push
+    identity: P named by address only, the legs matched by the shared X-Request-Id."""
+    if not answer or answer.get("transfer_mode") != "push":
+        raise RequestFailed(f"P did not answer with a push identity: {answer!r}")
+    keys = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
+    return {"do_remote_prefill": True, "do_remote_decode": False, **{k: answer[k] for k in keys}}
+
+
 @dataclass
 class Generation:
     """The outcome of one completion or chat request."""
