@@ -322,6 +322,7 @@ class PDLauncher:
         config: Mapping[str, Any] | None,
         *,
         tp: int = 1,
+        dp: int = 1,
         core: int | None = None,
         args: Sequence[str] = (),
         model_dir: Path | None = None,
@@ -330,11 +331,19 @@ class PDLauncher:
     ) -> VllmServer:
         """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
         by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority:
-        its engine and workers busy-step while KV sends or receives are pending, and on a
-        2-core host would starve the peer they wait for."""
+        its engine and workers talk through vLLM's shared-memory queues, whose readers spin
+        while a step is under way, and they step without pause while KV sends or receives
+        are pending, which on a 2-core host starves the peer they wait for. DP > 1 runs each
+        engine's model in its engine process (``uni``), as a one-engine server does: with a
+        worker process of their own, two DP engines holding leases starved everything else
+        (the kernel reported its own workqueues stuck for 36 s) until the leases ran out."""
         env = dict(env or {})
         extra = list(args)
         nice = 0
+        if dp > 1:
+            extra += ["--data-parallel-size", str(dp)]
+            if tp == 1:
+                extra += ["--distributed-executor-backend", "uni"]
         if tp > 1:
             nice = 10
             cores = sorted(os.sched_getaffinity(0))

@@ -11,7 +11,9 @@ D reading from P's DP engines) changes the outputs.
 The leases here outlast a stall of vLLM's data-parallel engines: on a loaded 2-core host
 their first requests were seen to wait about 30 s before D's scheduler took them, silent
 all the while, and a lease of the default 30 s then expired under them (D's read was
-refused, as it must be).
+refused, as it must be). Each DP engine runs its model in its own process (``PDLauncher.server``):
+with a separate worker each, P's engines, stepping while they hold leases, kept every other
+process on the host from running until the leases ended.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ LEASE_S = 120.0
 # than the launcher's default 300 s; requests get more than the usual 180 s for the DP stall.
 HEALTH_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 300.0
+# D links each P engine while all of them settle on 2 cores: a handshake missed the default
+# 5 s in CI, and the failure, remembered for a second, failed the requests behind it too.
+HANDSHAKE_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -58,23 +63,23 @@ def fleet(
     # they wait, and a core shared by two of them starved a side channel for seconds).
     cores = [str(c) for c in range(DP_SIZE)]
     bind = {"p": "|".join(cores), "d": "|".join(reversed(cores))}
-    args = ["--data-parallel-size", str(DP_SIZE)]
+    decode: dict[str, Any] = {"lease_s": LEASE_S, "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
     try:
         # Every DP engine of P has its own side-channel port: DP_SIZE of them.
         configs = {
             "p": hixl_connector_config("prefill", ranks=DP_SIZE, lease_s=LEASE_S),
-            "d": hixl_connector_config("decode", lease_s=LEASE_S),
+            "d": hixl_connector_config("decode", **decode),
         }
         servers = {
             name: launcher.server(
-                name, config, args=args, env={"VLLM_CPU_OMP_THREADS_BIND": bind[name]}
+                name, config, dp=DP_SIZE, env={"VLLM_CPU_OMP_THREADS_BIND": bind[name]}
             )
             for name, config in configs.items()
         }
         # The control: a one-engine D reading from P's DP engines, corrupting what it received.
         servers["d_corrupt"] = launcher.server(
             "d_corrupt",
-            hixl_connector_config("decode", lease_s=LEASE_S, test_corrupt_received_kv=True),
+            hixl_connector_config("decode", test_corrupt_received_kv=True, **decode),
         )
         pairs = {"dp": ("p", "d"), "corrupt": ("p", "d_corrupt")}
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
