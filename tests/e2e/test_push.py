@@ -33,14 +33,16 @@ from .harness import (
     ProcessRegistry,
     hixl_connector_config,
     hixl_counter,
+    make_prompt,
     pulled,
+    request_fails,
     token_prompt,
     wait_for_counter,
     wait_for_pulls,
     wait_kv_idle,
 )
 
-PUSH = {"transfer_mode": "push"}
+PUSH: dict[str, Any] = {"transfer_mode": "push"}
 CONCURRENCY = 4
 
 
@@ -135,5 +137,71 @@ def test_corrupted_pushed_kv_changes_the_output(
         # Every request was pushed (the first too) and fed the corrupted KV to the model.
         pushed = wait_for_counter(pd.decode, "push_receives", 1 + len(lengths))
         assert pushed == 1 + len(lengths)
+    finally:
+        launcher.stop_all()
+
+
+def test_smaller_prefill_blocks_are_pushed_into_decode_blocks(
+    deployment: PDDeployment,
+    tiny_model_dir: Path,
+    e2e_log_dir: Path,
+    process_registry: ProcessRegistry,
+    plain_server: VllmServer,
+) -> None:
+    """P's 32-token blocks into D's 64-token blocks: P writes the slices of each KV head of
+    two of its blocks straight into their places in one of D's (vLLM's CPU kernels lay a
+    block out by its size); the control corrupts what P wrote. P's blocks larger than D's
+    are refused, naming both sizes."""
+    prefill = deployment.prefill
+    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "push_blocks", process_registry)
+    try:
+        d64 = launcher.server("d64", hixl_connector_config("decode", **PUSH), block_size=64)
+        d64_corrupt = launcher.server(
+            "d64_corrupt",
+            hixl_connector_config("decode", **PUSH, test_corrupt_received_kv=True),
+            block_size=64,
+        )
+        # D refuses the push, so P's blocks wait for the end of the lease: a short one.
+        p64 = launcher.server(
+            "p64", hixl_connector_config("prefill", **PUSH, lease_s=5.0), block_size=64
+        )
+        servers = {"p": prefill, "d": deployment.decode, "p64": p64, "d64": d64}
+        servers["d64_corrupt"] = d64_corrupt
+        routers = launcher.pairs(
+            servers,
+            {"32_64": ("p", "d64"), "corrupt": ("p", "d64_corrupt"), "64_32": ("p64", "d")},
+        )
+
+        lengths = [n for _ in range(2) for n in PROMPT_LENGTHS]
+        prompts = _fresh_prompts(lengths, seed=3000)
+        expected = _complete_all(plain_server.url, prompts)
+        layered = hixl_counter(prefill, "layered_pushes")
+        # The router's first request to P runs alone (it learns P's push identity), the
+        # rest go to P and D at once.
+        outputs = _complete_all(routers["32_64"].url, prompts)
+        for i, n in enumerate(lengths):
+            assert outputs[i] == expected[i], f"request {i} ({n} tokens) differs"
+        assert wait_for_counter(d64, "push_receives", len(lengths)) == len(lengths)
+        assert pulled(d64)[1] == sum(math.ceil(n / 64) for n in lengths)
+        assert hixl_counter(prefill, "layered_pushes") > layered
+        for counter in ("failed_push_receives", "push_timeouts"):
+            assert hixl_counter(d64, counter) == 0, counter
+        wait_kv_idle(prefill)
+
+        outputs = _complete_all(routers["corrupt"].url, prompts)
+        differ = [n for i, n in enumerate(lengths) if outputs[i] != expected[i]]
+        assert len(differ) == len(lengths), (
+            f"corruption had no effect on {len(lengths) - len(differ)}"
+        )
+        assert wait_for_counter(d64_corrupt, "push_receives", len(lengths)) == len(lengths)
+        wait_kv_idle(prefill)
+
+        failed = hixl_counter(deployment.decode, "failed_push_receives")
+        assert request_fails(routers["64_32"].url, make_prompt(7, 60)), (
+            "D decoded on blocks of another size"
+        )
+        assert "prefill block_size [64], decode block_size [32]" in deployment.decode.log_tail(200)
+        assert hixl_counter(deployment.decode, "failed_push_receives") == failed + 1
+        wait_kv_idle(p64)
     finally:
         launcher.stop_all()

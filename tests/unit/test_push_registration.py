@@ -8,16 +8,32 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.mapping.block_slices import SliceRun
+from hixl_connector.connector.peers.push_registration import PushRegistration, Slices
 
 ids = st.integers(0, 2**31)
+
+
+@st.composite
+def slices(draw: st.DrawFn) -> Slices:
+    ratio = draw(st.integers(2, 64))
+    run = st.builds(
+        SliceRun,
+        st.integers(0, ratio - 1),
+        st.integers(0, 4096),
+        st.integers(0, 4096),
+        st.integers(1, 4096),
+    )
+    return Slices(ratio, tuple(draw(st.lists(run, min_size=1, max_size=20))))
 
 
 @st.composite
 def registrations(draw: st.DrawFn) -> PushRegistration:
     blocks = draw(st.lists(ids, max_size=40))
     positions = draw(st.lists(ids, min_size=len(blocks), max_size=len(blocks)))
-    grants = draw(st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=4))
+    sliced = draw(st.none() | slices())
+    most = 1 if sliced is not None else 4
+    grants = draw(st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=most))
     return PushRegistration(
         request=draw(st.text(min_size=1, max_size=60)),
         cluster_id=draw(st.integers(0, 2**63 - 1)),
@@ -26,6 +42,7 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
         grants=tuple(grants),
         word=(draw(ids), draw(st.integers(0, 2**63 - 1))),
         wait_s=draw(st.floats(0.001, 3600)),
+        slices=sliced,
     )
 
 
@@ -54,6 +71,15 @@ GOOD = PushRegistration("cmpl-x-0", 9, (0, 1), (5, 6), (11,), (3, 12), 30.0).to_
         ({"wait_s": float("nan")}, "wait_s"),
         ({"wait_s": True}, "wait_s"),
         ({"wait_s": 1e12}, "wait_s"),
+        ({"slices": 2}, "must be \\[ratio, runs\\]"),
+        ({"slices": [1, [[0, 0, 0, 1]]]}, "slices ratio"),
+        ({"slices": [2, []]}, "1 to 4096 runs"),
+        ({"slices": [2, [[0, 0, 0, 1]] * 4097]}, "1 to 4096 runs"),
+        ({"slices": [2, [[2, 0, 0, 1]]]}, "part < 2"),
+        ({"slices": [2, [[0, 0, 0, 0]]]}, "count >= 1"),
+        ({"slices": [2, [[0, 0, -1, 1]]]}, "slices run"),
+        ({"slices": [2, [[0, 0, 1]]]}, "part < 2"),
+        ({"slices": [2, [[0, 0, 0, 1]]], "grants": [1, 2]}, "grants 2 caches, in slices"),
     ],
 )
 def test_hostile_registrations_are_refused_naming_the_field(

@@ -8,6 +8,11 @@ caches (in registration order), a word of D's that P writes last, under its own 
 takes the blocks as written once that word is set), and how long D waits. No positions: D
 takes nothing (a local prefix hit, or the request ended first), and P frees its blocks at
 once.
+
+Where P's blocks are smaller (``slices``: ``ratio`` of P's blocks make one of D's), D grants
+its KV caches registered in slices instead (one grant), and says where the slices of each KV
+head of P's ``ratio`` blocks land in its block (block_slices.SliceRun, probed from D's
+kernels): P writes every slice straight into place, as a pulling D reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_KV_CACHE_GROUPS, check_field
+from hixl_connector.connector.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_CLUSTER_ID,
+    MAX_KV_CACHE_GROUPS,
+    check_field,
+)
+from hixl_connector.connector.mapping.block_slices import SliceRun
 
 MESSAGE_TYPE = "push_register"
 MAX_PUSH_BLOCKS = 1 << 20
@@ -24,6 +35,40 @@ MAX_REQUEST_ID_CHARS = 1024
 MAX_GRANT = 2**63 - 1
 # D's wait for a push is its pull_timeout_s (config.MAX_TIMEOUT_S at most).
 MAX_WAIT_S = (2**31 - 1) // 1000
+# Runs of slices of one KV head of a D block: a block of MAX_BLOCK_SIZE tokens at most.
+MAX_SLICE_RUNS = 4096
+
+
+@dataclass(frozen=True)
+class Slices:
+    """P's blocks are ``ratio`` times smaller than D's: ``runs`` rebuild one KV head of a D
+    block from the same head of ``ratio`` consecutive P blocks."""
+
+    ratio: int
+    runs: tuple[SliceRun, ...]
+
+    def to_list(self) -> list[Any]:
+        return [self.ratio, [[r.part, r.src, r.dst, r.count] for r in self.runs]]
+
+    @classmethod
+    def from_list(cls, where: str, value: Any) -> Slices:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ValueError(f"{where} field 'slices' must be [ratio, runs]")
+        ratio, runs = value
+        check_field(where, "slices ratio", ratio, int, 2, MAX_BLOCK_SIZE)
+        if not isinstance(runs, (list, tuple)) or not 0 < len(runs) <= MAX_SLICE_RUNS:
+            raise ValueError(
+                f"{where} field 'slices' must name 1 to {MAX_SLICE_RUNS} runs of slices"
+            )
+        parsed = []
+        for run in runs:
+            numbers = _ints(where, "slices run", run, 4, MAX_BLOCK_SIZE)
+            if len(numbers) != 4 or numbers[0] >= ratio or numbers[3] < 1:
+                raise ValueError(
+                    f"{where} slice run {run!r} must be [part < {ratio}, src, dst, count >= 1]"
+                )
+            parsed.append(SliceRun(*numbers))
+        return cls(ratio, tuple(parsed))
 
 
 @dataclass(frozen=True)
@@ -35,9 +80,11 @@ class PushRegistration:
     grants: tuple[int, ...]  # D's grant for each of its registered KV caches
     word: tuple[int, int]  # (slot, grant) of D's push word, written last
     wait_s: float  # how long D waits for the push: P forgets the registration after that
+    slices: Slices | None = None  # P's blocks are smaller: grants and blocks are D's slices
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "slices": self.slices.to_list() if self.slices is not None else None,
             "type": MESSAGE_TYPE,
             "request": self.request,
             "cluster_id": self.cluster_id,
@@ -73,6 +120,11 @@ class PushRegistration:
             or not 0 < wait_s <= MAX_WAIT_S
         ):
             raise ValueError(f"{where} field 'wait_s' must be seconds in (0, {MAX_WAIT_S}]")
+        slices = data.get("slices")
+        if slices is not None:
+            slices = Slices.from_list(where, slices)
+            if len(grants) != 1:
+                raise ValueError(f"{where} grants {len(grants)} caches, in slices there is 1")
         return cls(
             request=request,
             cluster_id=check_field(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
@@ -81,6 +133,7 @@ class PushRegistration:
             grants=grants,
             word=(word[0], word[1]),
             wait_s=float(wait_s),
+            slices=slices,
         )
 
 

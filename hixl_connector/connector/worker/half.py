@@ -208,6 +208,7 @@ class HixlWorker:
                 self._record,
                 self._record_pull,
                 self._finish,
+                plans.slice_runs,
             )
         if lease_words is not None:
             self._serving = PrefillServing(

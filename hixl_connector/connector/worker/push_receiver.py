@@ -4,10 +4,11 @@ and waits for P to write them.
 For each ``PushRecvSpec``, on a small pool (never the step thread): learn P's cluster id and
 incarnation from a first-contact handshake when the router named P only by address (kept per
 address until a link to it fails), link that P rank as a pull would (PeerRegistry), grant P's
-cluster the request's blocks in every registered KV cache and one push word, clear the word,
-and register all of it with P (``push_register``). P writes the blocks, then its lease word
-into the push word. `collect` (on the step thread) looks at the words: a set word means every
-block landed, and the request is reported received.
+cluster the request's blocks in every registered KV cache (where P's blocks are smaller: in
+the caches registered in slices, with where each slice of P's blocks lands) and one push
+word, clear the word, and register all of it with P (``push_register``). P writes the
+blocks, then its lease word into the push word. `collect` (on the step thread) looks at the
+words: a set word means every block landed, and the request is reported received.
 
 The safety argument, for the native engine (push mode refuses other back-ends at start):
 - D decodes a block only after P's last write of the request, its word, landed; P writes the
@@ -33,9 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.mapping.block_slices import SliceRun, blocks_per_block
 from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
 from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
-from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.peers.push_registration import PushRegistration, Slices
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
 from hixl_connector.connector.worker.kv_layout import KVLayout
 from hixl_connector.connector.worker.registered_kv import RegisteredKV
@@ -61,6 +63,7 @@ class _Awaited:
     slot: int | None = None
     registered_at: float = 0.0
     fresh: bool = False  # P's start was learned for this request (first contact)
+    slices: Slices | None = None  # P's blocks are smaller: it writes slices of D's
 
 
 class PushReceiver:
@@ -76,7 +79,10 @@ class PushReceiver:
         record: Callable[[str], None],
         record_pull: Callable[[float, float, int, int], None],
         finish: Callable[[str, bool, tuple[int, ...]], None],
+        slice_runs: Callable[[int], tuple[SliceRun, ...]],
     ) -> None:
+        """``slice_runs``: where the slices of a P block of the given size land in this
+        rank's blocks (ReadPlans.slice_runs)."""
         if kv.push_words is None:
             raise ValueError("push mode needs this decode engine's push words registered")
         self._config = config
@@ -89,6 +95,7 @@ class PushReceiver:
         self._record = record
         self._record_pull = record_pull
         self._finish = finish
+        self._slice_runs = slice_runs
         self._words = kv.push_word_memory
         self._free_slots = list(range(len(self._words) - 1, -1, -1))
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-push")
@@ -197,6 +204,7 @@ class PushReceiver:
             grants=tuple(awaited.grants[:-1]),
             word=(awaited.slot or 0, awaited.grants[-1] if awaited.grants else 0),
             wait_s=self._config.pull_timeout_s,
+            slices=awaited.slices,
         )
         peer.client.request(message.to_dict())
         self._record("push_registrations")
@@ -218,13 +226,24 @@ class PushReceiver:
             awaited.fresh = True
             endpoint = self._first_contact(remote, key)
         peer = self._peers.get(endpoint.rank(self._tp_rank))
-        if tuple(peer.payload.block_sizes) != self._block_sizes:
-            raise PushRefused(
-                f"push mode needs one block size on both sides: prefill engine "
-                f"{remote.engine_id} has {peer.payload.block_sizes}, this engine "
-                f"{list(self._block_sizes)}; use 'transfer_mode': 'pull' for this pair"
-            )
+        awaited.slices = self._slices(peer)
         return peer
+
+    def _slices(self, peer: Peer) -> Slices | None:
+        """Where P's blocks are smaller, the slices of its blocks that make up one of this
+        rank's; None for blocks of one size. Raises PushRefused for P's blocks larger."""
+        try:
+            ratio = blocks_per_block(peer.payload.block_sizes, self._block_sizes)
+            if ratio == 1:
+                return None
+            if self._kv.slices is None:
+                raise ValueError(
+                    f"prefill block_size {list(peer.payload.block_sizes)}, decode block_size "
+                    f"{list(self._block_sizes)}: this KV layout is not registered in slices"
+                )
+            return Slices(ratio, self._slice_runs(peer.payload.block_sizes[0]))
+        except ValueError as e:
+            raise PushRefused(f"prefill engine {peer.engine_id}: {e}") from None
 
     def _first_contact(self, remote: RemoteEndpoint, key: tuple[str, str, int]) -> RemoteEndpoint:
         """Whoever serves P's side channel now, by a handshake naming no incarnation: its
@@ -268,7 +287,8 @@ class PushReceiver:
     def _grant(self, awaited: _Awaited, peer: Peer) -> None:
         """Grants P the blocks in every KV cache, then a cleared push word (last)."""
         blocks = awaited.spec.local_block_ids
-        for part in self._kv.caches:
+        sliced = self._kv.slices if awaited.slices is not None else None
+        for part in (sliced,) if sliced is not None else self._kv.caches:
             awaited.grants.append(self._kv.grant(peer.cluster_id, part, part.units(blocks)))
         with self._lock:
             if not self._free_slots:

@@ -301,7 +301,10 @@ def register_kv(
                 layout.tensors_per_layer,
                 layout.num_blocks * layout.block_bytes // layout.slice_bytes,
             )
-            slices = _register(api, datadist, cluster_id, registration, placement)
+            slices = replace(
+                _register(api, datadist, cluster_id, registration, placement),
+                units_per_block=layout.block_bytes // layout.slice_bytes,
+            )
         words = None
         if producer:
             if lease_words is None:

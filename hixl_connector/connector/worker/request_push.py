@@ -21,8 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 
 from hixl_connector.connector.leases.server import LeaseTable
+from hixl_connector.connector.mapping.block_slices import slice_ids
+from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.metadata import SendSpec
-from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.peers.push_registration import PushRegistration, Slices
 from hixl_connector.connector.worker.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
 from hixl_connector.connector.worker.serial_jobs import SerialJobs
 
@@ -32,18 +34,44 @@ logger = logging.getLogger(__name__)
 def source_blocks(
     prompt_blocks: Sequence[int], registration: PushRegistration, num_caches: int
 ) -> tuple[int, ...]:
-    """P's blocks at the prompt positions D registered; raises ValueError where D's
-    registration does not fit this engine or this prompt."""
-    if len(registration.grants) != num_caches:
+    """P's blocks at the prompt positions D registered (D's positions, so ``ratio`` of P's
+    blocks each where they are smaller, NULL_BLOCK_ID past the prompt's end); raises
+    ValueError where D's registration does not fit this engine or this prompt."""
+    ratio, caches = 1, num_caches
+    if registration.slices is not None:
+        ratio, caches = registration.slices.ratio, 1
+    if len(registration.grants) != caches:
         raise ValueError(
-            f"D granted {len(registration.grants)} KV caches, this engine registers {num_caches}"
+            f"D granted {len(registration.grants)} KV caches, this engine registers {caches}"
         )
-    beyond = [p for p in registration.positions if p >= len(prompt_blocks)]
+    beyond = [p for p in registration.positions if p * ratio >= len(prompt_blocks)]
     if beyond:
         raise ValueError(
-            f"D asks for prompt block {beyond[0]}, the prompt has {len(prompt_blocks)}"
+            f"D asks for prompt block {beyond[0] * ratio}, the prompt has {len(prompt_blocks)}"
         )
-    return tuple(prompt_blocks[p] for p in registration.positions)
+    return tuple(
+        prompt_blocks[i] if i < len(prompt_blocks) else NULL_BLOCK_ID
+        for p in registration.positions
+        for i in range(p * ratio, (p + 1) * ratio)
+    )
+
+
+def pushed_slices(
+    src: Sequence[int], dst: Sequence[int], slices: Slices, heads: int, head_slices: int
+) -> tuple[list[int], list[int]]:
+    """The slices of P's blocks ``src`` (``slices.ratio`` per block of D's ``dst``) and the
+    slices of D's they land in, each block holding ``heads`` KV heads of ``head_slices``
+    slices here and ``ratio`` times as many slices there; raises ValueError where a run
+    leaves its head."""
+    dst_slices = slices.ratio * head_slices
+    for run in slices.runs:
+        if run.src + run.count > head_slices or run.dst + run.count > dst_slices:
+            raise ValueError(
+                f"D's slice run {run} leaves a KV head of {head_slices} slices here, "
+                f"{dst_slices} there"
+            )
+    src_unit, dst_unit = (heads, 0, head_slices), (heads, 0, dst_slices)
+    return slice_ids(src, dst, slices.runs, slices.ratio, src_unit, dst_unit, heads)
 
 
 def layer_ranges(layers: Iterable[int]) -> list[range]:
@@ -141,6 +169,21 @@ class RequestPush:
     def _write(self, layers: range | None) -> None:
         """``layers`` (None: all) of every block, in every KV cache, under D's grants."""
         registration = self.registration
+        if registration.slices is not None:
+            whole, sliced = self._kv.caches[0], self._kv.slices
+            if sliced is None:
+                raise ValueError("D's blocks are larger, and this engine registers no slices")
+            heads = whole.units_per_block
+            pairs = pushed_slices(
+                self._src,
+                registration.blocks,
+                registration.slices,
+                heads,
+                sliced.units_per_block // heads,
+            )
+            (grant,) = registration.grants
+            self._kv.push(registration.cluster_id, sliced, sliced.model_id, pairs, grant, layers)
+            return
         for part, grant in zip(self._kv.caches, registration.grants, strict=True):
             units = (part.units(self._src), part.units(registration.blocks))
             self._kv.push(registration.cluster_id, part, part.model_id, units, grant, layers)
