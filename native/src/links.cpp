@@ -31,6 +31,7 @@ Status LinkSet::open(int64_t remote, const std::string& host, int port, int64_t 
   Status s = Link::open(options, deadline_after_ms(timeout_ms), me_, pool_, meter_, &opened);
   std::lock_guard<std::mutex> lock(mu_);
   linking_.erase(remote);
+  linked_.notify_all();
   if (s.ok() && closed_) s = Status::Error(status::kEngineFinalized, "engine is closed");
   if (!s.ok()) return s;
   links_[remote] = std::shared_ptr<Link>(std::move(opened));
@@ -65,11 +66,18 @@ Status LinkSet::reach(int64_t remote, Deadline deadline, std::shared_ptr<Link>* 
   if (!path) return Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote));
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   Status s = open(remote, path->host, path->port, std::max<int64_t>(left.count(), 1));
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (s.code == status::kAlreadyLink) {
+    // Another transfer opens it now: use that one once it is open (or failed to open).
+    linked_.wait_until(lock, deadline, [&] { return closed_ || linking_.count(remote) == 0; });
+  }
   auto it = links_.find(remote);
   if (s.ok() && it != links_.end()) links_back_[remote] = path->id;
-  // Another transfer may have opened it first (ALREADY_LINK): use that one.
   if (it == links_.end()) {
+    if (s.code == status::kAlreadyLink && linking_.count(remote) != 0) {
+      return Status::Error(status::kTimeout,
+                           "the link back to " + cluster_name(remote) + " was still opening");
+    }
     return s.ok() ? Status::Error(status::kNotYetLink, "not linked to " + cluster_name(remote))
                   : s;
   }
@@ -129,6 +137,7 @@ void LinkSet::close_all() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
+    linked_.notify_all();
     doomed.swap(links_);
     links_back_.clear();
   }

@@ -4,6 +4,7 @@
 // (return_paths.h) and dropped once that offer is withdrawn.
 #pragma once
 
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -28,7 +29,8 @@ class LinkSet {
   // Opens a link of this engine's own (replacing a link back to the same peer).
   Status open(int64_t remote, const std::string& host, int port, int64_t timeout_ms);
   // The link a transfer to `remote` goes over: this engine's own, or the link back to a peer
-  // that linked here, opened now when it is not open yet; NOT_YET_LINK when there is neither.
+  // that linked here, opened now when it is not open yet (transfers that need it meanwhile
+  // wait for that opening, until their deadline); NOT_YET_LINK when there is neither.
   Status reach(int64_t remote, Deadline deadline, std::shared_ptr<Link>* out);
   Status close(int64_t remote, int64_t timeout_ms, bool force);
   std::shared_ptr<Link> find(int64_t remote) const;
@@ -48,6 +50,7 @@ class LinkSet {
   bool closed_ = false;
   std::map<int64_t, std::shared_ptr<Link>> links_;
   std::set<int64_t> linking_;
+  std::condition_variable linked_;  // a link in `linking_` was opened, or failed to
   std::map<int64_t, uint64_t> links_back_;  // remote -> the offer its link back was opened on
 
   // Takes the link back to `remote` out of the set (only when its offer was withdrawn, if

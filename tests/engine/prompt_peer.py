@@ -7,7 +7,9 @@ line:
 - ``unlink CLUSTER``: unlink_clusters without force;
 - ``push CLUSTER S,S,.. D,D,.. [GRANT]``: push_blocks of its blocks S into blocks D of that
   cluster's BlocksCacheKey(CLUSTER, 0) cache (a cluster linked here or linked to), under
-  write grant GRANT (``hixl_write_grant``) when given.
+  write grant GRANT (``hixl_write_grant``) when given;
+- ``pushes N CLUSTER S,S,.. D,D,.. [GRANT]``: the same push from N threads at once (their
+  statuses, in a list).
 
 Run: python prompt_peer.py --cluster-id N --transport cma|tcp
 """
@@ -18,11 +20,32 @@ import argparse
 import json
 import os
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.engine import datadist_peer as layout  # noqa: E402
+
+
+def at_once(push: Callable[[], Any], threads: int, failure: type[Exception]) -> list[str]:
+    """``push`` from ``threads`` threads released together: each one's status name."""
+    start = threading.Barrier(threads)
+
+    def one(_: int) -> str:
+        start.wait()
+        try:
+            push()
+            return "LLM_SUCCESS"
+        except failure as exc:
+            return str(exc.status_code.name)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(threads)))
 
 
 def main() -> None:
@@ -53,15 +76,15 @@ def main() -> None:
             dd.switch_role(api.LLMRole.DECODER)
             print(json.dumps({"listen_port": dd.listen_port}), flush=True)
             continue
-        if words[0] == "push":
+        if words[0] in ("push", "pushes"):
+            threads = int(words.pop(1)) if words[0] == "pushes" else 1
             src, dst = ([int(b) for b in w.split(",")] for w in words[2:4])
             grant = {"hixl_write_grant": int(words[4])} if len(words) > 4 else {}
-            try:
-                target = api.BlocksCacheKey(int(words[1]), 0)
-                dd.cache_manager.push_blocks(target, cache, src, dst, **grant)
-                print(json.dumps({"status": "LLM_SUCCESS"}), flush=True)
-            except api.LLMException as exc:
-                print(json.dumps({"status": exc.status_code.name}), flush=True)
+            target = api.BlocksCacheKey(int(words[1]), 0)
+            push = partial(dd.cache_manager.push_blocks, target, cache, src, dst, **grant)
+            statuses = at_once(push, threads, api.LLMException)
+            answer = statuses if words[0] == "pushes" else statuses[0]
+            print(json.dumps({"status": answer}), flush=True)
             continue
         cluster = api.LLMClusterInfo()
         cluster.remote_cluster_id = int(words[-1])

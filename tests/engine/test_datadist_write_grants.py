@@ -94,6 +94,28 @@ def test_pushes_land_only_while_and_where_granted(sides: tuple[Client, NativePee
     cm.unregister_cache(cache.cache_id)
 
 
+def test_pushes_at_once_over_a_link_back_not_open_yet_all_land(
+    sides: tuple[Client, NativePeer],
+) -> None:
+    """The prompt side's first pushes to a decode side that linked to it open the link back
+    once; pushes that need it meanwhile wait for that opening instead of failing."""
+    client, prompt = sides
+    api, cm = client.api, client.dd.cache_manager
+    cache, tensors = client.blocks_cache(
+        NT, NB, layout.BLOCK_SHAPE, key=api.BlocksCacheKey(DECODE, 0)
+    )
+    kv = [t.reshape(NB, BB) for t in layout.make_tensors("kv", NT, NB * BB)]
+    grant = cm.grant_writes(cache, prompt.cluster_id, [3, 4])
+    answer = prompt.command(f"pushes 8 {DECODE} 0,1 3,4 {grant}")
+    assert answer["status"] == ["LLM_SUCCESS"] * 8
+    model = [np.zeros((NB, BB), np.uint8) for _ in range(NT)]
+    for t in range(NT):
+        model[t][3], model[t][4] = kv[t][0], kv[t][1]
+    assert_model(tensors, model)
+    cm.revoke_writes(grant)
+    cm.unregister_cache(cache.cache_id)
+
+
 def test_hixl_write_grant_is_checked(client_factory: Any, datadist_backend: str) -> None:
     """push_blocks' extension kwarg: an int in [0, 2**63), checked before anything moves."""
     if datadist_backend != "native":
