@@ -28,6 +28,7 @@ from .harness import (
     NUM_LAYERS,
     PROMPT_LENGTHS,
     PROMPTS,
+    NamedFleet,
     PDDeployment,
     PDLauncher,
     ProcessRegistry,
@@ -141,67 +142,112 @@ def test_corrupted_pushed_kv_changes_the_output(
         launcher.stop_all()
 
 
-def test_smaller_prefill_blocks_are_pushed_into_decode_blocks(
+@pytest.fixture(scope="module")
+def shapes(
     deployment: PDDeployment,
     tiny_model_dir: Path,
     e2e_log_dir: Path,
     process_registry: ProcessRegistry,
-    plain_server: VllmServer,
+) -> Iterator[NamedFleet]:
+    """Push mode across the shapes pull reads: P's blocks of 32 tokens into D's of 64, TP 2
+    into 1 and 1 into 2, and P's blocks larger than D's (refused); all started at once."""
+    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "push_shapes", process_registry)
+    try:
+        decode = hixl_connector_config("decode", **PUSH)
+        corrupt = hixl_connector_config("decode", **PUSH, test_corrupt_received_kv=True)
+        servers = {
+            "p": deployment.prefill,
+            "d": deployment.decode,
+            "d64": launcher.server("d64", decode, block_size=64),
+            "d64_corrupt": launcher.server("d64_corrupt", corrupt, block_size=64),
+            # D refuses its pushes, so its blocks wait for the lease to end: a short one.
+            "p64": launcher.server(
+                "p64", hixl_connector_config("prefill", **PUSH, lease_s=5.0), block_size=64
+            ),
+            "p2": launcher.server("p2", hixl_connector_config("prefill", 2, **PUSH), tp=2),
+            "d2": launcher.server("d2", hixl_connector_config("decode", 2, **PUSH), tp=2),
+        }
+        pairs = {
+            "32_64": ("p", "d64"),
+            "64_32": ("p64", "d"),
+            "tp21": ("p2", "d"),
+            "tp12": ("p", "d2"),
+            # The control covers both shapes: P's two ranks write the slices of their heads.
+            "corrupt": ("p2", "d64_corrupt"),
+        }
+        yield NamedFleet(servers, launcher.pairs(servers, pairs))
+    finally:
+        launcher.stop_all()
+
+
+def test_smaller_prefill_blocks_are_pushed_into_decode_blocks(
+    shapes: NamedFleet, plain_server: VllmServer
 ) -> None:
     """P's 32-token blocks into D's 64-token blocks: P writes the slices of each KV head of
     two of its blocks straight into their places in one of D's (vLLM's CPU kernels lay a
-    block out by its size); the control corrupts what P wrote. P's blocks larger than D's
-    are refused, naming both sizes."""
-    prefill = deployment.prefill
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "push_blocks", process_registry)
-    try:
-        d64 = launcher.server("d64", hixl_connector_config("decode", **PUSH), block_size=64)
-        d64_corrupt = launcher.server(
-            "d64_corrupt",
-            hixl_connector_config("decode", **PUSH, test_corrupt_received_kv=True),
-            block_size=64,
-        )
-        # D refuses the push, so P's blocks wait for the end of the lease: a short one.
-        p64 = launcher.server(
-            "p64", hixl_connector_config("prefill", **PUSH, lease_s=5.0), block_size=64
-        )
-        servers = {"p": prefill, "d": deployment.decode, "p64": p64, "d64": d64}
-        servers["d64_corrupt"] = d64_corrupt
-        routers = launcher.pairs(
-            servers,
-            {"32_64": ("p", "d64"), "corrupt": ("p", "d64_corrupt"), "64_32": ("p64", "d")},
-        )
+    block out by its size)."""
+    prefill, d64 = shapes.servers["p"], shapes.servers["d64"]
+    lengths = [n for _ in range(2) for n in PROMPT_LENGTHS]
+    prompts = _fresh_prompts(lengths, seed=3000)
+    expected = _complete_all(plain_server.url, prompts)
+    layered = hixl_counter(prefill, "layered_pushes")
+    outputs = _complete_all(shapes.routers["32_64"].url, prompts)
+    for i, n in enumerate(lengths):
+        assert outputs[i] == expected[i], f"request {i} ({n} tokens) differs"
+    assert wait_for_counter(d64, "push_receives", len(lengths)) == len(lengths)
+    assert pulled(d64)[1] == sum(math.ceil(n / 64) for n in lengths)
+    assert hixl_counter(prefill, "layered_pushes") > layered
+    for counter in ("failed_push_receives", "push_timeouts"):
+        assert hixl_counter(d64, counter) == 0, counter
+    wait_kv_idle(prefill)
 
-        lengths = [n for _ in range(2) for n in PROMPT_LENGTHS]
-        prompts = _fresh_prompts(lengths, seed=3000)
-        expected = _complete_all(plain_server.url, prompts)
-        layered = hixl_counter(prefill, "layered_pushes")
-        # The router's first request to P runs alone (it learns P's push identity), the
-        # rest go to P and D at once.
-        outputs = _complete_all(routers["32_64"].url, prompts)
-        for i, n in enumerate(lengths):
-            assert outputs[i] == expected[i], f"request {i} ({n} tokens) differs"
-        assert wait_for_counter(d64, "push_receives", len(lengths)) == len(lengths)
-        assert pulled(d64)[1] == sum(math.ceil(n / 64) for n in lengths)
-        assert hixl_counter(prefill, "layered_pushes") > layered
-        for counter in ("failed_push_receives", "push_timeouts"):
-            assert hixl_counter(d64, counter) == 0, counter
-        wait_kv_idle(prefill)
 
-        outputs = _complete_all(routers["corrupt"].url, prompts)
-        differ = [n for i, n in enumerate(lengths) if outputs[i] != expected[i]]
-        assert len(differ) == len(lengths), (
-            f"corruption had no effect on {len(lengths) - len(differ)}"
-        )
-        assert wait_for_counter(d64_corrupt, "push_receives", len(lengths)) == len(lengths)
-        wait_kv_idle(prefill)
+def test_larger_prefill_blocks_are_refused_naming_both_sizes(shapes: NamedFleet) -> None:
+    decode = shapes.servers["d"]
+    failed = hixl_counter(decode, "failed_push_receives")
+    assert request_fails(shapes.routers["64_32"].url, make_prompt(7, 60)), (
+        "D decoded on blocks of another size"
+    )
+    assert "prefill block_size [64], decode block_size [32]" in decode.log_tail(200)
+    assert hixl_counter(decode, "failed_push_receives") == failed + 1
+    wait_kv_idle(shapes.servers["p64"])
 
-        failed = hixl_counter(deployment.decode, "failed_push_receives")
-        assert request_fails(routers["64_32"].url, make_prompt(7, 60)), (
-            "D decoded on blocks of another size"
-        )
-        assert "prefill block_size [64], decode block_size [32]" in deployment.decode.log_tail(200)
-        assert hixl_counter(deployment.decode, "failed_push_receives") == failed + 1
-        wait_kv_idle(p64)
-    finally:
-        launcher.stop_all()
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_tp_sizes_differ_each_p_rank_pushes_the_heads_it_holds(
+    shapes: NamedFleet, plain_server: VllmServer, p_tp: int, d_tp: int
+) -> None:
+    """TP 2 into 1: D's rank registers with both P ranks, each writes its KV head into D's
+    blocks and its own word. TP 1 into 2: both D ranks register with P's one rank, which
+    writes each its head and frees once both were pushed."""
+    prefill = shapes.servers["p2" if p_tp == 2 else "p"]
+    decode = shapes.servers["d2" if d_tp == 2 else "d"]
+    lengths = [n for _ in range(2) for n in PROMPT_LENGTHS]
+    prompts = _fresh_prompts(lengths, seed=4000 + 10 * p_tp)
+    expected = _complete_all(plain_server.url, prompts)
+    receives, blocks, _ = pulled(decode)
+    failed = {c: hixl_counter(decode, c) for c in ("failed_push_receives", "push_timeouts")}
+    outputs = _complete_all(shapes.routers[f"tp{p_tp}{d_tp}"].url, prompts)
+    for i, n in enumerate(lengths):
+        assert outputs[i] == expected[i], f"request {i} ({n} tokens) differs"
+    # Every D rank takes every request (its heads of the blocks).
+    now = wait_for_pulls(decode, receives + d_tp * len(lengths))
+    assert now[0] - receives == d_tp * len(lengths)
+    assert now[1] - blocks == d_tp * sum(math.ceil(n / BLOCK_SIZE) for n in lengths)
+    for counter, before in failed.items():
+        assert hixl_counter(decode, counter) == before, counter
+    wait_kv_idle(prefill)  # every P rank freed once each of its Ds was pushed
+
+
+def test_corrupted_kv_from_two_prefill_ranks_into_larger_blocks_changes_the_output(
+    shapes: NamedFleet, plain_server: VllmServer
+) -> None:
+    lengths = [97, 160, 230, 300]
+    prompts = _fresh_prompts(lengths, seed=5000)
+    expected = _complete_all(plain_server.url, prompts)
+    outputs = _complete_all(shapes.routers["corrupt"].url, prompts)
+    for i, n in enumerate(lengths):
+        assert outputs[i] != expected[i], f"{n}: corruption had no effect"
+    corrupt = shapes.servers["d64_corrupt"]
+    assert wait_for_counter(corrupt, "push_receives", len(lengths)) == len(lengths)
+    wait_kv_idle(shapes.servers["p2"])

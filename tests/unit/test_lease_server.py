@@ -251,15 +251,33 @@ def test_a_heartbeat_replayed_while_its_send_time_passes_is_refused(words: Lease
         context.term()
 
 
-def test_a_pinned_lease_outlives_expiry_until_it_is_ended() -> None:
+def test_a_pinned_lease_outlives_expiry_until_it_is_pushed() -> None:
     """Push mode: P's blocks are read by a push under way, so expiry must not free them."""
     table = LeaseTable(lease_s=10)
     table.start("r1", 7, now=0)
     assert not table.pin("r1", 8)  # another lease of it: not this one
     assert table.pin("r1", 7)
     assert table.expire(now=100) == [] and len(table) == 1
-    table.end("r1", 8)
+    table.pushed("r1", 8, 1, rank=0)
     assert len(table) == 1
-    table.end("r1", 7)
+    table.pushed("r1", 7, 1, rank=0)
     assert finished(table) == {"r1"}
     assert not table.pin("r1", 7)  # ended: a late push must not start
+
+
+def test_a_lease_pushed_to_several_d_ranks_ends_with_the_last_push() -> None:
+    """P's TP smaller than D's: each D rank registers for its heads, and P's blocks stay
+    until every one of them was pushed, the pushes under way included."""
+    table = LeaseTable(lease_s=10)
+    table.start("r1", 7, now=0)
+    assert table.pin("r1", 7) and table.pin("r1", 7)
+    table.pushed("r1", 7, 2, rank=1)
+    table.pushed("r1", 7, 2, rank=1)  # the same rank again: still one of two
+    assert len(table) == 1 and table.expire(now=100) == ["r1"]  # unpinned: it may expire
+    table.start("r2", 8, now=0)
+    assert table.pin("r2", 8)
+    table.pushed("r2", 8, 2, rank=0)
+    assert table.pin("r2", 8)  # rank 1's push begins
+    assert len(table) == 1
+    table.pushed("r2", 8, 2, rank=1)
+    assert finished(table) == {"r1", "r2"}

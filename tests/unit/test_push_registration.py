@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hixl_connector.connector.mapping.block_slices import SliceRun
-from hixl_connector.connector.peers.push_registration import PushRegistration, Slices
+from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
 
 ids = st.integers(0, 2**31)
 
@@ -25,6 +25,9 @@ def slices(draw: st.DrawFn) -> Slices:
         st.integers(1, 4096),
     )
     return Slices(ratio, tuple(draw(st.lists(run, min_size=1, max_size=20))))
+
+
+head_run = st.builds(HeadRun, st.integers(0, 65536), st.integers(0, 65536), st.integers(1, 65536))
 
 
 @st.composite
@@ -43,6 +46,10 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
         word=(draw(ids), draw(st.integers(0, 2**63 - 1))),
         wait_s=draw(st.floats(0.001, 3600)),
         slices=sliced,
+        heads=tuple(draw(st.lists(head_run, max_size=4))),
+        units_per_block=draw(st.integers(1, 65536)),
+        rank=draw(st.integers(0, 65535)),
+        consumers=draw(st.integers(1, 65535)),
     )
 
 
@@ -80,6 +87,16 @@ GOOD = PushRegistration("cmpl-x-0", 9, (0, 1), (5, 6), (11,), (3, 12), 30.0).to_
         ({"slices": [2, [[0, 0, -1, 1]]]}, "slices run"),
         ({"slices": [2, [[0, 0, 1]]]}, "part < 2"),
         ({"slices": [2, [[0, 0, 0, 1]]], "grants": [1, 2]}, "grants 2 caches, in slices"),
+        ({"heads": 3}, "'heads' must be a list"),
+        ({"heads": [[0, 0, 0]], "units_per_block": 1}, "count >= 1"),
+        ({"heads": [[0, 0]], "units_per_block": 1}, "count >= 1"),
+        ({"heads": [[0, -1, 1]], "units_per_block": 1}, "heads run"),
+        ({"heads": [[0, 0, 1]], "units_per_block": 0}, "no units_per_block"),
+        ({"units_per_block": None}, "units_per_block"),
+        ({"rank": -1}, "rank"),
+        ({"rank": 65536}, "rank"),
+        ({"consumers": 0}, "consumers"),
+        ({"consumers": "2"}, "consumers"),
     ],
 )
 def test_hostile_registrations_are_refused_naming_the_field(

@@ -15,10 +15,19 @@ from hypothesis import strategies as st
 
 from hixl_connector.connector.mapping.block_slices import SliceRun
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
-from hixl_connector.connector.peers.push_registration import PushRegistration, Slices
+from hixl_connector.connector.mapping.tp_mapping import (
+    TPMismatch,
+    check_tp_pair,
+    first_head,
+    heads_per_rank,
+    plan_rank,
+)
+from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
 from hixl_connector.connector.worker.request_push import (
+    head_runs,
     layer_ranges,
     pushed_slices,
+    pushed_units,
     source_blocks,
 )
 from hixl_connector.connector.worker.serial_jobs import SerialJobs
@@ -64,42 +73,124 @@ def test_smaller_source_blocks_are_ratio_per_position_null_past_the_prompt() -> 
 @given(
     st.integers(2, 4),
     st.integers(1, 3),
-    st.integers(1, 4),
+    st.integers(1, 3),
+    st.data(),
     st.lists(st.integers(0, 50), min_size=1, max_size=6, unique=True),
     st.randoms(use_true_random=False),
 )
 def test_pushed_slices_rebuild_each_head_of_ds_block_from_ps_blocks(
-    ratio: int, heads: int, head_slices: int, dst: list[int], rng: Any
+    ratio: int, p_units: int, head_slices: int, data: Any, dst: list[int], rng: Any
 ) -> None:
     """Whatever runs D names (here: a random shuffle of every slice of the ``ratio`` parts),
-    each slice of a P block lands once, in the same head of the D block it belongs to."""
+    each slice of the heads of ``run`` of a P block lands once, in the matching head of the
+    D block it belongs to."""
+    d_units = data.draw(st.integers(1, 3))
+    count = data.draw(st.integers(1, min(p_units, d_units)))
+    run = HeadRun(
+        data.draw(st.integers(0, p_units - count)),
+        data.draw(st.integers(0, d_units - count)),
+        count,
+    )
     origins = [(part, s) for part in range(ratio) for s in range(head_slices)]
     rng.shuffle(origins)  # D slice i comes from origins[i]
     runs = tuple(SliceRun(part, s, i, 1) for i, (part, s) in enumerate(origins))
     src = [1000 + i for i in range(ratio * len(dst))]
     src[-1] = NULL_BLOCK_ID  # the prompt ends in the last D block's first parts
-    moved = pushed_slices(src, dst, Slices(ratio, runs), heads, head_slices)
+    moved = pushed_slices(src, dst, Slices(ratio, runs), (run,), (p_units, d_units), head_slices)
     pairs = set(zip(*moved, strict=True))
     expected = set()
     for i, d_block in enumerate(dst):
-        for head in range(heads):
+        for h in range(count):
+            p_head, d_head = run.src + h, run.dst + h
             for d_slice, (part, s) in enumerate(origins):
                 p_block = src[i * ratio + part]
                 if p_block != NULL_BLOCK_ID:
                     expected.add(
                         (
-                            (p_block * heads + head) * head_slices + s,
-                            (d_block * heads + head) * head_slices * ratio + d_slice,
+                            (p_block * p_units + p_head) * head_slices + s,
+                            (d_block * d_units + d_head) * head_slices * ratio + d_slice,
                         )
                     )
     assert pairs == expected and len(moved[0]) == len(expected)
 
 
 def test_pushed_slices_refuse_runs_that_leave_a_head() -> None:
+    whole = (HeadRun(0, 0, 1),)
     with pytest.raises(ValueError, match="leaves a KV head of 4 slices here, 8 there"):
-        pushed_slices([1, 2], [3], Slices(2, (SliceRun(1, 3, 0, 2),)), 1, 4)
+        pushed_slices([1, 2], [3], Slices(2, (SliceRun(1, 3, 0, 2),)), whole, (1, 1), 4)
     with pytest.raises(ValueError, match="leaves a KV head"):
-        pushed_slices([1, 2], [3], Slices(2, (SliceRun(1, 0, 7, 2),)), 1, 4)
+        pushed_slices([1, 2], [3], Slices(2, (SliceRun(1, 0, 7, 2),)), whole, (1, 1), 4)
+
+
+def _valid(heads: int, p_tp: int, d_tp: int) -> bool:
+    try:
+        check_tp_pair(heads, p_tp, d_tp)
+    except TPMismatch:
+        return False
+    return True
+
+
+VALID_TP = [
+    (heads, p_tp, d_tp)
+    for heads in (1, 2, 4, 8)
+    for p_tp in (1, 2, 4, 8)
+    for d_tp in (1, 2, 4, 8)
+    if _valid(heads, p_tp, d_tp)
+]
+
+
+@pytest.mark.parametrize(("heads", "p_tp", "d_tp"), VALID_TP)
+def test_every_d_rank_is_pushed_each_of_its_heads_once_by_a_p_rank_holding_it(
+    heads: int, p_tp: int, d_tp: int
+) -> None:
+    """D's plan (the heads a pull would read, by P rank) as registrations, P's writes of
+    them: every KV head of every D rank comes once, from the same global head on P; and
+    every P rank hears from exactly the number of D ranks each registration says."""
+    p_units, d_units = heads_per_rank(heads, p_tp), heads_per_rank(heads, d_tp)
+    heard: dict[int, list[int]] = {p: [] for p in range(p_tp)}
+    for d_rank in range(d_tp):
+        plan = plan_rank(heads, p_tp, d_tp, d_rank)
+        written: list[int] = []
+        for p_rank in plan.notify:
+            runs = tuple(HeadRun(r.src_head, r.dst_head, r.count) for r in plan.reads_from(p_rank))
+            heard[p_rank].append(plan.consumers[p_rank])
+            if not runs:
+                continue  # a replica nobody reads: registered with no blocks, it is done
+            registration = PushRegistration(
+                "r",
+                1,
+                (0,),
+                (7,),
+                (9,),
+                (0, 1),
+                5.0,
+                None,
+                runs,
+                d_units,
+                d_rank,
+                plan.consumers[p_rank],
+            )
+            checked, units = head_runs(registration, p_units)
+            src, dst = pushed_units([3], [7], checked, (p_units, units))
+            for s_unit, d_unit in zip(src, dst, strict=True):
+                p_head = first_head(heads, p_tp, p_rank) + s_unit - 3 * p_units
+                d_head = first_head(heads, d_tp, d_rank) + d_unit - 7 * d_units
+                assert p_head == d_head
+                written.append(d_unit - 7 * d_units)
+        assert sorted(written) == list(range(d_units))
+    for p_rank, consumers in heard.items():
+        assert consumers and all(c == len(consumers) for c in consumers), (p_rank, consumers)
+
+
+def test_head_runs_refuse_a_run_beyond_a_block() -> None:
+    registration = PushRegistration(
+        "r", 1, (0,), (7,), (9,), (0, 1), 5.0, None, (HeadRun(1, 0, 1),), 2
+    )
+    assert head_runs(registration, 2) == ((HeadRun(1, 0, 1),), 2)
+    with pytest.raises(ValueError, match="leaves a block of 1 KV heads here, 2 there"):
+        head_runs(registration, 1)
+    every = PushRegistration("r", 1, (0,), (7,), (9,), (0, 1), 5.0)
+    assert head_runs(every, 3) == ((HeadRun(0, 0, 3),), 3)
 
 
 def test_source_blocks_refuse_what_does_not_fit() -> None:

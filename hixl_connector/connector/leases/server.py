@@ -44,7 +44,7 @@ class Lease:
     expires_at: float
     ranks_done: set[int] = field(default_factory=set)
     consumers_expected: int = 1
-    pinned: bool = False  # push mode: a push reads its blocks now, so it outlives expiry
+    pins: int = 0  # push mode: pushes reading its blocks now, so it outlives expiry
 
 
 @dataclass
@@ -102,28 +102,31 @@ class LeaseTable:
             return "finished" if self._finish_if_complete(lease) else "held"
 
     def pin(self, request_id: str, lease_id: int) -> bool:
-        """Keeps the lease from expiring until ``end``; False when it already ended."""
+        """Keeps the lease from expiring until as many ``pushed``; False when it ended."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or lease.lease_id != lease_id:
                 return False
-            lease.pinned = True
+            lease.pins += 1
             return True
 
-    def end(self, request_id: str, lease_id: int) -> None:
-        """Ends the lease now (push mode: P wrote its blocks, or will not)."""
+    def pushed(self, request_id: str, lease_id: int, consumers: int, *, rank: int) -> None:
+        """Push mode: the push to D rank ``rank`` ended (written, or never will be): one pin
+        less, and that rank done; the lease ends once ``consumers`` D ranks are, unpinned."""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is not None and lease.lease_id == lease_id:
-                self._end(lease)
+            if lease is None or lease.lease_id != lease_id:
+                return
+            lease.pins = max(0, lease.pins - 1)
+            lease.consumers_expected = max(1, consumers)
+            lease.ranks_done.add(rank)
+            self._finish_if_complete(lease)
 
     def expire(self, now: float) -> list[str]:
         """Ends every lease past its deadline, but a pinned one; returns their request ids."""
         with self._lock:
             expired = [
-                r
-                for r, lease in self._leases.items()
-                if lease.expires_at <= now and not lease.pinned
+                r for r, lease in self._leases.items() if lease.expires_at <= now and not lease.pins
             ]
             for request_id in expired:
                 self._end(self._leases[request_id])
@@ -143,7 +146,7 @@ class LeaseTable:
             return len(self._leases)
 
     def _finish_if_complete(self, lease: Lease) -> bool:
-        if len(lease.ranks_done) < lease.consumers_expected:
+        if len(lease.ranks_done) < lease.consumers_expected or lease.pins:
             return False
         self._end(lease)
         return True

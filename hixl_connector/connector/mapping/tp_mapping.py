@@ -16,6 +16,7 @@ Nothing here knows about vLLM, tensors or transports.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hixl_connector.connector.mapping.runs import runs_of
@@ -141,9 +142,7 @@ def _reads(
     return tuple(HeadRead(*run) for run in runs_of(steps))
 
 
-def unit_ids(
-    block_ids: tuple[int, ...] | list[int], units_per_block: int, first: int, count: int
-) -> list[int]:
+def unit_ids(block_ids: Sequence[int], units_per_block: int, first: int, count: int) -> list[int]:
     """Ids of units ``[first, first + count)`` of each block, when every block is registered
     as ``units_per_block`` consecutive units (a unit: one KV head of one block)."""
     return [b * units_per_block + first + i for b in block_ids for i in range(count)]

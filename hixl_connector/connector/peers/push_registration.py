@@ -9,6 +9,12 @@ takes the blocks as written once that word is set), and how long D waits. No pos
 takes nothing (a local prefix hit, or the request ended first), and P frees its blocks at
 once.
 
+Where the TP sizes differ, a D rank registers with every P rank it mirrors a KV head of
+(tp_mapping), naming which of P's heads land in which of its own (``heads``, against its
+``units_per_block``), its rank, and how many D ranks register with that P rank
+(``consumers``: P frees once every one of them was pushed); a P rank nobody reads (a
+replica) hears from one D rank with no positions.
+
 Where P's blocks are smaller (``slices``: ``ratio`` of P's blocks make one of D's), D grants
 its KV caches registered in slices instead (one grant), and says where the slices of each KV
 head of P's ``ratio`` blocks land in its block (block_slices.SliceRun, probed from D's
@@ -37,6 +43,17 @@ MAX_GRANT = 2**63 - 1
 MAX_WAIT_S = (2**31 - 1) // 1000
 # Runs of slices of one KV head of a D block: a block of MAX_BLOCK_SIZE tokens at most.
 MAX_SLICE_RUNS = 4096
+MAX_UNITS_PER_BLOCK = 65536  # KV heads of a block on one rank
+MAX_RANKS = 65535
+
+
+@dataclass(frozen=True)
+class HeadRun:
+    """KV heads ``[src, src + count)`` of P's blocks land at ``[dst, dst + count)`` of D's."""
+
+    src: int
+    dst: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -81,10 +98,20 @@ class PushRegistration:
     word: tuple[int, int]  # (slot, grant) of D's push word, written last
     wait_s: float  # how long D waits for the push: P forgets the registration after that
     slices: Slices | None = None  # P's blocks are smaller: grants and blocks are D's slices
+    # P's KV heads (units of a block) that land in D's blocks of ``units_per_block`` units;
+    # () for every unit, the same on both sides.
+    heads: tuple[HeadRun, ...] = ()
+    units_per_block: int = 0
+    rank: int = 0  # D's TP rank ...
+    consumers: int = 1  # ... of this many that register with this P rank
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "slices": self.slices.to_list() if self.slices is not None else None,
+            "heads": [[h.src, h.dst, h.count] for h in self.heads],
+            "units_per_block": self.units_per_block,
+            "rank": self.rank,
+            "consumers": self.consumers,
             "type": MESSAGE_TYPE,
             "request": self.request,
             "cluster_id": self.cluster_id,
@@ -125,6 +152,18 @@ class PushRegistration:
             slices = Slices.from_list(where, slices)
             if len(grants) != 1:
                 raise ValueError(f"{where} grants {len(grants)} caches, in slices there is 1")
+        heads = data.get("heads", [])
+        if not isinstance(heads, (list, tuple)) or len(heads) > MAX_UNITS_PER_BLOCK:
+            raise ValueError(f"{where} field 'heads' must be a list of [src, dst, count] runs")
+        runs = []
+        for run in heads:
+            numbers = _ints(where, "heads run", run, 3, MAX_UNITS_PER_BLOCK)
+            if len(numbers) != 3 or numbers[2] < 1:
+                raise ValueError(f"{where} heads run {run!r} must be [src, dst, count >= 1]")
+            runs.append(HeadRun(*numbers))
+        units = check_field(where, "units_per_block", data, int, 0, MAX_UNITS_PER_BLOCK)
+        if runs and not units:
+            raise ValueError(f"{where} names heads, but no units_per_block")
         return cls(
             request=request,
             cluster_id=check_field(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
@@ -134,6 +173,10 @@ class PushRegistration:
             word=(word[0], word[1]),
             wait_s=float(wait_s),
             slices=slices,
+            heads=tuple(runs),
+            units_per_block=units,
+            rank=check_field(where, "rank", data, int, 0, MAX_RANKS),
+            consumers=check_field(where, "consumers", data, int, 1, MAX_RANKS),
         )
 
 

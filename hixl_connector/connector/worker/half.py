@@ -203,12 +203,12 @@ class HixlWorker:
                 layout,
                 self._block_sizes,
                 self._peers,
-                (self._tp_rank, self._tp_size),
+                self._tp_rank,
                 self._address.cluster_id,
                 self._record,
                 self._record_pull,
                 self._finish,
-                plans.slice_runs,
+                plans,
             )
         if lease_words is not None:
             self._serving = PrefillServing(

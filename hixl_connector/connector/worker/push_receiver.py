@@ -1,18 +1,21 @@
-"""D side of push mode, one worker rank: hands the request's blocks to the P rank it mirrors
-and waits for P to write them.
+"""D side of push mode, one worker rank: hands the request's blocks to the P ranks that hold
+its KV heads and waits for them to write.
 
 For each ``PushRecvSpec``, on a small pool (never the step thread): learn P's cluster id and
 incarnation from a first-contact handshake when the router named P only by address (kept per
-address until a link to it fails), link that P rank as a pull would (PeerRegistry), grant P's
-cluster the request's blocks in every registered KV cache (where P's blocks are smaller: in
-the caches registered in slices, with where each slice of P's blocks lands) and one push
-word, clear the word, and register all of it with P (``push_register``). P writes the
-blocks, then its lease word into the push word. `collect` (on the step thread) looks at the
-words: a set word means every block landed, and the request is reported received.
+address until a link to it fails); then, for each P rank this rank mirrors a KV head of (as
+a pull would read them: tp_mapping), link it (PeerRegistry), grant its cluster those heads
+of the request's blocks in every registered KV cache (where P's blocks are smaller: their
+slices, with where each slice of P's blocks lands) and one push word of its own, clear the
+word, and register all of it with that rank (``push_register``). Each P rank writes its
+heads, then its lease word into its push word. `collect` (on the step thread) looks at the
+words: once every one is set, every block landed, and the request is reported received. A
+P rank nobody reads (a replica) hears from one D rank that it has nothing to write.
 
 The safety argument, for the native engine (push mode refuses other back-ends at start):
-- D decodes a block only after P's last write of the request, its word, landed; P writes the
-  word only after every block write returned, and each write returns only once it landed.
+- D decodes a block only after the last write of every P rank of the request, its word,
+  landed; a P rank writes its word only after every block write returned, and each write
+  returns only once it landed.
 - Every write names its grant, and D's engine refuses one into a block that grant does not
   hold, so a write meant for another request (an earlier one that used these blocks, or a P
   that restarted since) never lands here; grant ids start at random, so a new start of
@@ -29,18 +32,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.mapping.block_slices import SliceRun, blocks_per_block
+from hixl_connector.connector.mapping.block_slices import blocks_per_block
+from hixl_connector.connector.mapping.read_plans import ReadPlans
 from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
 from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
-from hixl_connector.connector.peers.push_registration import PushRegistration, Slices
+from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
 from hixl_connector.connector.worker.kv_layout import KVLayout
-from hixl_connector.connector.worker.registered_kv import RegisteredKV
+from hixl_connector.connector.worker.registered_kv import RegisteredCache, RegisteredKV
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +60,24 @@ class PushRefused(RuntimeError):
 
 
 @dataclass
+class _Writer:
+    """One P rank registered with for a request: what it may write here, and its word."""
+
+    peer: Peer
+    grants: list[int] = field(default_factory=list)
+    slot: int | None = None  # None: it writes nothing here (a replica nobody reads)
+
+
+@dataclass
 class _Awaited:
     spec: PushRecvSpec
-    peer: Peer | None = None
-    grants: list[int] = field(default_factory=list)
-    slot: int | None = None
+    writers: list[_Writer] = field(default_factory=list)
     registered_at: float = 0.0
     fresh: bool = False  # P's start was learned for this request (first contact)
     slices: Slices | None = None  # P's blocks are smaller: it writes slices of D's
+
+    def slots(self) -> list[int]:
+        return [w.slot for w in self.writers if w.slot is not None]
 
 
 class PushReceiver:
@@ -74,15 +88,15 @@ class PushReceiver:
         layout: KVLayout,
         block_sizes: tuple[int, ...],
         peers: PeerRegistry,
-        rank: tuple[int, int],
+        rank: int,
         cluster_id: int,
         record: Callable[[str], None],
         record_pull: Callable[[float, float, int, int], None],
         finish: Callable[[str, bool, tuple[int, ...]], None],
-        slice_runs: Callable[[int], tuple[SliceRun, ...]],
+        plans: ReadPlans,
     ) -> None:
-        """``slice_runs``: where the slices of a P block of the given size land in this
-        rank's blocks (ReadPlans.slice_runs)."""
+        """``plans``: which P ranks write which of this rank's KV heads (by P's TP size), and
+        where the slices of P's blocks land (by P's block size), as a pull would read them."""
         if kv.push_words is None:
             raise ValueError("push mode needs this decode engine's push words registered")
         self._config = config
@@ -90,12 +104,12 @@ class PushReceiver:
         self._layout = layout
         self._block_sizes = block_sizes
         self._peers = peers
-        self._tp_rank, self._tp_size = rank
+        self._tp_rank = rank
         self._cluster_id = cluster_id
         self._record = record
         self._record_pull = record_pull
         self._finish = finish
-        self._slice_runs = slice_runs
+        self._plans = plans
         self._words = kv.push_word_memory
         self._free_slots = list(range(len(self._words) - 1, -1, -1))
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-push")
@@ -129,7 +143,7 @@ class PushReceiver:
         set, or ``timeout_s`` passed; False, without waiting, when no request is awaited.
         (A request registered meanwhile is looked at in the next step, ``timeout_s`` on.)"""
         with self._lock:
-            slots = [a.slot for a in self._awaited.values() if a.slot is not None]
+            slots = [slot for awaited in self._awaited.values() for slot in awaited.slots()]
         if not slots:
             return False
         deadline = time.monotonic() + timeout_s
@@ -146,7 +160,8 @@ class PushReceiver:
         late: list[_Awaited] = []
         with self._lock:
             for awaited in self._awaited.values():
-                if awaited.slot is not None and self._words[awaited.slot]:
+                slots = awaited.slots()
+                if slots and all(self._words[slot] for slot in slots):
                     landed.append(awaited)
                 elif now - awaited.registered_at > self._config.pull_timeout_s:
                     late.append(awaited)
@@ -191,43 +206,52 @@ class PushReceiver:
         self._give_up(awaited, "aborted")
 
     def _offer(self, awaited: _Awaited, fresh: bool) -> None:
-        """Links P's rank, grants it the blocks and registers them with it."""
+        """Links each P rank this rank mirrors a KV head of, grants it the blocks' heads it
+        writes, and registers them with it (a P rank nobody reads hears of no blocks)."""
         spec = awaited.spec
-        peer = awaited.peer = self._peer(awaited, fresh)
-        if spec.local_block_ids:
-            self._grant(awaited, peer)
-        message = PushRegistration(
-            request=spec.base_request_id,
-            cluster_id=self._cluster_id,
-            positions=spec.positions,
-            blocks=spec.local_block_ids,
-            grants=tuple(awaited.grants[:-1]),
-            word=(awaited.slot or 0, awaited.grants[-1] if awaited.grants else 0),
-            wait_s=self._config.pull_timeout_s,
-            slices=awaited.slices,
-        )
-        peer.client.request(message.to_dict())
+        endpoint = self._endpoint(awaited, fresh)
+        awaited.slices = None  # learned from P's rank (a restarted P may differ)
+        try:
+            plan = self._plans.rank_plan(spec.remote.tp_size)
+        except ValueError as e:
+            raise PushRefused(f"prefill engine {endpoint.engine_id}: {e}") from None
+        for p_rank in plan.notify:
+            writer = _Writer(self._peers.get(endpoint.rank(p_rank)))
+            awaited.writers.append(writer)
+            heads = tuple(HeadRun(r.src_head, r.dst_head, r.count) for r in plan.reads_from(p_rank))
+            takes = bool(spec.local_block_ids and heads)
+            if takes:
+                if awaited.slices is None:
+                    awaited.slices = self._slices(writer.peer)
+                self._grant(awaited, writer, heads)
+            message = PushRegistration(
+                request=spec.base_request_id,
+                cluster_id=self._cluster_id,
+                positions=spec.positions if takes else (),
+                blocks=spec.local_block_ids if takes else (),
+                grants=tuple(writer.grants[:-1]),
+                word=(writer.slot or 0, writer.grants[-1] if writer.grants else 0),
+                wait_s=self._config.pull_timeout_s,
+                slices=awaited.slices if takes else None,
+                heads=heads,
+                units_per_block=self._kv.caches[0].units_per_block,
+                rank=self._tp_rank,
+                consumers=plan.consumers[p_rank],
+            )
+            writer.peer.client.request(message.to_dict())
         self._record("push_registrations")
 
-    def _peer(self, awaited: _Awaited, fresh: bool) -> Peer:
-        """The P rank this rank mirrors, linked; its start learned first where D knows none
-        for this address yet, or ``fresh``."""
+    def _endpoint(self, awaited: _Awaited, fresh: bool) -> RemoteEndpoint:
+        """P's engine as this rank knows it; its start learned first where D knows none for
+        this address yet, or ``fresh``."""
         remote = awaited.spec.remote
-        if remote.tp_size != self._tp_size:
-            raise PushRefused(
-                f"push mode needs prefill and decode of one tensor-parallel size: prefill "
-                f"engine {remote.engine_id} has {remote.tp_size}, this engine {self._tp_size}; "
-                "use 'transfer_mode': 'pull' for this pair"
-            )
         key = (remote.engine_id, remote.host, remote.port)
         with self._lock:
             endpoint = None if fresh else self._endpoints.get(key)
         if endpoint is None:
             awaited.fresh = True
             endpoint = self._first_contact(remote, key)
-        peer = self._peers.get(endpoint.rank(self._tp_rank))
-        awaited.slices = self._slices(peer)
-        return peer
+        return endpoint
 
     def _slices(self, peer: Peer) -> Slices | None:
         """Where P's blocks are smaller, the slices of its blocks that make up one of this
@@ -241,7 +265,7 @@ class PushReceiver:
                     f"prefill block_size {list(peer.payload.block_sizes)}, decode block_size "
                     f"{list(self._block_sizes)}: this KV layout is not registered in slices"
                 )
-            return Slices(ratio, self._slice_runs(peer.payload.block_sizes[0]))
+            return Slices(ratio, self._plans.slice_runs(peer.payload.block_sizes[0]))
         except ValueError as e:
             raise PushRefused(f"prefill engine {peer.engine_id}: {e}") from None
 
@@ -284,19 +308,22 @@ class PushReceiver:
         with self._lock:
             self._endpoints.pop((remote.engine_id, remote.host, remote.port), None)
 
-    def _grant(self, awaited: _Awaited, peer: Peer) -> None:
-        """Grants P the blocks in every KV cache, then a cleared push word (last)."""
+    def _grant(self, awaited: _Awaited, writer: _Writer, heads: tuple[HeadRun, ...]) -> None:
+        """Grants the writer the KV heads ``heads`` of the blocks in every KV cache (their
+        slices, where P's blocks are smaller), then a cleared push word (last)."""
         blocks = awaited.spec.local_block_ids
+        cluster_id = writer.peer.cluster_id
         sliced = self._kv.slices if awaited.slices is not None else None
         for part in (sliced,) if sliced is not None else self._kv.caches:
-            awaited.grants.append(self._kv.grant(peer.cluster_id, part, part.units(blocks)))
+            units = granted_units(blocks, heads, self._kv.caches[0].units_per_block, part)
+            writer.grants.append(self._kv.grant(cluster_id, part, units))
         with self._lock:
             if not self._free_slots:
-                raise RuntimeError("every push word is taken")  # one per block: cannot be
-            awaited.slot = self._free_slots.pop()
-        self._words[awaited.slot] = 0
+                raise RuntimeError(f"all {len(self._words)} push words are taken")
+            writer.slot = self._free_slots.pop()
+        self._words[writer.slot] = 0
         assert self._kv.push_words is not None
-        awaited.grants.append(self._kv.grant(peer.cluster_id, self._kv.push_words, [awaited.slot]))
+        writer.grants.append(self._kv.grant(cluster_id, self._kv.push_words, [writer.slot]))
 
     def _landed(self, awaited: _Awaited, now: float) -> None:
         """P set the word: every block landed. Revoked before the report (a write under
@@ -340,18 +367,36 @@ class PushReceiver:
         self._finish(spec.request_id, False, spec.local_block_ids)
 
     def _revoke(self, awaited: _Awaited) -> None:
-        """Revokes every grant still held (each only once), then frees the word."""
+        """Revokes every grant still held (each only once), then frees the words."""
         timeout = self._kv.api.LLMStatusCode.LLM_TIMEOUT
-        while awaited.grants:
-            try:
-                self._kv.revoke(awaited.grants[-1], REVOKE_WAIT_S)
-            except Exception as e:
-                if getattr(e, "status_code", None) == timeout:
-                    raise
-                # Not a grant any more (the engine closed): nothing can write under it.
-                logger.warning("hixl: grant %d: %s", awaited.grants[-1], e)
-            awaited.grants.pop()
-        if awaited.slot is not None:
-            with self._lock:
-                self._free_slots.append(awaited.slot)
-            awaited.slot = None
+        for writer in awaited.writers:
+            while writer.grants:
+                try:
+                    self._kv.revoke(writer.grants[-1], REVOKE_WAIT_S)
+                except Exception as e:
+                    if getattr(e, "status_code", None) == timeout:
+                        raise
+                    # Not a grant any more (the engine closed): nothing can write under it.
+                    logger.warning("hixl: grant %d: %s", writer.grants[-1], e)
+                writer.grants.pop()
+            if writer.slot is not None:
+                with self._lock:
+                    self._free_slots.append(writer.slot)
+                writer.slot = None
+        awaited.writers.clear()
+
+
+def granted_units(
+    blocks: Sequence[int], heads: Sequence[HeadRun], units_per_block: int, part: RegisteredCache
+) -> list[int]:
+    """The units of ``part`` that hold KV heads ``heads`` (their ``dst``) of ``blocks``, in
+    blocks of ``units_per_block`` heads: the heads themselves, or every slice of them where
+    ``part`` registers the KV in slices (``part.units_per_block`` slices a block)."""
+    per_head = part.units_per_block // units_per_block
+    return [
+        (block * units_per_block + head) * per_head + piece
+        for block in blocks
+        for run in heads
+        for head in range(run.dst, run.dst + run.count)
+        for piece in range(per_head)
+    ]

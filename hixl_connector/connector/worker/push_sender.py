@@ -9,8 +9,10 @@ come before P's forward computes the prompt, while it does, or after the prefill
 - after: everything once both are here.
 Each half is kept until its partner arrives: a registration as long as its D waits (it says
 how long), at most ``MAX_WAITING_REGISTRATIONS`` of them; a finished prefill as long as its
-lease lives. Only prompts a step computes to their end are written layer by layer (a prompt
-prefilled in chunks is written whole once finished).
+lease lives. Where D's TP size is larger, several D ranks register for one prompt, each by
+its rank, and the lease ends once every one of them was pushed. Only prompts a step
+computes to their end are written layer by layer (a prompt prefilled in chunks is written
+whole once finished).
 
 A small pool (``transfer_threads``) writes, a request at a time per thread, each request's
 writes in order. A D that does not answer holds a thread for up to ``pull_timeout_s`` per
@@ -25,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.metadata import PromptBlocks, SendSpec
@@ -41,6 +43,7 @@ from hixl_connector.connector.worker.request_push import (
 logger = logging.getLogger(__name__)
 
 MAX_WAITING_REGISTRATIONS = 4096
+T = TypeVar("T")
 
 
 class PushSender:
@@ -64,12 +67,14 @@ class PushSender:
         self._record = record
         self._wake = wake
         self._lock = threading.Lock()
-        # base request id -> (registration, until when its D waits for the prefill).
-        self._registered: dict[str, tuple[PushRegistration, float]] = {}
-        # base request id -> the lease of a finished prefill: waits for D's registration.
+        # base request id -> D rank -> (registration, until when that D waits for the
+        # prefill).
+        self._registered: dict[str, dict[int, tuple[PushRegistration, float]]] = {}
+        # base request id -> the lease of a finished prefill, until it ends: waits for its
+        # Ds' registrations.
         self._finished: dict[str, SendSpec] = {}
-        # base request id -> (a push begun while P computed, until when its D waits).
-        self._begun: dict[str, tuple[RequestPush, float]] = {}
+        # base request id -> D rank -> (a push begun while P computed, until when D waits).
+        self._begun: dict[str, dict[int, tuple[RequestPush, float]]] = {}
         # While a forward runs: the prompts it computes to their end, and the layers it saved.
         self._computing: dict[str, PromptBlocks] = {}
         self._saved: set[int] = set()
@@ -108,9 +113,8 @@ class PushSender:
         with self._lock:
             self._saved.add(layer)
             for base in self._computing:
-                begun = self._begun.get(base)
-                if begun is not None:
-                    begun[0].write_layers(range(layer, layer + 1))
+                for push, _ in self._begun.get(base, {}).values():
+                    push.write_layers(range(layer, layer + 1))
 
     def computed(self) -> None:
         """The forward ended: a registration from now on waits for the finished prefill."""
@@ -135,7 +139,8 @@ class PushSender:
         base = registration.request
         with self._lock:
             self._expire(time.monotonic())
-            if len(self._registered) + len(self._begun) >= MAX_WAITING_REGISTRATIONS:
+            waiting = self._registered.values(), self._begun.values()
+            if sum(len(ranks) for kind in waiting for ranks in kind) >= MAX_WAITING_REGISTRATIONS:
                 raise ValueError(
                     f"{MAX_WAITING_REGISTRATIONS} push registrations already wait for their "
                     "prefill on this rank"
@@ -144,7 +149,7 @@ class PushSender:
                 # D registered while P still prefills: the router sent both legs at once.
                 self._record("early_push_registrations", 1)
             until = time.monotonic() + registration.wait_s
-            self._registered[base] = (registration, until)
+            self._registered.setdefault(base, {})[registration.rank] = (registration, until)
             if base in self._computing:
                 self._begin(base)
             else:
@@ -153,38 +158,50 @@ class PushSender:
 
     def _expire(self, now: float) -> None:
         """Forgets the registrations whose D gave up waiting (lock held)."""
-        for waiting in (self._registered, self._begun):
-            for base in [base for base, (_, until) in waiting.items() if until <= now]:
-                del waiting[base]
+        _drop_expired(self._registered, now)
+        _drop_expired(self._begun, now)
 
     def _begin(self, base: str) -> None:
-        """The forward computes ``base``'s prompt and its D registered: its layers are
+        """The forward computes ``base``'s prompt and its Ds registered: its layers are
         written from now on, those computed already first (lock held)."""
-        registration, until = self._registered[base]
-        if not registration.blocks:
-            return  # D takes nothing: the lease ends once the prefill finished
-        try:
-            src = source_blocks(self._computing[base].block_ids, registration, len(self._kv.caches))
-        except ValueError:
-            return  # refused once the prefill finished, where it is counted
-        del self._registered[base]
-        push = self._new_push(registration, src)
-        for layers in layer_ranges(self._saved):
-            push.write_layers(layers)
-        self._begun[base] = (push, until)
+        registered = self._registered.get(base, {})
+        for rank, (registration, until) in list(registered.items()):
+            if not registration.blocks:
+                continue  # this D takes nothing: it is done once the prefill finished
+            blocks = self._computing[base].block_ids
+            try:
+                src = source_blocks(blocks, registration, len(self._kv.caches))
+            except ValueError:
+                continue  # refused once the prefill finished, where it is counted
+            del registered[rank]
+            push = self._new_push(registration, src)
+            for layers in layer_ranges(self._saved):
+                push.write_layers(layers)
+            self._begun.setdefault(base, {})[rank] = (push, until)
+        if not registered:
+            self._registered.pop(base, None)
 
     def _new_push(self, registration: PushRegistration, src: tuple[int, ...]) -> RequestPush:
         return RequestPush(self._kv, registration, src, self._num_layers, self._pool, self._record)
 
     def _match(self, base: str) -> None:
-        """Finishes the push of ``base`` once both halves are here (lock held)."""
-        if base not in self._finished:
+        """Finishes the pushes of ``base`` whose halves are both here (lock held)."""
+        send = self._finished.get(base)
+        if send is None:
             return
-        if base in self._begun:
-            push, _ = self._begun.pop(base)
-        elif base in self._registered:
-            registration, _ = self._registered.pop(base)
-            push = self._new_push(registration, ())
-        else:
-            return
-        push.finish(self._finished.pop(base), self._leases, self._wake)
+        pushes = [push for push, _ in self._begun.pop(base, {}).values()]
+        pushes += [
+            self._new_push(registration, ())
+            for registration, _ in self._registered.pop(base, {}).values()
+        ]
+        for push in pushes:
+            push.finish(send, self._leases, self._wake)
+
+
+def _drop_expired(waiting: dict[str, dict[int, tuple[T, float]]], now: float) -> None:
+    """Forgets what waited past its D's wait, by request and D rank."""
+    for base, ranks in list(waiting.items()):
+        for rank in [rank for rank, (_, until) in ranks.items() if until <= now]:
+            del ranks[rank]
+        if not ranks:
+            del waiting[base]

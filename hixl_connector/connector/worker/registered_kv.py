@@ -45,8 +45,11 @@ SLICES_MODEL_ID = 1024
 # P's lease words, and the scratch words D reads them into (leases.guarded_read).
 LEASE_WORDS_MODEL_ID = 2048
 SCRATCH_WORDS_MODEL_ID = 2049
-# Push mode, D: one word per request being pushed, which P writes after its blocks.
+# Push mode, D: one word per request being pushed and P rank writing it, which that rank
+# writes after its blocks; a request holds a block at least, and P ranks of a TP size up to
+# PUSH_WORDS_PER_BLOCK times D's write a block each.
 PUSH_WORDS_MODEL_ID = 2050
+PUSH_WORDS_PER_BLOCK = 4
 ONE_TENSOR = {"tensor_num_per_layer": 1}
 
 
@@ -283,7 +286,8 @@ def register_kv(
     host = api.Placement.HOST
     scratch_words = (ctypes.c_uint64 * SCRATCH_WORDS)() if consumer else None
     pushed = consumer and config.transfer_mode == "push"
-    push_word_memory = (ctypes.c_uint64 * layout.num_blocks)() if pushed else None
+    push_word_count = layout.num_blocks * PUSH_WORDS_PER_BLOCK
+    push_word_memory = (ctypes.c_uint64 * push_word_count)() if pushed else None
     try:
         caches = tuple(
             replace(

@@ -23,8 +23,9 @@ from concurrent.futures import Executor
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.mapping.block_slices import slice_ids
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
+from hixl_connector.connector.mapping.tp_mapping import unit_ids
 from hixl_connector.connector.metadata import SendSpec
-from hixl_connector.connector.peers.push_registration import PushRegistration, Slices
+from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
 from hixl_connector.connector.worker.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
 from hixl_connector.connector.worker.serial_jobs import SerialJobs
 
@@ -56,13 +57,44 @@ def source_blocks(
     )
 
 
+def head_runs(registration: PushRegistration, p_units: int) -> tuple[tuple[HeadRun, ...], int]:
+    """Which of this rank's KV heads (``p_units`` a block) land in which of D's, and D's
+    units per block; raises ValueError where a run leaves a block."""
+    runs = registration.heads or (HeadRun(0, 0, p_units),)
+    d_units = registration.units_per_block or p_units
+    for run in runs:
+        if run.src + run.count > p_units or run.dst + run.count > d_units:
+            raise ValueError(
+                f"D's heads run {run} leaves a block of {p_units} KV heads here, {d_units} there"
+            )
+    return runs, d_units
+
+
+def pushed_units(
+    src: Sequence[int], dst: Sequence[int], runs: Sequence[HeadRun], units: tuple[int, int]
+) -> tuple[list[int], list[int]]:
+    """Units (KV heads of a block) of P's blocks ``src`` and of D's ``dst`` they land in,
+    blocks of ``units`` = (P's, D's) units each."""
+    p_units, d_units = units
+    moved: tuple[list[int], list[int]] = ([], [])
+    for run in runs:
+        moved[0].extend(unit_ids(src, p_units, run.src, run.count))
+        moved[1].extend(unit_ids(dst, d_units, run.dst, run.count))
+    return moved
+
+
 def pushed_slices(
-    src: Sequence[int], dst: Sequence[int], slices: Slices, heads: int, head_slices: int
+    src: Sequence[int],
+    dst: Sequence[int],
+    slices: Slices,
+    runs: Sequence[HeadRun],
+    units: tuple[int, int],
+    head_slices: int,
 ) -> tuple[list[int], list[int]]:
     """The slices of P's blocks ``src`` (``slices.ratio`` per block of D's ``dst``) and the
-    slices of D's they land in, each block holding ``heads`` KV heads of ``head_slices``
-    slices here and ``ratio`` times as many slices there; raises ValueError where a run
-    leaves its head."""
+    slices of D's they land in, for the KV heads of ``runs``, blocks of ``units`` = (P's,
+    D's) heads, each of ``head_slices`` slices here and ``ratio`` times as many there;
+    raises ValueError where a slice run leaves its head."""
     dst_slices = slices.ratio * head_slices
     for run in slices.runs:
         if run.src + run.count > head_slices or run.dst + run.count > dst_slices:
@@ -70,8 +102,14 @@ def pushed_slices(
                 f"D's slice run {run} leaves a KV head of {head_slices} slices here, "
                 f"{dst_slices} there"
             )
-    src_unit, dst_unit = (heads, 0, head_slices), (heads, 0, dst_slices)
-    return slice_ids(src, dst, slices.runs, slices.ratio, src_unit, dst_unit, heads)
+    p_units, d_units = units
+    moved: tuple[list[int], list[int]] = ([], [])
+    for head in runs:
+        src_unit, dst_unit = (p_units, head.src, head_slices), (d_units, head.dst, dst_slices)
+        ids = slice_ids(src, dst, slices.runs, slices.ratio, src_unit, dst_unit, head.count)
+        moved[0].extend(ids[0])
+        moved[1].extend(ids[1])
+    return moved
 
 
 def layer_ranges(layers: Iterable[int]) -> list[range]:
@@ -114,8 +152,8 @@ class RequestPush:
         self._jobs.submit(lambda: self._write_layers(layers))
 
     def finish(self, send: SendSpec, leases: LeaseTable, wake: Callable[[], None]) -> None:
-        """Queues the rest, after what is queued: the layers not written, then the word,
-        then the end of ``send``'s lease."""
+        """Queues the rest, after what is queued: the layers not written, then the word;
+        then this D rank is done with ``send``'s lease (it ends with the last of them)."""
         self._jobs.submit(lambda: self._finish(send, leases, wake))
 
     def _write_layers(self, layers: range) -> None:
@@ -139,14 +177,17 @@ class RequestPush:
             self._record("failed_pushes", 1)
             logger.error("hixl: push of request %s failed: %s", send.request_id, e)
         finally:
-            leases.end(send.request_id, send.lease_id)
+            registration = self.registration
+            leases.pushed(
+                send.request_id, send.lease_id, registration.consumers, rank=registration.rank
+            )
             wake()
 
     def _push_rest(self, send: SendSpec) -> None:
         if self._error:
             raise RuntimeError(self._error)
         if not self.registration.blocks:
-            return  # D takes nothing: the lease ends
+            return  # this D rank takes nothing: it is done
         src = source_blocks(send.block_ids, self.registration, len(self._kv.caches))
         if src != self._src:
             # A push begun only now (src ()), which has written nothing; or, which cannot
@@ -170,20 +211,24 @@ class RequestPush:
         """``layers`` (None: all) of every block, in every KV cache, under D's grants."""
         registration = self.registration
         if registration.slices is not None:
-            whole, sliced = self._kv.caches[0], self._kv.slices
+            sliced = self._kv.slices
             if sliced is None:
                 raise ValueError("D's blocks are larger, and this engine registers no slices")
-            heads = whole.units_per_block
+            p_units = self._kv.caches[0].units_per_block
+            runs, d_units = head_runs(registration, p_units)
             pairs = pushed_slices(
                 self._src,
                 registration.blocks,
                 registration.slices,
-                heads,
-                sliced.units_per_block // heads,
+                runs,
+                (p_units, d_units),
+                sliced.units_per_block // p_units,
             )
             (grant,) = registration.grants
             self._kv.push(registration.cluster_id, sliced, sliced.model_id, pairs, grant, layers)
             return
         for part, grant in zip(self._kv.caches, registration.grants, strict=True):
-            units = (part.units(self._src), part.units(registration.blocks))
-            self._kv.push(registration.cluster_id, part, part.model_id, units, grant, layers)
+            runs, d_units = head_runs(registration, part.units_per_block)
+            units = (part.units_per_block, d_units)
+            pairs = pushed_units(self._src, registration.blocks, runs, units)
+            self._kv.push(registration.cluster_id, part, part.model_id, pairs, grant, layers)
