@@ -17,6 +17,7 @@ import torch
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.server import LeaseTable
+from hixl_connector.connector.mapping.tp_mapping import unit_ids
 from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.push_registration import PushRegistration
 from hixl_connector.connector.peers.rank_addresses import RankAddress
@@ -56,7 +57,12 @@ def _decode_side(kv: torch.Tensor, p_port: int, conn: Connection) -> None:
     conn.send(d.datadist.link_clusters([info], 5000) == (ok, [ok]))
     while (command := conn.recv()) != "stop":
         if command == "grant":
-            grants = tuple(d.grant(P_CLUSTER, part, part.units(DST)) for part in d.caches)
+            grants = tuple(
+                d.grant(
+                    P_CLUSTER, part, unit_ids(DST, part.units_per_block, 0, part.units_per_block)
+                )
+                for part in d.caches
+            )
             assert d.push_words is not None
             conn.send((grants, d.grant(P_CLUSTER, d.push_words, [0])))
         elif command == "word":

@@ -71,11 +71,6 @@ class RegisteredCache:
     tensors_per_layer: int
     units_per_block: int = 1  # registered "blocks" per KV block (KV heads where they split)
 
-    def units(self, blocks: Sequence[int]) -> list[int]:
-        """The registered units of ``blocks``, block by block."""
-        n = self.units_per_block
-        return [block * n + unit for block in blocks for unit in range(n)]
-
 
 @dataclass(frozen=True)
 class RegisteredKV:
