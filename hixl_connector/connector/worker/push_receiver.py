@@ -2,15 +2,16 @@
 its KV heads and waits for them to write.
 
 For each ``PushRecvSpec``, on a small pool (never the step thread): learn P's cluster id and
-incarnation from a first-contact handshake when the router named P only by address (kept per
-address until a link to it fails); then, for each P rank this rank mirrors a KV head of (as
-a pull would read them: tp_mapping), link it (PeerRegistry), grant its cluster those heads
-of the request's blocks in every registered KV cache (where P's blocks are smaller: their
-slices, with where each slice of P's blocks lands) and one push word of its own, clear the
-word, and register all of it with that rank (``push_register``). Each P rank writes its
-heads, then its lease word into its push word. `collect` (on the step thread) looks at the
-words: once every one is set, every block landed, and the request is reported received. A
-P rank nobody reads (a replica) hears from one D rank that it has nothing to write.
+incarnation from a first-contact handshake when the router named P only by address
+(``push_contact``, kept per address until a push with it fails); then, for each P rank this
+rank mirrors a KV head of (as a pull would read them: tp_mapping), link it (PeerRegistry),
+grant its cluster those heads of the request's blocks in every registered KV cache (where
+P's blocks are smaller: their slices, with where each slice of P's blocks lands) and one push
+word of its own, clear the word, and register all of it with that rank (``push_register``).
+Each P rank writes its heads, then its lease word into its push word. `collect` (on the step
+thread) looks at the words: once every one is set, every block landed, and the request is
+reported received. A P rank nobody reads (a replica) hears from one D rank that it has
+nothing to write.
 
 The safety argument, for the native engine (push mode refuses other back-ends at start):
 - D decodes a block only after the last write of every P rank of the request, its word,
@@ -34,16 +35,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
 from hixl_connector.connector.mapping.read_plans import ReadPlans
-from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
-from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
+from hixl_connector.connector.metadata import PushRecvSpec
 from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
 from hixl_connector.connector.worker.kv_layout import KVLayout
+from hixl_connector.connector.worker.push_contact import PrefillEndpoints, PushRefused
 from hixl_connector.connector.worker.registered_kv import RegisteredCache, RegisteredKV
 
 logger = logging.getLogger(__name__)
@@ -53,10 +54,6 @@ REVOKE_WAIT_S = 1.0
 # How often an idle step looks at the words of the requests awaited: P's engine writes a
 # word straight into memory, so nothing signals it.
 WORD_POLL_S = 0.0001
-
-
-class PushRefused(RuntimeError):
-    """This deployment cannot take the request's KV by push."""
 
 
 @dataclass
@@ -118,8 +115,7 @@ class PushReceiver:
         # Requests with blocks to receive, from start until reported; those aborted meanwhile.
         self._started: set[str] = set()
         self._cancelled: set[str] = set()
-        # P engines by (engine id, host, port) as first contact found them.
-        self._endpoints: dict[tuple[str, str, int], RemoteEndpoint] = {}
+        self._endpoints = PrefillEndpoints(peers)
 
     def start(self, spec: PushRecvSpec, queued_at: float) -> None:
         """Registers the request's blocks with P (on the pool)."""
@@ -194,7 +190,7 @@ class PushReceiver:
                 self._offer(awaited, fresh=True)
         except Exception as e:
             if not isinstance(e, PushRefused):
-                self._forget_endpoint(spec.remote)
+                self._endpoints.forget(spec.remote)
             self._give_up(awaited, str(e))
             return
         if not spec.local_block_ids:
@@ -209,7 +205,8 @@ class PushReceiver:
         """Links each P rank this rank mirrors a KV head of, grants it the blocks' heads it
         writes, and registers them with it (a P rank nobody reads hears of no blocks)."""
         spec = awaited.spec
-        endpoint = self._endpoint(awaited, fresh)
+        endpoint, learned = self._endpoints.get(spec.remote, fresh)
+        awaited.fresh |= learned
         awaited.slices = None  # learned from P's rank (a restarted P may differ)
         try:
             plan = self._plans.rank_plan(spec.remote.tp_size)
@@ -241,18 +238,6 @@ class PushReceiver:
             writer.peer.client.request(message.to_dict())
         self._record("push_registrations")
 
-    def _endpoint(self, awaited: _Awaited, fresh: bool) -> RemoteEndpoint:
-        """P's engine as this rank knows it; its start learned first where D knows none for
-        this address yet, or ``fresh``."""
-        remote = awaited.spec.remote
-        key = (remote.engine_id, remote.host, remote.port)
-        with self._lock:
-            endpoint = None if fresh else self._endpoints.get(key)
-        if endpoint is None:
-            awaited.fresh = True
-            endpoint = self._first_contact(remote, key)
-        return endpoint
-
     def _slices(self, peer: Peer) -> Slices | None:
         """Where P's blocks are smaller, the slices of its blocks that make up one of this
         rank's; None for blocks of one size. Raises PushRefused for P's blocks larger."""
@@ -268,45 +253,6 @@ class PushReceiver:
             return Slices(ratio, self._plans.slice_runs(peer.payload.block_sizes[0]))
         except ValueError as e:
             raise PushRefused(f"prefill engine {peer.engine_id}: {e}") from None
-
-    def _first_contact(self, remote: RemoteEndpoint, key: tuple[str, str, int]) -> RemoteEndpoint:
-        """Whoever serves P's side channel now, by a handshake naming no incarnation: its
-        engine id, cluster id and start. The router's picture of P may be older than P's
-        start (it keeps an identity until P's next answer), but the router sent P's leg to
-        that same address, so the engine there is the one prefilling the request."""
-        client = self._peers.client_for(remote.rank(0))
-        try:
-            reply = client.request({"type": "handshake", "schema": SCHEMA_VERSION})
-        finally:
-            client.close()
-        payload = HandshakePayload.from_dict(reply.get("payload"))
-        if payload.tp_rank != 0:
-            raise PushRefused(
-                f"{remote.host}:{remote.port} serves rank {payload.tp_rank} of engine "
-                f"{payload.engine_id}, not rank 0"
-            )
-        if payload.engine_id != remote.engine_id:
-            logger.info(
-                "hixl: %s:%d now serves prefill engine %s (the router named %s)",
-                remote.host,
-                remote.port,
-                payload.engine_id,
-                remote.engine_id,
-            )
-        endpoint = replace(
-            remote,
-            engine_id=payload.engine_id,
-            cluster_id=payload.cluster_id,
-            incarnation=payload.incarnation,
-        )
-        with self._lock:
-            self._endpoints[key] = endpoint
-        return endpoint
-
-    def _forget_endpoint(self, remote: RemoteEndpoint) -> None:
-        """A failure with this P: the next request learns its start again (P restarted?)."""
-        with self._lock:
-            self._endpoints.pop((remote.engine_id, remote.host, remote.port), None)
 
     def _grant(self, awaited: _Awaited, writer: _Writer, heads: tuple[HeadRun, ...]) -> None:
         """Grants the writer the KV heads ``heads`` of the blocks in every KV cache (their
