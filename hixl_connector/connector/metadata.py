@@ -130,25 +130,26 @@ class SendSpec:
     lease_id: int
     slot: int  # its lease word's slot (lease_words)
     word: int  # the word published there
-    # Push mode: the prompt's blocks (one KV-cache group), by position, for a D that
+    # Push mode: the prompt's blocks of each KV-cache group, by position, for a D that
     # registers its own blocks for this request instead of pulling.
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
 class PromptBlocks:
-    """P, push mode: a prompt the step's forward computes to its end, and its blocks (one
-    KV-cache group) by position: a D that registered for it is written each layer as the
-    forward computes it."""
+    """P, push mode: a prompt the step's forward computes to its end, and its blocks of
+    each KV-cache group by position: a D that registered for it is written each layer as
+    the forward computes it."""
 
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
 class PushRecvSpec:
     """D, push mode: P writes the prompt's blocks at ``positions`` into ``local_block_ids``
-    under grants of this rank's. No blocks: D takes none, so P frees its own at once.
+    under grants of this rank's, ``groups`` of them in each KV-cache group in order (()
+    for one group). No blocks: D takes none, so P frees its own at once.
 
     ``remote`` is P as the router names it in a concurrent push (engine id, host, port,
     tp_size): its cluster id and incarnation (0 here) come from P's handshake."""
@@ -158,6 +159,7 @@ class PushRecvSpec:
     remote: RemoteEndpoint
     positions: tuple[int, ...]
     local_block_ids: tuple[int, ...]
+    groups: tuple[int, ...] = ()
 
     @property
     def remote_request_id(self) -> str:

@@ -162,7 +162,7 @@ def _finish(pair: Pair, push: RequestPush) -> LeaseTable:
     leases = LeaseTable(lease_s=30.0)
     leases.start("req-0", LEASE_ID, time.monotonic(), WORD_SLOT, LEASE_WORD)
     push.finish(
-        SendSpec("req-0", LEASE_ID, WORD_SLOT, LEASE_WORD, (1, 2, 3, 4)), leases, lambda: None
+        SendSpec("req-0", LEASE_ID, WORD_SLOT, LEASE_WORD, ((1, 2, 3, 4),)), leases, lambda: None
     )
     _until(lambda: len(leases) == 0)  # the push ended the lease
     return leases

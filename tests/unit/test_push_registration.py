@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -36,6 +37,10 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
     positions = draw(st.lists(ids, min_size=len(blocks), max_size=len(blocks)))
     sliced = draw(st.none() | slices())
     most = 1 if sliced is not None else 4
+    # How many of the positions each KV-cache group holds (one group where sliced).
+    cuts = sorted(draw(st.lists(st.integers(0, len(blocks)), max_size=0 if sliced else 3)))
+    bounds = [0, *cuts, len(blocks)]
+    groups = draw(st.just(()) | st.just(tuple(b - a for a, b in itertools.pairwise(bounds))))
     grants = draw(st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=most))
     return PushRegistration(
         request=draw(st.text(min_size=1, max_size=60)),
@@ -50,6 +55,7 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
         units_per_block=draw(st.integers(1, 65536)),
         rank=draw(st.integers(0, 65535)),
         consumers=draw(st.integers(1, 65535)),
+        groups=groups,
     )
 
 
@@ -97,6 +103,12 @@ GOOD = PushRegistration("cmpl-x-0", 9, (0, 1), (5, 6), (11,), (3, 12), 30.0).to_
         ({"rank": 65536}, "rank"),
         ({"consumers": 0}, "consumers"),
         ({"consumers": "2"}, "consumers"),
+        ({"groups": [1]}, "splits 1 positions by KV-cache group, it has 2"),
+        ({"groups": [1, 2]}, "splits 3 positions"),
+        ({"groups": [2, -1, 1]}, "groups"),
+        ({"groups": [0] * 65 + [2]}, "groups"),
+        ({"groups": "2"}, "groups"),
+        ({"groups": [1, 1], "slices": [2, [[0, 0, 0, 1]]]}, "2 KV-cache groups and slices"),
     ],
 )
 def test_hostile_registrations_are_refused_naming_the_field(

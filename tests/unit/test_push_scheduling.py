@@ -16,6 +16,7 @@ from vllm_harness import (
     block_ids,
     finished_outputs,
     free_blocks,
+    group_block_ids,
     make_request,
     make_scheduler,
     metadata,
@@ -26,6 +27,7 @@ from vllm_harness import (
     step,
 )
 
+from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.metadata import PromptBlocks, PushRecvSpec, RemoteEndpoint
 from hixl_connector.connector.transfer_params import (
     InvalidTransferParams,
@@ -89,6 +91,7 @@ def test_concurrent_leg_registers_ds_blocks_and_waits_for_p(tiny_model_dir: Path
         P_ENDPOINT,
         (0, 1, 2, 3),
         tuple(block_ids(scheduler, "cmpl-x-0-0badcafe")),
+        (4,),
     )
     output, _ = step(scheduler, finished_recving={"cmpl-x-0-0badcafe"})
     assert metadata(output).to_push_recv == []
@@ -141,16 +144,56 @@ def test_push_mode_p_hands_its_workers_the_prompt_blocks_and_names_the_mode(
     output = scheduler.schedule()
     blocks = block_ids(scheduler, "p1")
     # The step computes the whole prompt: its workers write each layer as it is computed.
-    assert metadata(output).prefilling == [PromptBlocks("p1", tuple(blocks[:3]))]
+    assert metadata(output).prefilling == [PromptBlocks("p1", (tuple(blocks[:3]),))]
     finished = finished_outputs(scheduler.update_from_output(output, runner_output(output)))
     answer = finished["p1"].kv_transfer_params
     assert answer["transfer_mode"] == "push"
     assert answer["remote_engine_id"] == "engine-under-test"
     assert answer["remote_host"] and answer["remote_port"] and answer["tp_size"] == 1
     (send,) = metadata(step(scheduler)[0]).to_send
-    assert send.block_ids == tuple(blocks[:3])
+    assert send.block_ids == (tuple(blocks[:3]),)
 
 
-def test_push_mode_refuses_a_hybrid_model_at_start(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="transfer_mode.*one KV-cache group"):
-        make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH, sliding_window=32)
+def test_a_hybrid_d_registers_each_groups_blocks_the_window_only_where_it_attends(
+    tiny_model_dir: Path,
+) -> None:
+    """vLLM's hybrid KV-cache manager (full attention and a sliding window): D asks P for
+    every block of the full group and, of the sliding-window group, only the blocks still
+    in its window, group by group, and says how many are in each."""
+    scheduler = make_scheduler(
+        tiny_model_dir, "kv_consumer", extra=PUSH, sliding_window=2 * BLOCK_SIZE, num_blocks=128
+    )
+    request_id = "cmpl-h-0-0badcafe"
+    scheduler.add_request(
+        make_request(request_id, prompt(6 * BLOCK_SIZE + 5), params=dict(IDENTITY))
+    )
+    output, _ = step(scheduler)
+    (spec,) = metadata(output).to_push_recv
+    full, window = group_block_ids(scheduler, request_id)
+    attended = [p for p, block in enumerate(window) if block != NULL_BLOCK_ID]
+    assert attended and len(attended) < len(window)  # the window left some positions null
+    assert spec.groups == (len(full), len(attended))
+    assert spec.positions == (*range(len(full)), *attended)
+    assert spec.local_block_ids == (*full, *(window[p] for p in attended))
+
+
+def test_a_hybrid_p_hands_its_workers_each_groups_prompt_blocks(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(
+        tiny_model_dir, "kv_producer", extra=PUSH, sliding_window=2 * BLOCK_SIZE, num_blocks=128
+    )
+    scheduler.add_request(
+        make_request(
+            "p1",
+            prompt(4 * BLOCK_SIZE + 3),
+            max_tokens=1,
+            params={"do_remote_decode": True, "do_remote_prefill": False},
+        )
+    )
+    output = scheduler.schedule()
+    blocks = tuple(tuple(group[:5]) for group in group_block_ids(scheduler, "p1"))
+    # The forward computes every block of both groups, so every one can be written.
+    assert metadata(output).prefilling == [PromptBlocks("p1", blocks)]
+    assert NULL_BLOCK_ID not in blocks[1]
+    scheduler.update_from_output(output, runner_output(output))
+    (send,) = metadata(step(scheduler)[0]).to_send
+    assert len(send.block_ids) == 2 and send.block_ids[0] == blocks[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ from hixl_connector.connector.mapping.tp_mapping import (
     plan_rank,
 )
 from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.worker.push_sender import ComputedLayers
 from hixl_connector.connector.worker.request_push import (
     head_runs,
     layer_ranges,
@@ -51,23 +53,53 @@ def _registration(
 
 
 def test_source_blocks_are_ps_blocks_at_ds_positions() -> None:
-    assert source_blocks((10, 11, 12, 13), _registration((1, 3)), 1) == (11, 13)
-    assert source_blocks((10, 11), _registration(()), 1) == ()
+    assert source_blocks([(10, 11, 12, 13)], _registration((1, 3)), 1) == (11, 13)
+    assert source_blocks([(10, 11)], _registration(()), 1) == ()
+
+
+def test_source_blocks_of_several_groups_are_each_groups_own_never_the_null_block() -> None:
+    """The hybrid KV-cache manager: D's positions come group by group; a sliding-window
+    group's position P dropped from its window is refused, never written from the null
+    block."""
+    full, window = (10, 11, 12, 13), (NULL_BLOCK_ID, NULL_BLOCK_ID, 22, 23)
+    both = replace(_registration((0, 1, 2, 3, 2, 3)), groups=(4, 2))
+    assert source_blocks([full, window], both, 1) == (10, 11, 12, 13, 22, 23)
+    with pytest.raises(ValueError, match="prompt block 1, which left P's window"):
+        source_blocks([full, window], replace(_registration((0, 1)), groups=(1, 1)), 1)
+    with pytest.raises(ValueError, match="blocks of 1 KV-cache group.s., this engine has 2"):
+        source_blocks([full, window], _registration((0, 1)), 1)
+    with pytest.raises(ValueError, match="blocks of 2 KV-cache group.s., this engine has 1"):
+        source_blocks([full], both, 1)
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 999), min_size=1, max_size=8), min_size=1, max_size=4),
+    st.data(),
+)
+def test_source_blocks_pair_each_ds_block_with_ps_block_of_its_group_and_position(
+    groups: list[list[int]], data: st.DataObject
+) -> None:
+    chosen = [data.draw(st.lists(st.integers(0, len(g) - 1), unique=True)) for g in groups]
+    positions = tuple(p for picked in chosen for p in picked)
+    registration = replace(_registration(positions), groups=tuple(len(c) for c in chosen))
+    assert registration.group_positions() == tuple(tuple(c) for c in chosen)
+    source = source_blocks([tuple(g) for g in groups], registration, 1)
+    assert source == tuple(g[p] for g, picked in zip(groups, chosen, strict=True) for p in picked)
 
 
 def test_smaller_source_blocks_are_ratio_per_position_null_past_the_prompt() -> None:
     halves = Slices(2, (SliceRun(0, 0, 0, 1),))
     prompt = (10, 11, 12, 13, 14)  # 5 of P's blocks: D's position 2 holds only the last
-    assert source_blocks(prompt, _registration((0, 2), slices=halves), 3) == (
+    assert source_blocks([prompt], _registration((0, 2), slices=halves), 3) == (
         10,
         11,
         14,
         NULL_BLOCK_ID,
     )
     with pytest.raises(ValueError, match="prompt block 6, the prompt has 5"):
-        source_blocks(prompt, _registration((3,), slices=halves), 1)
+        source_blocks([prompt], _registration((3,), slices=halves), 1)
     with pytest.raises(ValueError, match="granted 2 KV caches, this engine registers 1"):
-        source_blocks(prompt, _registration((0,), (1, 2), halves), 1)
+        source_blocks([prompt], _registration((0,), (1, 2), halves), 1)
 
 
 @given(
@@ -195,9 +227,9 @@ def test_head_runs_refuse_a_run_beyond_a_block() -> None:
 
 def test_source_blocks_refuse_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="prompt block 4, the prompt has 4"):
-        source_blocks((10, 11, 12, 13), _registration((0, 4)), 1)
+        source_blocks([(10, 11, 12, 13)], _registration((0, 4)), 1)
     with pytest.raises(ValueError, match="granted 1 KV caches, this engine registers 2"):
-        source_blocks((10, 11), _registration((0,)), 2)
+        source_blocks([(10, 11)], _registration((0,)), 2)
 
 
 def test_serial_jobs_run_in_order_one_at_a_time_beside_other_queues() -> None:
@@ -234,3 +266,33 @@ def test_serial_jobs_refuse_once_the_pool_shut_down() -> None:
     pool.shutdown()
     with pytest.raises(RuntimeError):
         jobs.submit(lambda: None)
+
+
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=12),
+    st.randoms(use_true_random=False),
+)
+def test_a_shared_buffer_is_computed_once_every_layer_in_it_was(
+    owners: list[int], rng: Any
+) -> None:
+    """Layer names mapped onto registered layers (several names a layer: the hybrid
+    manager's shared buffers), computed in any order, some twice: each registered layer is
+    reported once, when its last name is computed, never before."""
+    layers = {f"layer.{i}": layer for i, layer in enumerate(owners)}
+    computed = ComputedLayers(layers)
+    computed.begin()
+    names = list(layers) + rng.sample(list(layers), k=min(3, len(layers))) + ["not.registered"]
+    rng.shuffle(names)
+    seen: set[str] = set()
+    reported = []
+    for name in names:
+        layer = computed.computed(name)
+        seen.add(name)
+        names_of_layer = {n for n, owner in layers.items() if owner == layers.get(name)}
+        if layer is not None:
+            assert names_of_layer <= seen  # only once every name in it was computed
+            reported.append(layer)
+    assert sorted(reported) == sorted(set(owners))  # each exactly once
+    assert computed.layers == set(owners)
+    computed.begin()  # the next forward starts from nothing
+    assert computed.layers == set()

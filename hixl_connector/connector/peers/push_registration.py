@@ -19,10 +19,16 @@ Where P's blocks are smaller (``slices``: ``ratio`` of P's blocks make one of D'
 its KV caches registered in slices instead (one grant), and says where the slices of each KV
 head of P's ``ratio`` blocks land in its block (block_slices.SliceRun, probed from D's
 kernels): P writes every slice straight into place, as a pulling D reads it.
+
+Under vLLM's hybrid KV-cache manager a request has blocks in each KV-cache group (a
+sliding-window group only those still in its window): ``groups`` says how many of the
+positions and blocks, in order, belong to each group. Layers of different groups share
+D's registered KV caches, so one grant per cache covers the blocks of every group.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +110,15 @@ class PushRegistration:
     units_per_block: int = 0
     rank: int = 0  # D's TP rank ...
     consumers: int = 1  # ... of this many that register with this P rank
+    # How many of ``positions`` (and ``blocks``) belong to each KV-cache group, in order;
+    # () for one group.
+    groups: tuple[int, ...] = ()
+
+    def group_positions(self) -> tuple[tuple[int, ...], ...]:
+        """``positions`` split by KV-cache group."""
+        counts = self.groups or (len(self.positions),)
+        ends = list(itertools.accumulate(counts))
+        return tuple(self.positions[end - n : end] for end, n in zip(ends, counts, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +127,7 @@ class PushRegistration:
             "units_per_block": self.units_per_block,
             "rank": self.rank,
             "consumers": self.consumers,
+            "groups": list(self.groups),
             "type": MESSAGE_TYPE,
             "request": self.request,
             "cluster_id": self.cluster_id,
@@ -164,6 +180,13 @@ class PushRegistration:
         units = check_field(where, "units_per_block", data, int, 0, MAX_UNITS_PER_BLOCK)
         if runs and not units:
             raise ValueError(f"{where} names heads, but no units_per_block")
+        groups = _ints(where, "groups", data.get("groups", []), MAX_KV_CACHE_GROUPS, 2**31)
+        if groups and sum(groups) != len(positions):
+            raise ValueError(
+                f"{where} splits {sum(groups)} positions by KV-cache group, it has {len(positions)}"
+            )
+        if len(groups) > 1 and slices is not None:
+            raise ValueError(f"{where} names {len(groups)} KV-cache groups and slices")
         return cls(
             request=request,
             cluster_id=check_field(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
@@ -177,6 +200,7 @@ class PushRegistration:
             units_per_block=units,
             rank=check_field(where, "rank", data, int, 0, MAX_RANKS),
             consumers=check_field(where, "consumers", data, int, 1, MAX_RANKS),
+            groups=groups,
         )
 
 

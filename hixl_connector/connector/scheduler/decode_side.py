@@ -240,10 +240,14 @@ class DecodeSide:
             return
         positions: tuple[int, ...] = ()
         local: tuple[int, ...] = ()
+        groups: tuple[int, ...] = ()
         if external > 0:
-            ((positions, local),) = unfilled  # push mode runs one KV-cache group
+            positions = tuple(p for group_positions, _ in unfilled for p in group_positions)
+            local = tuple(b for _, group_blocks in unfilled for b in group_blocks)
+            groups = tuple(len(group_positions) for group_positions, _ in unfilled)
             self.receiving.add(request_id)
-        spec = PushRecvSpec(request_id, base_request_id(request_id), remote, positions, local)
+        base = base_request_id(request_id)
+        spec = PushRecvSpec(request_id, base, remote, positions, local, groups)
         self._to_push_recv.append(spec)
 
     def _stop_waiting(self, request_id: str) -> None:

@@ -50,12 +50,6 @@ class HixlScheduler:
         tp_size = parallel.tensor_parallel_size
         self._group_block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         push = config.transfer_mode == "push"
-        if push and len(self._group_block_sizes) > 1:
-            raise ValueError(
-                "kv_connector_extra_config 'transfer_mode': 'push' moves one KV-cache group, "
-                f"this model has {len(self._group_block_sizes)} (a hybrid or sliding-window "
-                "model under vLLM's hybrid KV-cache manager): use 'transfer_mode': 'pull'"
-            )
         self.misconfigured = Misconfigurations()
         self.decode: DecodeSide | None = None
         self.prefill: PrefillSide | None = None

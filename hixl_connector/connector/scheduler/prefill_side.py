@@ -80,7 +80,7 @@ class PrefillSide:
             rank_words.publish(slot, word)
         self.leased[request_id] = (lease_id, slot)
         # Push mode: the blocks go to the workers too, for a D that registers its own.
-        pushed = prompt_blocks[0] if self._push else ()
+        pushed = prompt_blocks if self._push else ()
         self._to_send.append(SendSpec(request_id, lease_id, slot, word, pushed))
         return True, build_remote_decode_params(
             self._endpoint,
@@ -106,7 +106,7 @@ class PrefillSide:
                 continue
             if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(prompt):
                 continue
-            blocks = self._prompt_blocks(new.block_ids, len(prompt))[0]
+            blocks = self._prompt_blocks(new.block_ids, len(prompt))
             prompts.append(PromptBlocks(new.req_id, blocks))
         return prompts
 

@@ -234,6 +234,7 @@ class PushReceiver:
                 units_per_block=self._kv.caches[0].units_per_block,
                 rank=self._tp_rank,
                 consumers=plan.consumers[p_rank],
+                groups=spec.groups if takes else (),
             )
             writer.peer.client.request(message.to_dict())
         self._record("push_registrations")

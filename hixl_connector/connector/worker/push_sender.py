@@ -62,7 +62,6 @@ class PushSender:
             raise ValueError("push mode needs the prefill engine's lease words registered")
         self._kv = kv
         self._leases = leases
-        self._layers = dict(layers)
         self._num_layers = len(set(layers.values()))
         self._record = record
         self._wake = wake
@@ -75,9 +74,9 @@ class PushSender:
         self._finished: dict[str, SendSpec] = {}
         # base request id -> D rank -> (a push begun while P computed, until when D waits).
         self._begun: dict[str, dict[int, tuple[RequestPush, float]]] = {}
-        # While a forward runs: the prompts it computes to their end, and the layers it saved.
+        # While a forward runs: the prompts it computes to their end, the layers it computed.
         self._computing: dict[str, PromptBlocks] = {}
-        self._saved: set[int] = set()
+        self._layers_computed = ComputedLayers(layers)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hixl-push")
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
@@ -98,7 +97,7 @@ class PushSender:
         """Before a forward: the prompts it computes to their end."""
         with self._lock:
             self._computing = {base_request_id(p.request_id): p for p in prompts}
-            self._saved = set()
+            self._layers_computed.begin()
             for base in self._computing:
                 if base in self._registered:
                     self._begin(base)
@@ -107,11 +106,10 @@ class PushSender:
         """The forward computed ``layer_name`` of every prompt in it."""
         if not self._computing:
             return
-        layer = self._layers.get(layer_name)
-        if layer is None:
-            return
         with self._lock:
-            self._saved.add(layer)
+            layer = self._layers_computed.computed(layer_name)
+            if layer is None:
+                return
             for base in self._computing:
                 for push, _ in self._begun.get(base, {}).values():
                     push.write_layers(range(layer, layer + 1))
@@ -119,7 +117,8 @@ class PushSender:
     def computed(self) -> None:
         """The forward ended: a registration from now on waits for the finished prefill."""
         with self._lock:
-            self._computing, self._saved = {}, set()
+            self._computing = {}
+            self._layers_computed.begin()
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Leases that ended otherwise (a pulling D's "done", expiry): nothing to push."""
@@ -175,7 +174,7 @@ class PushSender:
                 continue  # refused once the prefill finished, where it is counted
             del registered[rank]
             push = self._new_push(registration, src)
-            for layers in layer_ranges(self._saved):
+            for layers in layer_ranges(self._layers_computed.layers):
                 push.write_layers(layers)
             self._begun.setdefault(base, {})[rank] = (push, until)
         if not registered:
@@ -196,6 +195,39 @@ class PushSender:
         ]
         for push in pushes:
             push.finish(send, self._leases, self._wake)
+
+
+class ComputedLayers:
+    """The registered layers a forward computed, from the layer names ``save_kv_layer``
+    gives (``layers``: each name's registered layer). Under the hybrid KV-cache manager a
+    registered layer is one buffer that a layer of each KV-cache group shares: it is
+    computed once every one of them was, and only then may it be written."""
+
+    def __init__(self, layers: Mapping[str, int]) -> None:
+        self._layers = dict(layers)
+        self._names: dict[int, frozenset[str]] = {}
+        for name, layer in self._layers.items():
+            self._names[layer] = self._names.get(layer, frozenset()) | {name}
+        self._waiting: dict[int, set[str]] = {}  # registered layer -> names not computed yet
+        self.layers: set[int] = set()
+
+    def begin(self) -> None:
+        """A forward begins: nothing computed yet."""
+        self._waiting = {layer: set(names) for layer, names in self._names.items()}
+        self.layers = set()
+
+    def computed(self, name: str) -> int | None:
+        """The layer ``name`` was computed: its registered layer where that completes it."""
+        layer = self._layers.get(name)
+        waiting = self._waiting.get(layer) if layer is not None else None
+        if layer is None or waiting is None:
+            return None  # not registered, or computed already
+        waiting.discard(name)
+        if waiting:
+            return None
+        del self._waiting[layer]
+        self.layers.add(layer)
+        return layer
 
 
 def _drop_expired(waiting: dict[str, dict[int, tuple[T, float]]], now: float) -> None:

@@ -33,11 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 def source_blocks(
-    prompt_blocks: Sequence[int], registration: PushRegistration, num_caches: int
+    prompt_blocks: Sequence[Sequence[int]], registration: PushRegistration, num_caches: int
 ) -> tuple[int, ...]:
-    """P's blocks at the prompt positions D registered (D's positions, so ``ratio`` of P's
-    blocks each where they are smaller, NULL_BLOCK_ID past the prompt's end); raises
-    ValueError where D's registration does not fit this engine or this prompt."""
+    """P's blocks (``prompt_blocks``: each KV-cache group's, by position) at the prompt
+    positions D registered, group by group (D's positions, so ``ratio`` of P's blocks each
+    where they are smaller, NULL_BLOCK_ID past the prompt's end); raises ValueError where
+    D's registration does not fit this engine or this prompt."""
     ratio, caches = 1, num_caches
     if registration.slices is not None:
         ratio, caches = registration.slices.ratio, 1
@@ -45,16 +46,26 @@ def source_blocks(
         raise ValueError(
             f"D granted {len(registration.grants)} KV caches, this engine registers {caches}"
         )
-    beyond = [p for p in registration.positions if p * ratio >= len(prompt_blocks)]
-    if beyond:
+    by_group = registration.group_positions()
+    if len(by_group) != len(prompt_blocks):
         raise ValueError(
-            f"D asks for prompt block {beyond[0] * ratio}, the prompt has {len(prompt_blocks)}"
+            f"D registered blocks of {len(by_group)} KV-cache group(s), this engine has "
+            f"{len(prompt_blocks)}"
         )
-    return tuple(
-        prompt_blocks[i] if i < len(prompt_blocks) else NULL_BLOCK_ID
-        for p in registration.positions
-        for i in range(p * ratio, (p + 1) * ratio)
-    )
+    source: list[int] = []
+    for positions, blocks in zip(by_group, prompt_blocks, strict=True):
+        beyond = [p for p in positions if p * ratio >= len(blocks)]
+        if beyond:
+            raise ValueError(
+                f"D asks for prompt block {beyond[0] * ratio}, the prompt has {len(blocks)}"
+            )
+        for p in positions:
+            for i in range(p * ratio, (p + 1) * ratio):
+                if i < len(blocks) and blocks[i] == NULL_BLOCK_ID:
+                    # A sliding-window group dropped it here: never write the null block.
+                    raise ValueError(f"D asks for prompt block {i}, which left P's window")
+                source.append(blocks[i] if i < len(blocks) else NULL_BLOCK_ID)
+    return tuple(source)
 
 
 def head_runs(registration: PushRegistration, p_units: int) -> tuple[tuple[HeadRun, ...], int]:

@@ -3,14 +3,16 @@ KV-cache manager on, so every request has two KV-cache groups, and with it off.
 
 With the manager on, each group moves with its own block ids and the sliding-window group
 only the blocks D still attends to; with it off every layer keeps and ships its whole
-history. Both must be token-identical to a plain server. On a vLLM that reports failed reads
-by block id only (vllm_interface), the manager on is refused at start instead.
+history. Both must be token-identical to a plain server, pulled and (manager on) pushed. On
+a vLLM that reports failed reads by block id only (vllm_interface), the manager on is refused
+at start instead.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,9 +30,11 @@ from ..harness import (
     PDLauncher,
     ProcessRegistry,
     hixl_connector_config,
+    hixl_counter,
     pulled,
     request_fails,
     token_prompt,
+    wait_for_counter,
     wait_for_pulls,
     wait_kv_idle,
 )
@@ -41,6 +45,7 @@ PROMPTS = {n: token_prompt(n, seed=1000 + n) for n in LENGTHS}
 BLOCK_BYTES = 2 * BLOCK_SIZE * 64 * 4
 NUM_LAYERS = 4
 HYBRID_OFF = ("--disable-hybrid-kv-cache-manager",)
+PUSH = {"transfer_mode": "push"}
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +53,20 @@ def fleet(
     tmp_path_factory: pytest.TempPathFactory, e2e_log_dir: Path, process_registry: ProcessRegistry
 ) -> Iterator[NamedFleet]:
     """Servers: plain, p_on/d_on with the manager on, p_off/d_off with it off, d_corrupt fed
-    by p_on; a router per pair: on, off, corrupt, mismatch."""
+    by p_on, p_push (push mode) feeding d_on and d_corrupt; a router per pair: on, off,
+    corrupt, mismatch, push, push_corrupt. d_on and d_corrupt run push mode, which pulls
+    from a P in pull mode."""
     if not REPORTS_FAILED_RECEIVES:
         pytest.skip("this vLLM refuses the hybrid manager with the connector (tested below)")
     model = build_tiny_model(tmp_path_factory.mktemp("gemma3") / "model", "gemma3")
     launcher = PDLauncher(model, e2e_log_dir / "hybrid", process_registry)
     try:
-        corrupt = hixl_connector_config("decode", test_corrupt_received_kv=True)
+        corrupt = hixl_connector_config("decode", **PUSH, test_corrupt_received_kv=True)
         servers = {
             "plain": launcher.server("plain", None),
             "p_on": launcher.server("p_on", hixl_connector_config("prefill")),
-            "d_on": launcher.server("d_on", hixl_connector_config("decode")),
+            "d_on": launcher.server("d_on", hixl_connector_config("decode", **PUSH)),
+            "p_push": launcher.server("p_push", hixl_connector_config("prefill", **PUSH)),
             "p_off": launcher.server("p_off", hixl_connector_config("prefill"), args=HYBRID_OFF),
             "d_off": launcher.server("d_off", hixl_connector_config("decode"), args=HYBRID_OFF),
             "d_corrupt": launcher.server("d_corrupt", corrupt),
@@ -68,6 +76,8 @@ def fleet(
             "off": ("p_off", "d_off"),
             "corrupt": ("p_on", "d_corrupt"),
             "mismatch": ("p_on", "d_off"),  # two groups on P, one on D
+            "push": ("p_push", "d_on"),
+            "push_corrupt": ("p_push", "d_corrupt"),
         }
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
     finally:
@@ -127,6 +137,53 @@ def test_mismatched_groups_fail_the_request_naming_them_and_free_the_prefill(
     assert "the prefill side sent 2 KV-cache groups, this engine has 1" in decode.log_tail(200)
     assert pulled(decode)[0] == pulls
     wait_kv_idle(fleet.servers["p_on"])  # D released at once: well within the 30 s lease
+
+
+def _generate_all(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of ``prompts``, four at a time (the router sends P and D at once)."""
+    with ThreadPoolExecutor(4) as pool:
+        futures = [
+            pool.submit(complete, url, p, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+            for p in prompts
+        ]
+        return [f.result(timeout=300).token_ids for f in futures]
+
+
+def test_pushed_group_by_group_token_identical_the_window_written_less(fleet: NamedFleet) -> None:
+    """P in push mode writes each group's blocks into D's, of the sliding-window group only
+    those D still attends to; layer by layer while its forward computes, a buffer once both
+    layers sharing it were computed."""
+    prefill, decode = fleet.servers["p_push"], fleet.servers["d_on"]
+    lengths = [*LENGTHS, *LENGTHS]
+    prompts = [token_prompt(n, seed=7000 + i) for i, n in enumerate(lengths)]  # no prefix hit
+    expected = _generate_all(fleet.servers["plain"].url, prompts)
+    receives, blocks, nbytes = pulled(decode)
+    pushed = hixl_counter(decode, "push_receives")
+    outputs = _generate_all(fleet.routers["push"].url, prompts)
+    for i, n in enumerate(lengths):
+        assert outputs[i] == expected[i], f"request {i} ({n} tokens) differs"
+    now = wait_for_pulls(decode, receives + len(lengths))
+    assert wait_for_counter(decode, "push_receives", pushed + len(lengths)) == pushed + len(lengths)
+    full = sum(math.ceil(n / BLOCK_SIZE) for n in lengths)
+    window = now[1] - blocks - full
+    most = len(lengths) * (math.ceil(GEMMA3_SLIDING_WINDOW / BLOCK_SIZE) + 1)
+    assert len(lengths) <= window <= most and window < full
+    assert now[2] - nbytes == (full + window) * 2 * BLOCK_BYTES
+    assert hixl_counter(prefill, "layered_pushes") >= 1
+    for counter in ("failed_pushes", "failed_push_receives", "push_timeouts"):
+        assert hixl_counter(decode, counter) + hixl_counter(prefill, counter) == 0, counter
+    wait_kv_idle(prefill)
+
+
+def test_corrupted_pushed_kv_changes_the_output(fleet: NamedFleet) -> None:
+    decode = fleet.servers["d_corrupt"]
+    pushed = hixl_counter(decode, "push_receives")
+    prompts = [token_prompt(n, seed=8000 + n) for n in (97, 160, 230, 300)]
+    expected = _generate_all(fleet.servers["plain"].url, prompts)
+    outputs = _generate_all(fleet.routers["push_corrupt"].url, prompts)
+    for i, prompt in enumerate(prompts):
+        assert outputs[i] != expected[i], f"{len(prompt)} tokens: corruption had no effect"
+    assert wait_for_counter(decode, "push_receives", pushed + 4) == pushed + 4
 
 
 @pytest.mark.skipif(REPORTS_FAILED_RECEIVES, reason="this vLLM reports failed reads by request")
