@@ -130,10 +130,10 @@ class DecodeSide:
         unfilled = blocks_to_fill(
             blocks.blocks, local_hit, self._group_block_sizes, request.num_prompt_tokens
         )
-        local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         if self._pushed(params):
             self._push_recv(request_id, params, unfilled, external)
             return
+        local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         try:
             prefill = parse_remote_prefill(params)
         except InvalidTransferParams as exc:
@@ -229,22 +229,20 @@ class DecodeSide:
         self, request_id: str, params: dict[str, Any], unfilled: Sequence[Unfilled], external: int
     ) -> None:
         """P writes the unfilled blocks (none: P frees its own at once)."""
+        if external <= 0:
+            unfilled = ()
+        local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         try:
             remote = parse_push_identity(params)
         except InvalidTransferParams as exc:
             if external > 0:
-                blocks = tuple(block for _, group in unfilled for block in group)
-                self._fail_later(request_id, None, blocks, str(exc), False)
+                self._fail_later(request_id, None, local, str(exc), False)
             else:
                 logger.error("request %s: nothing to receive, P not told: %s", request_id, exc)
             return
-        positions: tuple[int, ...] = ()
-        local: tuple[int, ...] = ()
-        groups: tuple[int, ...] = ()
+        positions = tuple(p for group_positions, _ in unfilled for p in group_positions)
+        groups = tuple(len(group_positions) for group_positions, _ in unfilled)
         if external > 0:
-            positions = tuple(p for group_positions, _ in unfilled for p in group_positions)
-            local = tuple(b for _, group_blocks in unfilled for b in group_blocks)
-            groups = tuple(len(group_positions) for group_positions, _ in unfilled)
             self.receiving.add(request_id)
         base = base_request_id(request_id)
         spec = PushRecvSpec(request_id, base, remote, positions, local, groups)

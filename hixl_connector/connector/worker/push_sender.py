@@ -205,9 +205,9 @@ class ComputedLayers:
 
     def __init__(self, layers: Mapping[str, int]) -> None:
         self._layers = dict(layers)
-        self._names: dict[int, frozenset[str]] = {}
+        self._names: dict[int, set[str]] = {}
         for name, layer in self._layers.items():
-            self._names[layer] = self._names.get(layer, frozenset()) | {name}
+            self._names.setdefault(layer, set()).add(name)
         self._waiting: dict[int, set[str]] = {}  # registered layer -> names not computed yet
         self.layers: set[int] = set()
 
