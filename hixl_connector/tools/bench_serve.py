@@ -12,14 +12,16 @@ plain server, which gets prompts of its own. Before that, each deployment serves
 warm-up prompts (its first requests, the router's first, sequential one to P included), and
 before each of its rounds two more, not measured.
 
-It prints TTFT p50 over every request of a level and throughput of each, their ratios to
-plain, and the floor of P/D behind the router: the routed plain server's TTFT plus one of
-plain's decode steps (ITL p50). D computes the prompt's last token in a step of its own once
-the KV is in, so no P/D deployment of vLLM behind this router does better, whatever moves the
-KV. Per mode, it prints the servers' own view over its runs: TTFT split by P's histogram (its
-arrival to its one token) and D's (its arrival to the first token, the KV transfer included;
-the rest is the router and the HTTP legs), and D's KV-ready and transfer means: the
-connector's latency under load.
+It prints TTFT p50 and mean over every request of a level and throughput of each, their
+ratios to plain (with concurrency, a level's TTFTs fall into modes, as a prefill shares a
+step with others or waits behind them, and the p50 of a few dozen may land on either: the
+mean is steadier), and the floor of P/D behind the router: the routed plain server's TTFT
+plus one of plain's decode steps (ITL p50). D computes the prompt's last token in a step of
+its own once the KV is in, so no P/D deployment of vLLM behind this router does better,
+whatever moves the KV. Per mode, it prints the servers' own view over its runs: TTFT split
+by P's histogram (its arrival to its one token) and D's (its arrival to the first token, the
+KV transfer included; the rest is the router and the HTTP legs), and D's KV-ready and
+transfer means: the connector's latency under load.
 
     python -m hixl_connector bench-serve [--prompts 48] [--rounds 4] [--input-len 512]
                                          [--output-len 32] [--concurrency 1,4]
@@ -122,6 +124,9 @@ class Level:
 
     def ttft_ms(self, quantile: float) -> float:
         return _quantile_ms(self.ttfts, quantile)
+
+    def ttft_mean_ms(self) -> float:
+        return 1000 * sum(self.ttfts) / len(self.ttfts)
 
     def step_ms(self) -> float:
         """A decode step: the median gap between two output tokens."""
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         floor_ms = via.ttft_ms(0.5) + base.step_ms()
         print(
             f"    {'router':6s} TTFT p50 {via.ttft_ms(0.5):.1f} ms "
-            f"({via.ttft_ms(0.5) / base.ttft_ms(0.5):.2f}x plain): plain behind the router; "
+            f"({via.ttft_ms(0.5) / base.ttft_ms(0.5):.2f}x plain), {_tail(via)}; "
             f"P/D floor {floor_ms:.1f} ms ({floor_ms / base.ttft_ms(0.5):.2f}x plain) with "
             f"plain's decode step ({base.step_ms():.1f} ms)"
         )
@@ -282,7 +287,8 @@ def _quantile_ms(seconds: list[float], quantile: float) -> float:
 
 def _tail(level: Level) -> str:
     return (
-        f"p90 {level.ttft_ms(0.9):.1f} ms; {level.throughput():.1f} output tok/s; "
+        f"mean {level.ttft_mean_ms():.1f} ms, p90 {level.ttft_ms(0.9):.1f} ms; "
+        f"{level.throughput():.1f} output tok/s; "
         f"{level.completed} completed"
     )
 
