@@ -47,6 +47,9 @@ from ..harness import (
 
 # vLLM's CPU platform serves MLA with 16-token blocks only.
 MLA_BLOCK_SIZE = 16
+# Where the CPU has AMX tiles vLLM picks its AMX MLA backend, which takes bf16 or fp16
+# weights only (the tiny model is fp32): the CPU MLA backend is named on every host.
+MLA_BACKEND_ARGS = ("--attention-backend", "CPU_MLA")
 NUM_LAYERS = 3
 # Per block and layer: one latent "head" of 512 + 64 rotary dims, fp32.
 BLOCK_BYTES_PER_LAYER = MLA_BLOCK_SIZE * (MLA_KV_LORA_RANK + MLA_ROPE_DIM) * 4
@@ -81,6 +84,7 @@ def fleet(
                 name,
                 config,
                 tp=2 if name == "p_tp2" else 1,
+                args=MLA_BACKEND_ARGS,
                 block_size=MLA_BLOCK_SIZE,
                 env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if "nixl" in name else {},
             )
