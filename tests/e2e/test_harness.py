@@ -17,7 +17,7 @@ from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
-    run_plain_router,
+    start_plain_router,
     start_vllm_server,
 )
 from hixl_connector.tools.demo.tiny_model import STAMP_NAME, build_tiny_model
@@ -30,6 +30,7 @@ from .harness import (
     example_connector_config,
     external_prompt_tokens,
     risky_prompt_length,
+    settled,
 )
 
 
@@ -70,23 +71,21 @@ def test_plain_server_outputs_are_deterministic(
 def test_plain_router_relays_the_plain_server(
     plain_server: VllmServer, reference_outputs: dict[str, Generation], tmp_path: Path
 ) -> None:
-    before = read_metrics(plain_server.url)
+    def served() -> float:
+        return metric_total(read_metrics(plain_server.url), "vllm:request_success_total")
+
+    before = served()
     prompt = e2e_prompts()[0]
-    with run_plain_router([plain_server.url], tmp_path) as router:
+    router = start_plain_router([plain_server.url], tmp_path)
+    with router:
+        router.wait_healthy()
         for stream in (False, True):
             got = complete(
                 router.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS, stream=stream
             )
             assert got.token_ids == reference_outputs[prompt].token_ids, f"stream={stream}"
-    # The router served both from the plain server (its metrics may lag the response).
-    deadline = time.monotonic() + 10.0
-    while True:
-        served = metric_total(read_metrics(plain_server.url), "vllm:request_success_total")
-        served -= metric_total(before, "vllm:request_success_total")
-        if served >= 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert served == 2
+    # The router served both from the plain server.
+    assert settled(served, lambda total: total >= before + 2) == before + 2
 
 
 def test_router_pd_with_example_connector_matches_plain(

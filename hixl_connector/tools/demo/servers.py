@@ -40,7 +40,6 @@ __all__ = [
     "lean_env",
     "plain_router_argv",
     "router_argv",
-    "run_plain_router",
     "run_router",
     "run_vllm_server",
     "start_plain_router",
@@ -276,19 +275,6 @@ def start_plain_router(
     router = RouterProcess(argv, Path(log_dir) / "router.log", port)
     router.start()
     return router
-
-
-@contextmanager
-def run_plain_router(
-    worker_urls: Sequence[str], log_dir: str | os.PathLike[str]
-) -> Iterator[RouterProcess]:
-    """A healthy router in front of plain servers for the ``with`` block; stopped afterwards."""
-    router = start_plain_router(worker_urls, log_dir)
-    try:
-        router.wait_healthy()
-        yield router
-    finally:
-        router.stop()
 
 
 @contextmanager
