@@ -7,6 +7,7 @@ hixl_connector.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from pathlib import Path
 
@@ -149,6 +150,22 @@ def test_bad_kv_transfer_config_fails_fast_with_log(tiny_model_dir: Path, tmp_pa
     message = str(failure.value)
     assert "exited while waiting" in message
     assert "NoSuchConnector" in message  # the log tail explains why
+
+
+def test_a_failure_names_the_root_cause_buried_above_the_tail(tmp_path: Path) -> None:
+    script = (
+        "import sys\n"
+        "try:\n    raise OSError('the root cause')\n"
+        "except OSError:\n    import traceback; traceback.print_exc()\n"
+        "for i in range(100): print('wrapper line', i)\n"
+        "sys.exit(1)\n"
+    )
+    process = ManagedProcess("buried", [sys.executable, "-c", script], tmp_path / "b.log")
+    with process.start(), pytest.raises(ProcessFailed) as failure:
+        process.wait_until(lambda: False, 30.0, "nothing")
+    message = str(failure.value)
+    assert "OSError: the root cause" in message
+    assert "wrapper line 99" in message  # the tail as well
 
 
 def _is_running(pid: int) -> bool:

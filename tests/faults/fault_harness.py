@@ -29,8 +29,8 @@ from hixl_connector.tools.demo.processes import ProcessFailed, free_port
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
-    lean_env,
     vllm_server_argv,
+    vllm_server_env,
 )
 from hixl_connector.tools.netns import NetnsBed
 
@@ -213,19 +213,20 @@ class Servers:
         for name in names:
             self._starts += 1
             port = (ports or {}).get(name) or free_port()
+            extra_args = [*self._extra_args.get(name, ()), *self._host_args(name)]
             argv = vllm_server_argv(
                 self._model_dir,
                 port,
                 core=0 if name.startswith("p") else 1,
                 kv_transfer_config=self._configs[name],
-                extra_args=[*self._extra_args.get(name, ()), *self._host_args(name)],
+                extra_args=extra_args,
             )
             server = VllmServer(
                 name,
                 [*self._wrap.get(name, ()), *argv],
                 self._log_dir / f"{name}{self._starts}.log",
                 port,
-                lean_env(),
+                vllm_server_env(extra_args),
             )
             if name in self._http_hosts:
                 server.url = f"http://{self._http_hosts[name]}:{port}"

@@ -138,9 +138,21 @@ class ManagedProcess:
             return f"<no log: {exc}>"
         return "\n".join(text.splitlines()[-lines:])
 
+    def first_traceback(self, lines: int = 40) -> str:
+        """The log's first traceback: a server's root cause (a vLLM worker's failed start),
+        which the wrappers' own tracebacks push out of the tail."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        start = next((i for i, line in enumerate(text) if "Traceback (most recent" in line), None)
+        return "" if start is None else "\n".join(text[start : start + lines])
+
     def describe_failure(self, reason: str, lines: int = 60) -> str:
+        first = self.first_traceback()
+        cause = f"--- first traceback in {self.log_path} ---\n{first}\n" if first else ""
         return (
-            f"{self.name} (pid {self.pid}, rc {self.returncode}): {reason}\n"
+            f"{self.name} (pid {self.pid}, rc {self.returncode}): {reason}\n{cause}"
             f"--- last {lines} lines of {self.log_path} ---\n{self.log_tail(lines)}"
         )
 

@@ -46,6 +46,7 @@ __all__ = [
     "start_router",
     "start_vllm_server",
     "vllm_server_argv",
+    "vllm_server_env",
 ]
 
 
@@ -73,6 +74,24 @@ def lean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if extra:
         env.update(extra)
+    return env
+
+
+def vllm_server_env(
+    extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """``lean_env`` plus ``VLLM_PORT``, the base from which vLLM picks its own ports.
+
+    Without it, vLLM 0.27 (0.32 meets through a file) picks its TP workers' rendezvous port
+    by binding port 0 and closing it, and the workers bind it up to a minute later on a slow
+    host; by then an outgoing connection can hold it as its source port (EADDRINUSE, seen in
+    CI). A base below the ephemeral range leaves only explicit picks to race for it (see
+    ``processes.PICK_FLOOR``). Not with data parallel: vLLM draws its master ports from the
+    same base, and the engines' own picks would land on them.
+    """
+    env = lean_env(extra_env)
+    if "--data-parallel-size" not in extra_args and "VLLM_PORT" not in (extra_env or {}):
+        env["VLLM_PORT"] = str(free_port())
     return env
 
 
@@ -154,7 +173,8 @@ def start_vllm_server(
         extra_args=extra_args,
         nice=nice,
     )
-    server = VllmServer(name, argv, Path(log_dir) / f"{name}.log", chosen, lean_env(extra_env))
+    env = vllm_server_env(extra_args, extra_env)
+    server = VllmServer(name, argv, Path(log_dir) / f"{name}.log", chosen, env)
     server.start()
     return server
 
