@@ -1,7 +1,10 @@
 """A child process with a log file, bounded waits and whole-process-group shutdown.
 
-Every process runs in its own session (``start_new_session=True``) so that stopping it also
-stops whatever it spawned (vLLM's EngineCore, workers), and nothing outlives a test.
+Every process leads its own process group (``process_group=0``) so that stopping it also
+stops whatever it spawned (vLLM's EngineCore, workers), and nothing outlives a test. Not its
+own session: where the kernel groups tasks by session (``sched_autogroup_enabled``), each
+session gets an equal share of the CPU whatever its tasks' nice values, so a niced server
+that busy-steps would take as much as the server it starves.
 """
 
 from __future__ import annotations
@@ -11,12 +14,19 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+# Python 3.10 has no ``process_group``: there the child calls setpgrp before it execs.
+_OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+)
 
 
 class ProcessFailed(RuntimeError):
@@ -126,7 +136,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.cwd,
-                start_new_session=True,
+                **_OWN_PROCESS_GROUP,
             )
         self.started_at = time.monotonic()
         return self
