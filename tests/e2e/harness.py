@@ -330,8 +330,8 @@ class PDLauncher:
         env: Mapping[str, str] | None = None,
     ) -> VllmServer:
         """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
-        by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority:
-        its engine and workers talk through vLLM's shared-memory queues, whose readers spin
+        by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority
+        once healthy: its engine and workers talk through vLLM's shared-memory queues, whose readers spin
         while a step is under way, and they step without pause while KV sends or receives
         are pending, which on a 2-core host starves the peer they wait for. DP > 1 runs each
         engine's model in its engine process (``uni``), as a one-engine server does: with a

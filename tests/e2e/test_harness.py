@@ -7,6 +7,7 @@ hixl_connector.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hixl_connector.tools.demo.client import Generation, chat, complete, metric_total, read_metrics
-from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed
+from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed, free_port
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
@@ -190,6 +191,38 @@ def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     while _is_running(child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _is_running(child_pid), "a grandchild outlived stop()"
+
+
+_HEALTHY_AFTER_A_CHILD = """
+import http.server, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open(sys.argv[2], "w").write(str(child.pid))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_niced_server_starts_at_full_priority_and_its_group_yields_once_healthy(
+    tmp_path: Path,
+) -> None:
+    port, child_pid_file = free_port(), tmp_path / "child.pid"
+    argv = [sys.executable, "-c", _HEALTHY_AFTER_A_CHILD, str(port), str(child_pid_file)]
+    server = VllmServer("niced", argv, tmp_path / "n.log", port, {}, nice_when_serving=10)
+    with server.start():
+        server.wait_until(
+            lambda: child_pid_file.exists() and child_pid_file.read_text(), 30.0, "pid"
+        )
+        child_pid = int(child_pid_file.read_text())
+        assert server.pid is not None
+        starting = os.getpriority(os.PRIO_PROCESS, server.pid)
+        server.wait_healthy(30.0)
+        assert starting == os.getpriority(os.PRIO_PROCESS, os.getpid())
+        assert os.getpriority(os.PRIO_PROCESS, server.pid) == 10
+        assert os.getpriority(os.PRIO_PROCESS, child_pid) == 10  # what the server spawned
 
 
 def _file_digests(directory: Path) -> dict[str, str]:

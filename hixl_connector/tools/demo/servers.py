@@ -105,17 +105,9 @@ def vllm_server_argv(
     max_model_len: int = 1024,
     block_size: int = 32,
     extra_args: Sequence[str] = (),
-    nice: int = 0,
 ) -> list[str]:
-    """Command line of one lean vLLM OpenAI server bound to 127.0.0.1:``port``.
-
-    ``nice`` lowers the server's CPU priority: on a small host, a TP-2 server's engine and
-    workers busy-step while its KV sends are pending and would otherwise starve the decode
-    server that is about to pull from it.
-    """
+    """Command line of one lean vLLM OpenAI server bound to 127.0.0.1:``port``."""
     argv: list[str] = []
-    if nice:
-        argv += ["nice", "-n", str(nice)]
     pinned = _pick_core(core)
     if pinned is not None and shutil.which("taskset"):
         argv += ["taskset", "-c", str(pinned)]
@@ -131,14 +123,27 @@ def vllm_server_argv(
 
 
 class VllmServer(ManagedProcess):
-    """A vLLM OpenAI API server process."""
+    """A vLLM OpenAI API server process.
+
+    ``nice_when_serving`` lowers the priority of the server's whole process group once it is
+    healthy: on a small host, a TP-2 server's engine and workers busy-step while KV transfers
+    are pending and would otherwise starve the peer they wait for. Not from the start: a
+    niced server starting beside others got almost no CPU and missed its start bound.
+    """
 
     def __init__(
-        self, name: str, argv: Sequence[str], log_path: Path, port: int, env: Mapping[str, str]
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        port: int,
+        env: Mapping[str, str],
+        nice_when_serving: int = 0,
     ) -> None:
         super().__init__(name, argv, log_path, env=env)
         self.port = port
         self.url = f"http://{HOST}:{port}"
+        self.nice_when_serving = nice_when_serving
         self.healthy_after_s: float | None = None
 
     def wait_healthy(self, timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S) -> float:
@@ -146,6 +151,9 @@ class VllmServer(ManagedProcess):
         self.healthy_after_s = self.wait_until(
             lambda: http_ok(self.url + "/health"), timeout_s, "healthy /health"
         )
+        if self.nice_when_serving and self.pid is not None:
+            # The group's every thread; threads started later inherit it from their parent.
+            os.setpriority(os.PRIO_PGRP, self.pid, self.nice_when_serving)
         return self.healthy_after_s
 
 
@@ -162,7 +170,8 @@ def start_vllm_server(
     extra_env: Mapping[str, str] | None = None,
     nice: int = 0,
 ) -> VllmServer:
-    """Start a server (not yet healthy: call ``wait_healthy``). Logs go to ``log_dir/name.log``."""
+    """Start a server (not yet healthy: call ``wait_healthy``). Logs go to ``log_dir/name.log``.
+    ``nice``: see ``VllmServer``."""
     chosen = port if port is not None else free_port()
     argv = vllm_server_argv(
         model_dir,
@@ -171,10 +180,10 @@ def start_vllm_server(
         kv_transfer_config=kv_transfer_config,
         block_size=block_size,
         extra_args=extra_args,
-        nice=nice,
     )
     env = vllm_server_env(extra_args, extra_env)
-    server = VllmServer(name, argv, Path(log_dir) / f"{name}.log", chosen, env)
+    log_path = Path(log_dir) / f"{name}.log"
+    server = VllmServer(name, argv, log_path, chosen, env, nice_when_serving=nice)
     server.start()
     return server
 
