@@ -21,7 +21,8 @@ its own once the KV is in, so no P/D deployment of vLLM behind this router does 
 whatever moves the KV. Per mode, it prints the servers' own view over its runs: TTFT split
 by P's histogram (its arrival to its one token) and D's (its arrival to the first token, the
 KV transfer included; the rest is the router and the HTTP legs), and D's KV-ready and
-transfer means: the connector's latency under load.
+transfer means: the connector's latency under load. In push mode D's KV-ready runs from its
+registration to P's word: beyond P's TTFT, it is how long the word took after P's prefill.
 
     python -m hixl_connector bench-serve [--prompts 48] [--rounds 4] [--input-len 512]
                                          [--output-len 32] [--concurrency 1,4]
@@ -304,9 +305,12 @@ def _servers(run: Deployment) -> str:
     d_ttft = histogram_mean_ms(d_before, d_after, "vllm:time_to_first_token_seconds")
     kv_ready = histogram_mean_ms(d_before, d_after, "vllm:hixl_kv_ready_seconds")
     transfer = histogram_mean_ms(d_before, d_after, "vllm:hixl_pull_seconds")
+    # Push: D's KV-ready runs from its registration (as the router sends P's leg) to P's
+    # word, so beyond P's own TTFT it is what the word took after P's prefill.
+    word = f" ({kv_ready - p_ttft:+.1f} ms after P's first token)" if run.name == "push" else ""
     return (
         f"TTFT mean by the servers' clocks P {p_ttft:.1f} ms, D {d_ttft:.1f} ms; on D: "
-        f"KV-ready mean {kv_ready:.2f} ms, transfer mean {transfer:.2f} ms; "
+        f"KV-ready mean {kv_ready:.2f} ms{word}, transfer mean {transfer:.2f} ms; "
         f"{delta('vllm:hixl_pulls_total'):.0f} received, "
         f"{delta('vllm:hixl_push_receives_total'):.0f} pushed by P, "
         f"{delta('vllm:hixl_sync_loads_total'):.0f} read in the step of the first token"

@@ -41,7 +41,9 @@ def main() -> None:
             word = lease_word(lease, [blocks], P_INCARNATION)
             words.publish(slot, word)
             sends.append(SendSpec(request_id, lease, slot, word))
-        worker.start_load_kv(HixlConnectorMetadata(to_send=sends))
+        step = HixlConnectorMetadata(to_send=sends)
+        worker.bind(step)  # a step as vLLM runs it: the leases start here
+        worker.start_load_kv(step)
         print(json.dumps({"pid": os.getpid()}), flush=True)
         sys.stdin.read()
         worker.shutdown()

@@ -331,12 +331,13 @@ class PDLauncher:
     ) -> VllmServer:
         """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
         by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority
-        once healthy: its engine and workers talk through vLLM's shared-memory queues, whose readers spin
-        while a step is under way, and they step without pause while KV sends or receives
-        are pending, which on a 2-core host starves the peer they wait for. DP > 1 runs each
-        engine's model in its engine process (``uni``), as a one-engine server does: with a
-        worker process of their own, two DP engines holding leases starved everything else
-        (the kernel reported its own workqueues stuck for 36 s) until the leases ran out."""
+        once healthy: its engine and workers talk through vLLM's shared-memory queues, whose
+        readers spin while a step is under way, and they step without pause while KV sends
+        or receives are pending, which on a 2-core host starves the peer they wait for.
+        DP > 1 runs each engine's model in its engine process (``uni``), as a one-engine
+        server does: with a worker process of their own, two DP engines holding leases
+        starved everything else (the kernel reported its own workqueues stuck for 36 s)
+        until the leases ran out."""
         env = dict(env or {})
         extra = list(args)
         nice = 0

@@ -236,8 +236,6 @@ class HixlWorker:
     def start_load_kv(self, metadata: HixlConnectorMetadata) -> None:
         self._idle_step = metadata.idle
         now = time.monotonic()
-        if self._serving is not None:
-            self._serving.hold(metadata.to_send)
         pooled = False
         for recv in metadata.to_recv:
             assert self._receiver is not None, "a pull before register_kv_caches"
@@ -247,11 +245,6 @@ class HixlWorker:
                 self._receiver.settle_sync_loads()  # this step's forward reads their KV
             for request_id in metadata.to_cancel:
                 self._receiver.cancel(request_id)
-        if self._push_receiver is not None:
-            for push in metadata.to_push_recv:
-                self._push_receiver.start(push, now)
-            for request_id in metadata.to_cancel:
-                self._push_receiver.cancel(request_id)
         if pooled:
             # Hands the GIL over so the pool begins its handshakes now rather than when this
             # step next blocks.
@@ -269,9 +262,21 @@ class HixlWorker:
         return self._serving.pusher if self._serving is not None else None
 
     def bind(self, metadata: HixlConnectorMetadata) -> None:
-        """Before the step's forward (vLLM may start loads only after it)."""
+        """Before the step's forward, which vLLM 0.32 runs before ``start_load_kv`` (unless
+        a load is synchronous): what must not wait a forward starts here. P's leases of the
+        prefills the last step finished (push mode: their words, which D waits for), and
+        D's push registrations (P writes once it has them); pulls start in
+        ``start_load_kv``, as vLLM intends."""
+        now = time.monotonic()
+        if self._serving is not None:
+            self._serving.hold(metadata.to_send)
         if self._pusher is not None:
             self._pusher.computing(metadata.prefilling)
+        if self._push_receiver is not None:
+            for push in metadata.to_push_recv:
+                self._push_receiver.start(push, now)
+            for request_id in metadata.to_cancel:
+                self._push_receiver.cancel(request_id)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The forward computed ``layer_name``: push mode writes it to the Ds waiting."""
