@@ -20,9 +20,11 @@ plus one of plain's decode steps (ITL p50). D computes the prompt's last token i
 its own once the KV is in, so no P/D deployment of vLLM behind this router does better,
 whatever moves the KV. Per mode, it prints the servers' own view over its runs: TTFT split
 by P's histogram (its arrival to its one token) and D's (its arrival to the first token, the
-KV transfer included; the rest is the router and the HTTP legs), and D's KV-ready and
-transfer means: the connector's latency under load. In push mode D's KV-ready runs from its
-registration to P's word: beyond P's TTFT, it is how long the word took after P's prefill.
+KV transfer included; the rest is the router and the HTTP legs), D's KV-ready and transfer
+means (the connector's latency under load), and how long D's engine held a request before
+its first step and that step itself (vLLM's queue and prefill histograms). In push mode D's
+KV-ready runs from its registration to P's word: beyond P's TTFT, it is how long the word
+took after P's prefill.
 
     python -m hixl_connector bench-serve [--prompts 48] [--rounds 4] [--input-len 512]
                                          [--output-len 32] [--concurrency 1,4]
@@ -295,7 +297,8 @@ def _tail(level: Level) -> str:
 
 
 def _servers(run: Deployment) -> str:
-    """The servers' own view: TTFT split by P and D, and D's KV-ready and transfer means."""
+    """The servers' own view: TTFT split by P and D; on D the KV-ready and transfer means,
+    the queue (KV-ready included) and the first step."""
     (p_before, d_before), (p_after, d_after) = run.before, run.after
 
     def delta(name: str) -> float:
@@ -305,12 +308,16 @@ def _servers(run: Deployment) -> str:
     d_ttft = histogram_mean_ms(d_before, d_after, "vllm:time_to_first_token_seconds")
     kv_ready = histogram_mean_ms(d_before, d_after, "vllm:hixl_kv_ready_seconds")
     transfer = histogram_mean_ms(d_before, d_after, "vllm:hixl_pull_seconds")
+    # From the step that first schedules the request (its KV in) to its first token.
+    d_step = histogram_mean_ms(d_before, d_after, "vllm:request_prefill_time_seconds")
+    d_queued = histogram_mean_ms(d_before, d_after, "vllm:request_queue_time_seconds")
     # Push: D's KV-ready runs from its registration (as the router sends P's leg) to P's
     # word, so beyond P's own TTFT it is what the word took after P's prefill.
     word = f" ({kv_ready - p_ttft:+.1f} ms after P's first token)" if run.name == "push" else ""
     return (
         f"TTFT mean by the servers' clocks P {p_ttft:.1f} ms, D {d_ttft:.1f} ms; on D: "
-        f"KV-ready mean {kv_ready:.2f} ms{word}, transfer mean {transfer:.2f} ms; "
+        f"KV-ready mean {kv_ready:.2f} ms{word}, transfer mean {transfer:.2f} ms, queued "
+        f"(KV-ready included) {d_queued:.2f} ms, then first token after {d_step:.2f} ms; "
         f"{delta('vllm:hixl_pulls_total'):.0f} received, "
         f"{delta('vllm:hixl_push_receives_total'):.0f} pushed by P, "
         f"{delta('vllm:hixl_sync_loads_total'):.0f} read in the step of the first token"
