@@ -57,8 +57,8 @@ from hixl_connector.tools.demo.processes import free_port
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
-    lean_env,
     vllm_server_argv,
+    vllm_server_env,
 )
 from hixl_connector.tools.demo.tiny_model import WIDE_MAX_POSITIONS, build_tiny_model
 from hixl_connector.tools.netns import NetnsBed, make_bed
@@ -158,7 +158,8 @@ def _server(
         max_model_len=max_len,
         extra_args=["--host", http_ip, "--max-num-batched-tokens", str(max_len)],
     )
-    server = VllmServer(role, [*net.exec_prefix(ns), *argv], logs / f"{role}.log", port, lean_env())
+    env = vllm_server_env()
+    server = VllmServer(role, [*net.exec_prefix(ns), *argv], logs / f"{role}.log", port, env)
     server.url = f"http://{http_ip}:{port}"
     server.start()
     return server

@@ -37,7 +37,6 @@ __all__ = [
     "ProcessFailed",
     "RouterProcess",
     "VllmServer",
-    "lean_env",
     "plain_router_argv",
     "router_argv",
     "run_router",
@@ -57,7 +56,7 @@ def _pick_core(core: int | None) -> int | None:
     return allowed[core % len(allowed)]
 
 
-def lean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def _lean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for a lean, offline vLLM server that can import hixl_connector."""
     env = dict(os.environ)
     env.update(
@@ -80,7 +79,7 @@ def lean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def vllm_server_env(
     extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """``lean_env`` plus ``VLLM_PORT``, the base from which vLLM picks its own ports.
+    """``_lean_env`` plus ``VLLM_PORT``, the base from which vLLM picks its own ports.
 
     Without it, vLLM 0.27 (0.32 meets through a file) picks its TP workers' rendezvous port
     by binding port 0 and closing it, and the workers bind it up to a minute later on a slow
@@ -89,7 +88,7 @@ def vllm_server_env(
     ``processes.PICK_FLOOR``). Not with data parallel: vLLM draws its master ports from the
     same base, and the engines' own picks would land on them.
     """
-    env = lean_env(extra_env)
+    env = _lean_env(extra_env)
     if "--data-parallel-size" not in extra_args and "VLLM_PORT" not in (extra_env or {}):
         env["VLLM_PORT"] = str(free_port())
     return env
