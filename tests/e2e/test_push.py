@@ -165,8 +165,10 @@ def shapes(
                 "p64", hixl_connector_config("prefill", **PUSH, lease_s=5.0), block_size=64
             ),
             "p2": launcher.server("p2", hixl_connector_config("prefill", 2, **PUSH), tp=2),
-            # A TP-2 server's workers spin on this 2-core host and starved d2's first-contact
-            # handshake past the default 5 s once: given 30 s, as the data-parallel D is.
+            # A TP-2 server's workers busy-step while they await pushes, and once starved
+            # d2's first-contact handshake past the default 5 s on this 2-core host (each
+            # server was in an autogroup of its own then, so nice did not help): given 30 s,
+            # as the data-parallel D is.
             "d2": launcher.server(
                 "d2",
                 hixl_connector_config("decode", 2, **PUSH, handshake_timeout_s=30.0),
