@@ -124,10 +124,11 @@ def vllm_server_argv(
 class VllmServer(ManagedProcess):
     """A vLLM OpenAI API server process.
 
-    ``nice_when_serving`` lowers the priority of the server's whole process group once it is
-    healthy: on a small host, a TP-2 server's engine and workers busy-step while KV transfers
-    are pending and would otherwise starve the peer they wait for. Not from the start: a
-    niced server starting beside others got almost no CPU and missed its start bound.
+    ``nice_when_serving`` lowers the priority of the server's whole process group by that
+    much (from the caller's, at most to 19) once it is healthy: on a small host, a TP-2
+    server's engine and workers busy-step while KV transfers are pending and would otherwise
+    starve the peer they wait for. Not from the start: a niced server starting beside others
+    got almost no CPU and missed its start bound.
     """
 
     def __init__(
@@ -152,7 +153,8 @@ class VllmServer(ManagedProcess):
         )
         if self.nice_when_serving and self.pid is not None:
             # The group's every thread; threads started later inherit it from their parent.
-            os.setpriority(os.PRIO_PGRP, self.pid, self.nice_when_serving)
+            nice = os.getpriority(os.PRIO_PROCESS, 0) + self.nice_when_serving
+            os.setpriority(os.PRIO_PGRP, self.pid, min(19, nice))
         return self.healthy_after_s
 
 
