@@ -29,7 +29,7 @@ class RemoteEndpoint:
     port: int  # side channel port of P's tp rank 0; rank r listens on port + r
     tp_size: int
     cluster_id: int  # cluster id of P's tp rank 0; rank r's handshake must announce + r
-    # P's start nonce (lease_words): a P restarted at the same address, even under the same
+    # P's start nonce (peers.incarnation): a P restarted at the same address, even under the same
     # engine id, is another endpoint, and its handshake must announce the same nonce.
     incarnation: int = 0
 
@@ -122,13 +122,22 @@ class ReleaseSpec:
 
 
 @dataclass(frozen=True)
+class WordSpec:
+    """P: lease word ``word`` in slot ``slot`` of every rank's lease words, to publish or to
+    clear (leases.guarded_read)."""
+
+    slot: int
+    word: int
+
+
+@dataclass(frozen=True)
 class SendSpec:
     """P: keep a request's blocks leased until "done"/"release" from every consumer, or
     expiry. The blocks themselves stay with vLLM (delay-free) and in the lease word."""
 
     request_id: str
     lease_id: int
-    slot: int  # its lease word's slot (lease_words)
+    slot: int  # its lease word's slot (leases.guarded_read)
     word: int  # the word published there
     # Push mode: the prompt's blocks of each KV-cache group, by position, for a D that
     # registers its own blocks for this request instead of pulling.
@@ -185,6 +194,9 @@ class HixlConnectorMetadata:
     to_recv: list[RecvSpec] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
     to_send: list[SendSpec] = field(default_factory=list)
+    # P: lease words the workers clear, then those they publish, before the step's forward.
+    to_clear: list[WordSpec] = field(default_factory=list)
+    to_publish: list[WordSpec] = field(default_factory=list)
     to_push_recv: list[PushRecvSpec] = field(default_factory=list)
     prefilling: list[PromptBlocks] = field(default_factory=list)
     # D: requests aborted after their RecvSpec: not read if not yet read, P told at once.

@@ -46,7 +46,7 @@ def real_scheduler(
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from hixl_connector.connector.leases.guarded_read import LeaseWords, words_path
+    from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
 
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -93,10 +93,10 @@ def real_scheduler(
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
-    if kv_role != "kv_consumer" and not words_path(engine_id, 0, 0).exists():
+    if kv_role != "kv_consumer" and not incarnation_path(engine_id, 0, 0).exists():
         # What P's worker does when it registers its KV caches, before vLLM builds the
-        # scheduler (which maps the words, then unlinks the file).
-        LeaseWords.create(words_path(engine_id, 0, 0), num_blocks).close()
+        # scheduler (which writes its incarnation there, then unlinks the file).
+        IncarnationFile.create(incarnation_path(engine_id, 0, 0)).close()
     scheduler_class = AsyncScheduler if async_scheduling else Scheduler
     return scheduler_class(
         vllm_config=vllm_config,

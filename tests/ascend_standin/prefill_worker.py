@@ -24,8 +24,9 @@ def main() -> None:
     from worker_harness import P_INCARNATION, kv_caches, tp_group, vllm_config
 
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
-    from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec
+    from hixl_connector.connector.leases.guarded_read import lease_word
+    from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec, WordSpec
+    from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
     from hixl_connector.connector.worker.half import HixlWorker
 
     config = vllm_config(Path(spec["model_dir"]), "kv_producer", spec["engine_id"], spec["extra"])
@@ -33,16 +34,17 @@ def main() -> None:
         worker = HixlWorker(config, HixlConfig.from_vllm_config(config), spec["engine_id"])
         caches = kv_caches(fill=True)
         worker.register_kv_caches(dict(caches))
-        # P's scheduler publishes each lease in a lease word; lease k takes slot k.
-        words = LeaseWords.open(words_path(spec["engine_id"], 0, 0))
-        words.incarnation = P_INCARNATION
-        sends = []
+        # P's scheduler: its incarnation, then each lease's word for the workers to publish
+        # (lease k takes slot k) and the lease itself.
+        nonce = IncarnationFile.open(incarnation_path(spec["engine_id"], 0, 0))
+        nonce.nonce = P_INCARNATION
+        sends, words = [], []
         for slot, (request_id, lease, blocks) in enumerate(spec["leases"]):
             word = lease_word(lease, [blocks], P_INCARNATION)
-            words.publish(slot, word)
+            words.append(WordSpec(slot, word))
             sends.append(SendSpec(request_id, lease, slot, word))
-        step = HixlConnectorMetadata(to_send=sends)
-        worker.bind(step)  # a step as vLLM runs it: the leases start here
+        step = HixlConnectorMetadata(to_send=sends, to_publish=words)
+        worker.bind(step)  # a step as vLLM runs it: words published, leases held
         worker.start_load_kv(step)
         print(json.dumps({"pid": os.getpid()}), flush=True)
         sys.stdin.read()

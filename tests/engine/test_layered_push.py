@@ -4,7 +4,6 @@ word last; a failed layer means no word, and the lease ends either way."""
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,17 +30,14 @@ SRC, DST = (1, 2, 3), (5, 6, 7)
 WORD_SLOT, LEASE_WORD, LEASE_ID = 3, 0x5EED_0000_0001, 77
 
 
-def _engine(kv: torch.Tensor, cluster_id: int, producer: bool, words: Any = None) -> RegisteredKV:
+def _engine(kv: torch.Tensor, cluster_id: int, producer: bool) -> RegisteredKV:
     config = HixlConfig.from_dict(
         {"backend": "native", "transfer_mode": "push", "auth_token": ""}, f"c{cluster_id}"
     )
     layout = describe_kv_caches(
         {f"model.layers.{i}.attn": kv[i] for i in range(LAYERS)}, BLOCKS, HEADS
     )
-    lease_words = (ctypes.addressof(words), len(words)) if words is not None else None
-    return register_kv(
-        config, layout, RankAddress(cluster_id, 0, 0), producer, not producer, lease_words
-    )
+    return register_kv(config, layout, RankAddress(cluster_id, 0, 0), producer, not producer)
 
 
 def _decode_side(kv: torch.Tensor, p_port: int, conn: Connection) -> None:
@@ -66,9 +62,11 @@ def _decode_side(kv: torch.Tensor, p_port: int, conn: Connection) -> None:
             assert d.push_words is not None
             conn.send((grants, d.grant(P_CLUSTER, d.push_words, [0])))
         elif command == "word":
-            conn.send(int(d.push_word_memory[0]))
+            assert d.push_word_memory is not None
+            conn.send(d.push_word_memory.read(0, 1)[0])
         elif command == "clear":
-            d.push_word_memory[0] = 0
+            assert d.push_word_memory is not None
+            d.push_word_memory.zero(0, 1)
             conn.send(None)
         else:
             d.revoke(int(command), 5.0)
@@ -115,9 +113,9 @@ class Pair:
 def engines() -> Iterator[Pair]:
     p_kv = torch.randn(LAYERS, BLOCKS, HEADS, 16, 64)
     d_kv = torch.zeros_like(p_kv).share_memory_()
-    words = (ctypes.c_uint64 * 16)()
-    words[WORD_SLOT] = LEASE_WORD
-    p = _engine(p_kv, P_CLUSTER, True, words)
+    p = _engine(p_kv, P_CLUSTER, True)
+    assert p.lease_word_memory is not None
+    p.lease_word_memory.write(WORD_SLOT, LEASE_WORD)
     pool = ThreadPoolExecutor(2)
     context = torch.multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
@@ -135,7 +133,6 @@ def engines() -> Iterator[Pair]:
             child.join()
         pool.shutdown(wait=True)
         p.datadist.finalize()
-        del words
 
 
 @pytest.fixture

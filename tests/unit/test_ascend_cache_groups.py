@@ -3,8 +3,6 @@ blocks cache for MHA/GQA in K0,V0,K1,V1,... order, one cache per part for MLA.""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -63,10 +61,8 @@ def test_mla_layers_must_agree_part_by_part() -> None:
 def test_native_engine_registers_each_mla_part_under_its_own_model_id() -> None:
     kv = _mla()
     config = HixlConfig.from_dict({"backend": "native"}, "engine-mla")
-    words = (ctypes.c_uint64 * NUM_BLOCKS)()
-    lease_words = (ctypes.addressof(words), NUM_BLOCKS)
     layout = describe_kv_caches(kv, NUM_BLOCKS)
-    engine = register_kv(config, layout, rank_address(config, 0, 0, 1), True, False, lease_words)
+    engine = register_kv(config, layout, rank_address(config, 0, 0, 1), True, False)
     try:
         assert [c.model_id for c in engine.caches] == [0, 1]
         assert [c.cache.cache_desc.num_tensors for c in engine.caches] == [3, 3]

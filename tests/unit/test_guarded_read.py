@@ -1,12 +1,12 @@
-"""The guarded read: P's scheduler publishes lease words, P's worker clears them (real shared
-memory); D's batch reads word, blocks, word, and the verdict takes only a read vouched for
-before and after."""
+"""The guarded read: P's workers publish and clear lease words in the KV's memory kind; D's
+batch reads word, blocks, word into a zeroed scratch row, and the verdict takes only a read
+vouched for before and after."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,46 +25,68 @@ from hixl_connector.connector.leases.guarded_read import (
     guarded_batch,
     lease_word,
     verdict,
-    words_path,
     words_read,
 )
+from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
+from hixl_connector.connector.worker.word_memory import ALIGNMENT_BYTES, WordMemory
 
 
-@pytest.fixture
-def path() -> Iterator[Path]:
-    path = words_path(f"test-{uuid.uuid4()}", 0, 1)
-    yield path
-    path.unlink(missing_ok=True)
+class DeviceWords(WordMemory):
+    """The device path (torch operations, then a synchronisation) run on host memory: the
+    same operations an NPU's words go through."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count, "cpu")
+        self._host = None
 
 
-def test_the_scheduler_sees_what_the_worker_registered(path: Path) -> None:
-    worker = LeaseWords.create(path, 16)
-    scheduler = LeaseWords.open(path)
-    scheduler.unlink()  # both keep their mappings
-    assert not path.exists() and scheduler.slots == 16
-    scheduler.publish(3, 0xFEED)
-    assert worker[3] == 0xFEED  # the memory D reads through the worker's registration
-    assert worker.address != scheduler.address
-    worker.clear(3, 0xBEEF)  # another lease's word stays
-    assert scheduler[3] == 0xFEED
-    worker.clear(3, 0xFEED)
-    assert scheduler[3] == CLEARED
-    worker.close()
-    scheduler.close()
+@pytest.mark.parametrize("memory", [WordMemory, DeviceWords])
+def test_words_are_aligned_zeroed_and_read_back_as_written(memory: type) -> None:
+    store = memory(16) if memory is DeviceWords else memory(16, "cpu")
+    assert store.address % ALIGNMENT_BYTES == 0  # where HCCS may carry them
+    assert len(store) == 16 and store.read(0, 16) == [CLEARED] * 16
+    store.write(3, 2**64 - 1)  # the top bit set: stored in an int64 element
+    store.write(4, 0xFEED)
+    assert store.read(2, 3) == [0, 2**64 - 1, 0xFEED]
+    store.zero(3, 2)
+    assert store.read(0, 16) == [CLEARED] * 16
+    # The bytes the engine moves are the words, little-endian, from the registered address:
+    store.write(0, 0x0102030405060708)
+    assert ctypes.c_uint64.from_address(store.address).value == 0x0102030405060708
 
 
-def test_missing_or_malformed_words_are_named(path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="prefill workers create them"):
-        LeaseWords.open(path)
-    path.write_bytes(b"x" * 12)
-    with pytest.raises(ValueError, match="12 bytes, not slots and a nonce"):
-        LeaseWords.open(path)
-    with pytest.raises(ValueError, match="at least one slot"):
-        LeaseWords.create(path, 0)
+def test_a_clear_leaves_a_newer_leases_word() -> None:
+    words = LeaseWords(WordMemory(4, "cpu"))
+    words.publish(3, 0xFEED)
+    assert words[3] == 0xFEED and words.slots == 4
+    words.clear(3, 0xBEEF)  # another lease's word stays
+    assert words[3] == 0xFEED
+    words.clear(3, 0xFEED)
+    assert words[3] == CLEARED
 
 
-def test_engine_ids_become_safe_file_names() -> None:
-    assert words_path("a/b c", 2, 3).name == "hixl-leases-a_b_c-dp2-tp3"
+def test_the_incarnation_goes_from_scheduler_to_worker_through_a_file_no_engine_sees() -> None:
+    path = incarnation_path(f"test-{uuid.uuid4()}", 0, 1)
+    worker = IncarnationFile.create(path)
+    try:
+        assert worker.nonce == 0  # until P's scheduler wrote it: every request refused
+        scheduler = IncarnationFile.open(path)
+        scheduler.unlink()  # both keep their mappings
+        scheduler.nonce = 0xABC
+        scheduler.close()
+        assert not path.exists() and worker.nonce == 0xABC
+    finally:
+        path.unlink(missing_ok=True)
+        worker.close()
+
+
+def test_a_missing_or_malformed_incarnation_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="prefill workers create it"):
+        IncarnationFile.open(tmp_path / "none")
+    (tmp_path / "short").write_bytes(b"x" * 12)
+    with pytest.raises(ValueError, match="12 bytes, not a 8-byte nonce"):
+        IncarnationFile.open(tmp_path / "short")
+    assert incarnation_path("a/b c", 2, 3).name == "hixl-incarnation-a_b_c-dp2-tp3"
 
 
 block_lists = st.lists(st.lists(st.integers(0, 2**40), max_size=8), min_size=1, max_size=3)
@@ -86,19 +108,6 @@ def test_a_word_is_never_cleared_and_binds_lease_blocks_and_incarnation(
         assert lease_word(lease, forged, incarnation) != word
 
 
-def test_the_incarnation_lies_after_the_slots(tmp_path: Path) -> None:
-    """P's scheduler writes it; the workers read it; it is not a slot D can read."""
-    path = tmp_path / "words"
-    words = LeaseWords.create(path, 4)
-    assert words.slots == 4 and words.incarnation == 0
-    seen = LeaseWords.open(path)
-    assert seen.slots == 4
-    seen.incarnation = 0xABC
-    assert words.incarnation == 0xABC
-    assert [words[slot] for slot in range(4)] == [0, 0, 0, 0]
-    assert path.stat().st_size == 5 * 8
-
-
 @given(
     readers=st.integers(1, MAX_LEASE_READERS),
     row=st.integers(0, SCRATCH_WORDS // (2 * MAX_LEASE_READERS) - 1),
@@ -107,7 +116,9 @@ def test_the_incarnation_lies_after_the_slots(tmp_path: Path) -> None:
 def test_the_batch_reads_every_word_before_and_after_every_block(
     readers: int, row: int, blocks: int
 ) -> None:
-    scratch = [0xDEAD] * SCRATCH_WORDS  # what earlier reads of any row left
+    scratch = WordMemory(SCRATCH_WORDS, "cpu")
+    for i in range(SCRATCH_WORDS):  # what earlier reads of any row left
+        scratch.write(i, 0xDEAD)
     words = [(100 + i, 7 + i) for i in range(readers)]
     block_pulls = [("blocks", b) for b in range(blocks)]
 
@@ -122,14 +133,14 @@ def test_the_batch_reads_every_word_before_and_after_every_block(
     assert pull.pulls[readers + blocks :] == after
     # This read's words start CLEARED: a word pull that never lands cannot vouch.
     assert words_read(scratch, pull) == ([CLEARED] * readers, [CLEARED] * readers)
-    touched = {first + i for i in range(readers)} | {
-        first + MAX_LEASE_READERS + i for i in range(readers)
-    }
-    assert all(scratch[i] == 0xDEAD for i in range(SCRATCH_WORDS) if i not in touched)
+    # The row is this read's alone: every other row keeps what it held.
+    row_words = range(first, first + 2 * MAX_LEASE_READERS)
+    held = scratch.read(0, SCRATCH_WORDS)
+    assert all(held[i] == 0xDEAD for i in range(SCRATCH_WORDS) if i not in row_words)
 
 
 def test_more_readers_than_a_row_holds_are_refused() -> None:
-    scratch = [0] * SCRATCH_WORDS
+    scratch = WordMemory(SCRATCH_WORDS, "cpu")
     with pytest.raises(ValueError, match=f"at most {MAX_LEASE_READERS}"):
         guarded_batch([(1, 1)] * (MAX_LEASE_READERS + 1), [], 0, lambda *a: a, scratch)
 

@@ -5,8 +5,6 @@ memory)."""
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -16,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from raw_side_channel import RawSideChannel
 
-from hixl_connector.connector.leases.guarded_read import CLEARED, LeaseWords, words_path
+from hixl_connector.connector.leases.guarded_read import CLEARED, LeaseWords
 from hixl_connector.connector.leases.messages import LeaseNotice, Notification
 from hixl_connector.connector.leases.server import LeaseServer, LeaseTable
 from hixl_connector.connector.metadata import SendSpec
@@ -26,6 +24,7 @@ from hixl_connector.connector.peers.envelope import (
     seal_request,
 )
 from hixl_connector.connector.peers.side_channel import SideChannelServer
+from hixl_connector.connector.worker.word_memory import WordMemory
 
 TOKEN = "lease-server-test-token-0123456789abcdef"
 
@@ -161,12 +160,8 @@ class Counters:
 
 
 @pytest.fixture
-def words() -> Iterator[LeaseWords]:
-    path = words_path(f"test-{uuid.uuid4()}", 0, 0)
-    words = LeaseWords.create(path, 8)
-    yield words
-    words.unlink()
-    words.close()
+def words() -> LeaseWords:
+    return LeaseWords(WordMemory(8, "cpu"))  # a CPU worker's: beside its KV, in host memory
 
 
 def done(kind: str, request_id: str, lease_id: int, rank: int = 0) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
@@ -30,8 +31,8 @@ from vllm_harness import (
 )
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
-from hixl_connector.connector.metadata import SendSpec
+from hixl_connector.connector.leases.guarded_read import lease_word
+from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec
 from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
@@ -100,28 +101,99 @@ def test_producer_lifecycle(tiny_model_dir: Path) -> None:
     assert metadata(scheduler.schedule()).to_send == []
 
 
-def test_a_lease_is_published_before_its_params_leave_and_its_slot_reused_after(
+class Words:
+    """P's workers as the connector's metadata drives them: each step's clears, then its
+    publications, applied before the step's forward (the worker's bind)."""
+
+    def __init__(self) -> None:
+        self.words: dict[int, int] = {}
+
+    def bind(self, output: SchedulerOutput) -> HixlConnectorMetadata:
+        meta = metadata(output)
+        for clear in meta.to_clear:
+            if self.words.get(clear.slot) == clear.word:
+                del self.words[clear.slot]
+        for word in meta.to_publish:
+            self.words[word.slot] = word.word
+        return meta
+
+
+def expected_word(params: dict[str, Any]) -> int:
+    """The word D computes from P's params (decode_side)."""
+    return lease_word(
+        params["remote_lease_id"], params["remote_block_ids"], params["remote_incarnation"]
+    )
+
+
+def test_a_lease_is_published_in_the_step_that_computes_the_prompt_and_its_slot_reused_after(
     tiny_model_dir: Path,
 ) -> None:
-    words = LeaseWords.create(words_path("prefill-w", 0, 0), 64)  # as P's worker does
     scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="prefill-w")
+    workers = Words()
     slots = []
     for request_id in ("p1", "p2"):
         params = dict(PREFILL_LEG_PARAMS)
         scheduler.add_request(make_request(request_id, prompt(40, 1), max_tokens=1, params=params))
-        (out,) = finished_outputs(step(scheduler)[1]).values()
-        sent = out.kv_transfer_params
+        output = scheduler.schedule()
+        workers.bind(output)  # before the forward of the step whose output finishes it
+        engine_outputs = scheduler.update_from_output(output, runner_output(output))
+        sent = finished_outputs(engine_outputs)[request_id].kv_transfer_params
         slot = sent["remote_lease_slot"]
-        word = lease_word(
-            sent["remote_lease_id"], sent["remote_block_ids"], sent["remote_incarnation"]
-        )
-        assert words[slot] == word  # D can check it as soon as it has the params
-        assert words.incarnation == sent["remote_incarnation"]  # what P's handshake announces
-        words.clear(slot, word)  # P's worker: cleared before it reports the lease ended
-        step(scheduler, finished_sending={request_id})
+        assert workers.words[slot] == expected_word(sent)  # D can check it at once
+        # The worker clears it before it reports the lease ended; then the slot is free.
+        del workers.words[slot]
+        workers.bind(step(scheduler, finished_sending={request_id})[0])
         slots.append(slot)
     assert slots[0] == slots[1]  # freed once reported, and taken again
-    words.close()
+    assert workers.words == {}
+
+
+def test_a_chunked_prompt_is_published_in_the_step_of_its_last_chunk(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", max_num_batched_tokens=32)
+    workers = Words()
+    scheduler.add_request(
+        make_request("c1", prompt(80, 2), max_tokens=1, params={**PREFILL_LEG_PARAMS})
+    )
+    published = []
+    sent: dict[str, Any] = {}
+    for chunk in range(3):  # 32 + 32 + 16 prompt tokens
+        output = scheduler.schedule()
+        published.append(len(workers.bind(output).to_publish))
+        worker = runner_output(output, partial={"c1"} if chunk < 2 else set())
+        finished = finished_outputs(scheduler.update_from_output(output, worker))
+        if "c1" in finished:
+            sent = finished["c1"].kv_transfer_params
+    assert published == [0, 0, 1]  # once the blocks of the whole prompt are allocated
+    assert [len(group) for group in sent["remote_block_ids"]] == [5]
+    assert workers.words[sent["remote_lease_slot"]] == expected_word(sent)
+
+
+def test_a_word_of_a_prompt_that_never_leases_is_cleared_before_its_blocks_are_reused(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer")
+    workers = Words()
+    idle = free_blocks(scheduler)
+    scheduler.add_request(
+        make_request("a1", prompt(40), max_tokens=1, params={**PREFILL_LEG_PARAMS})
+    )
+    output = scheduler.schedule()
+    assert len(workers.bind(output).to_publish) == 1  # published before the forward
+    # Aborted while its step ran: vLLM frees its blocks at once, and hands out no params.
+    scheduler.finish_requests("a1", RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(scheduler) == idle
+    assert finished_outputs(scheduler.update_from_output(output, runner_output(output))) == {}
+    # The next step may give those blocks to another prompt: its bind clears the word
+    # before its forward writes them.
+    scheduler.add_request(
+        make_request("a2", prompt(40, 3), max_tokens=1, params={**PREFILL_LEG_PARAMS})
+    )
+    meta = workers.bind(scheduler.schedule())
+    assert len(meta.to_clear) == 1 and len(meta.to_publish) == 1
+    assert list(workers.words) == [meta.to_publish[0].slot]  # a1's word is gone
+    assert len(prefill_side(scheduler).published) == 1
 
 
 def test_producer_abort_frees_at_once(tiny_model_dir: Path) -> None:

@@ -45,6 +45,7 @@ def make_scheduler(
     engine_id: str = "engine-under-test",
     extra: dict[str, Any] | None = None,
     sliding_window: int = 0,
+    max_num_batched_tokens: int | None = None,
 ) -> Scheduler:
     """vLLM's scheduler with the connector (tools.vllm_scheduler), scheduling as
     ASYNC_SCHEDULING says."""
@@ -57,6 +58,7 @@ def make_scheduler(
         extra={**EXTRA_CONFIG, **(extra or {})},
         async_scheduling=ASYNC_SCHEDULING,
         sliding_window=sliding_window,
+        **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}),
     )
 
 
@@ -149,8 +151,10 @@ def runner_output(
     invalid_block_ids: set[int] | None = None,
     link_report: LinkReport | None = None,
     token_id: int = 5,
+    partial: set[str] | None = None,
 ) -> ModelRunnerOutput:
-    """What the worker returns for ``output``: one sampled token per scheduled request."""
+    """What the worker returns for ``output``: one sampled token per scheduled request, none
+    for those in ``partial`` (a chunk short of the prompt's end: vLLM's runner discards it)."""
     req_ids = list(output.num_scheduled_tokens)
     kv_output = KVConnectorOutput(
         finished_sending=finished_sending or set(),
@@ -162,7 +166,7 @@ def runner_output(
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
-        sampled_token_ids=[[token_id] for _ in req_ids],
+        sampled_token_ids=[[] if r in (partial or ()) else [token_id] for r in req_ids],
         kv_connector_output=kv_output,
     )
 

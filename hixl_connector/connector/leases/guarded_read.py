@@ -4,25 +4,55 @@ Everything the guarantee rests on is here: the lease word and where it lives (``
 ``LeaseWords``: publish, clear), the one batch D reads (``guarded_batch``: words, blocks,
 words) and the verdict on it (``verdict``). The engine runs the batch; nothing else decides.
 
-**The words.** P's scheduler takes a free slot when it leases a finished prefill and writes
-the lease's word into that slot of every TP rank's words before ``kv_transfer_params`` leave
-the engine, so a lease is valid by the time D can name it. The word is a hash of the lease id,
-the leased block ids and P's incarnation (a random nonce drawn at each start), never
-``CLEARED``: params that name other blocks (forged or mixed up), or that come from an earlier
-start of P at the same address, match no word. A lease id is never issued twice in one start.
-A rank's worker clears its word when the lease ends (every D rank done, released, or
-expired) before it reports the request finished; only then may vLLM free the blocks and a
-later forward write them. Each rank's words are a file in /dev/shm mapped by the worker
-(which registers it with the engine, for D to read) and by the scheduler; the incarnation
-sits after the last slot, where the workers read it for their handshake, unregistered, so D
-cannot read it.
+**One memory kind.** Every word a read touches (P's lease words, D's scratch rows, push
+words) lives in the memory the KV lives in, registered as the KV is: device memory on an NPU
+(HCCS carries no host memory at all, RoCE only ``aclrtMallocHost`` memory), host memory on a
+CPU. The words are a ``WordStore`` the worker allocates beside its KV; only the allocator
+differs between platforms, so CI runs the very path Ascend runs. A store's writes have
+landed in memory when they return (on a device: the copy's stream synchronised), and its
+reads return what memory holds once every earlier transfer completed.
+
+**The words.** The word is a hash of the lease id, the leased block ids and P's incarnation
+(a random nonce drawn at each start), never ``CLEARED``: params that name other blocks
+(forged or mixed up), or that come from an earlier start of P at the same address, match no
+word. A lease id is never issued twice in one start. Only a process that owns the device can
+write its memory, so P's *workers* publish and clear; P's scheduler only decides:
+
+1. *Published before any D can name it.* When P's scheduler schedules the step that computes
+   a remote-decode prompt to its end (its last chunk, with chunked prefill), it takes a free
+   slot and a fresh lease id, computes the word over the prompt's blocks as vLLM holds them
+   then, and puts (slot, word) in that step's connector metadata. Every TP rank writes the
+   word in ``bind_connector_metadata``, before that step's forward. ``kv_transfer_params``
+   leave the engine only from ``request_finished``, which vLLM calls while it processes that
+   step's output: after every rank ran the step (vLLM gathers every rank's output, and the
+   forward's collectives hold rank 0 until every rank began it), so after every rank's
+   write landed. With async scheduling the output of a step is still processed after the
+   step ran, so the order holds a step ahead too.
+2. *Handed out only as published.* ``request_finished`` hands out params only when the
+   request finished deliverable (length or stop) and its prompt's blocks are the ones the
+   word was computed over; otherwise (an abort, a sliding window that dropped a block since)
+   the slot's clear goes to the workers and no params leave: D computes the prompt itself.
+3. *Cleared before the blocks can go.* A rank's worker clears its word when the lease ends
+   (every D rank done, released, or expired) before it reports the request in
+   ``finished_sending``; only then may vLLM free the blocks and a later forward write them.
+   A word published for a request that never leased (preempted, aborted, finished
+   otherwise) is cleared by the workers in the next step's ``bind``, before that step's
+   forward, the first that may write blocks the request gave back; and since no params
+   named it, no D reads under it meanwhile. Clears run before publications in a ``bind``,
+   so a slot may pass to a new lease in the same step.
+4. *A restart of P.* The words are allocated zeroed at each start; a new start draws a new
+   incarnation, so no word of the old start can be matched by params of the old start.
 
 **The read.** D reads, in one engine batch, the word of every P rank it reads from, the
 blocks, then the words again (a seqlock), into a scratch row of its own (one row per read in
 flight). Its verdict: every word read before must equal the word D computes from its params,
 else P does not lease these blocks to it ("refused"); every word read after must equal it too,
 else the lease ended while the blocks were read and they may hold another request's KV
-("stale"). Either way nothing read is used.
+("stale"). Either way nothing read is used. The row is zeroed before the batch is handed to
+the engine (the zeroing has landed when ``zero`` returns), so a word pull that failed to land
+reads as ``CLEARED``, never as a word an earlier read of the row left there; the verdict reads
+the row back only after the whole batch completed (on a device, a copy to the host ordered
+after it).
 
 **Why that suffices.** Suppose a block D read was rewritten for another request before D's
 read of it ended. The rewrite came after vLLM freed the block, which came after the rank
@@ -30,9 +60,7 @@ cleared the word; so the clear happened before that block read ended, and so bef
 second word read began (the engine performs a batch's pulls one after the other, each
 complete before the next begins). A word once cleared is never published again (the slot's
 next lease has a fresh id, so another word), so the second read finds ``CLEARED`` or another
-word: stale. A read that found the word both times saw blocks nobody rewrote. The scratch row
-is zeroed before each read, so a word pull that failed to land reads as ``CLEARED``, never as
-a word an earlier read of the row left there.
+word: stale. A read that found the word both times saw blocks nobody rewrote.
 
 **Memory ordering.** The chain above must hold where the CPU reorders memory accesses
 (arm64, unlike x86's total store order). On P, the clear reaches vLLM's scheduler through
@@ -44,22 +72,16 @@ asks for the next, and P's serving threads hand over through the kernel's socket
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
-import mmap
-import os
 import queue
-import re
 import threading
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 WORD_BYTES = 8
 CLEARED = 0
-SHM_DIR = Path("/dev/shm")
 
 
 def lease_word(lease_id: int, block_ids: Sequence[Sequence[int]], incarnation: int) -> int:
@@ -71,83 +93,45 @@ def lease_word(lease_id: int, block_ids: Sequence[Sequence[int]], incarnation: i
     return int.from_bytes(digest, "little") or 1
 
 
-def words_path(engine_id: str, dp_rank: int, tp_rank: int) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:128]
-    return SHM_DIR / f"hixl-leases-{safe}-dp{dp_rank}-tp{tp_rank}"
+class WordStore(Protocol):
+    """64-bit words in the memory the KV lives in, registered with the engine at
+    ``address``: writes have landed when they return; reads see every transfer that
+    completed before the call."""
+
+    @property
+    def address(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def read(self, start: int, count: int) -> list[int]: ...
+
+    def write(self, index: int, word: int) -> None: ...
+
+    def zero(self, start: int, count: int) -> None: ...
 
 
 class LeaseWords:
-    """A mapped array of lease words, then P's incarnation. The worker ``create``s (and
-    finally ``unlink``s) it; the scheduler ``open``s it."""
+    """One P rank's lease words, one slot per lease; its worker publishes and clears them."""
 
-    def __init__(self, path: Path, fd: int, slots: int) -> None:
-        self.path = path
-        self.slots = slots
-        try:
-            self._map = mmap.mmap(fd, (slots + 1) * WORD_BYTES)
-        finally:
-            os.close(fd)
-        self._words = (ctypes.c_uint64 * (slots + 1)).from_buffer(self._map)
-
-    @classmethod
-    def create(cls, path: Path, slots: int) -> LeaseWords:
-        if slots < 1:
-            raise ValueError(f"lease words need at least one slot, got {slots}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, (slots + 1) * WORD_BYTES)
-        except OSError:
-            os.close(fd)
-            raise
-        return cls(path, fd, slots)
-
-    @classmethod
-    def open(cls, path: Path) -> LeaseWords:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"lease words {path} do not exist: the prefill workers create them when they "
-                "register their KV caches"
-            ) from None
-        size = os.fstat(fd).st_size
-        if size < 2 * WORD_BYTES or size % WORD_BYTES:
-            os.close(fd)
-            raise ValueError(f"lease words {path} hold {size} bytes, not slots and a nonce")
-        return cls(path, fd, size // WORD_BYTES - 1)
+    def __init__(self, store: WordStore) -> None:
+        self.store = store
 
     @property
-    def address(self) -> int:
-        return ctypes.addressof(self._words)
-
-    @property
-    def incarnation(self) -> int:
-        """P's start nonce; 0 until P's scheduler wrote it."""
-        return int(self._words[self.slots])
-
-    @incarnation.setter
-    def incarnation(self, nonce: int) -> None:
-        self._words[self.slots] = nonce
+    def slots(self) -> int:
+        return len(self.store)
 
     def publish(self, slot: int, word: int) -> None:
         """Vouches for a lease: ``word`` is its ``lease_word``."""
-        self._words[slot] = word
+        self.store.write(slot, word)
 
     def clear(self, slot: int, word: int) -> None:
-        """Ends the lease ``word`` vouches for; a slot the scheduler already gave to a newer
-        lease keeps that lease's word."""
-        if self._words[slot] == word:
-            self._words[slot] = CLEARED
+        """Ends the lease ``word`` vouches for; a slot already given to a newer lease keeps
+        that lease's word."""
+        if self[slot] == word:
+            self.store.write(slot, CLEARED)
 
     def __getitem__(self, slot: int) -> int:
-        return int(self._words[slot])
-
-    def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        del self._words
-        self._map.close()
+        return self.store.read(slot, 1)[0]
 
 
 # D's scratch words: one row per read in flight, each MAX_LEASE_READERS words read before the
@@ -159,7 +143,8 @@ IN_FLIGHT_READS = 64
 # Rows of the step thread's synchronous reads, after those: such reads never wait for a row an
 # asynchronous read holds (more in one step settle the earlier ones first).
 SYNC_ROWS = 8
-SCRATCH_WORDS = (IN_FLIGHT_READS + SYNC_ROWS) * 2 * MAX_LEASE_READERS
+ROW_WORDS = 2 * MAX_LEASE_READERS
+SCRATCH_WORDS = (IN_FLIGHT_READS + SYNC_ROWS) * ROW_WORDS
 
 Pull = TypeVar("Pull")
 
@@ -221,7 +206,7 @@ class GuardedPull(Generic[Pull]):
 
 def first_word(row: int) -> int:
     """The first scratch word of row ``row``: words before the blocks, then those after."""
-    return row * 2 * MAX_LEASE_READERS
+    return row * ROW_WORDS
 
 
 def guarded_batch(
@@ -229,7 +214,7 @@ def guarded_batch(
     blocks: list[Pull],
     row: int,
     word_pull: Callable[[int, int, int], Pull],
-    scratch: MutableSequence[int],
+    scratch: WordStore,
 ) -> GuardedPull[Pull]:
     """The batch for one read: lease word ``slot`` of each ``(remote_cluster_id, slot)`` in
     ``words``, then ``blocks``, then the words again; ``word_pull(cluster, slot, scratch
@@ -237,19 +222,17 @@ def guarded_batch(
     if len(words) > MAX_LEASE_READERS:
         raise ValueError(f"{len(words)} prefill ranks per decode rank: at most {MAX_LEASE_READERS}")
     first = first_word(row)
-    for i in range(len(words)):
-        scratch[first + i] = scratch[first + MAX_LEASE_READERS + i] = CLEARED
+    scratch.zero(first, ROW_WORDS)
     before = [word_pull(c, slot, first + i) for i, (c, slot) in enumerate(words)]
     after = [word_pull(c, slot, first + MAX_LEASE_READERS + i) for i, (c, slot) in enumerate(words)]
     return GuardedPull(before + blocks + after, len(words), row)
 
 
-def words_read(scratch: Sequence[int], pull: GuardedPull[Pull]) -> tuple[list[int], list[int]]:
-    """The lease words as ``pull`` read them into ``scratch`` before and after the blocks."""
-    first, count = pull.first_word, pull.words
-    before = [int(scratch[first + i]) for i in range(count)]
-    after = [int(scratch[first + MAX_LEASE_READERS + i]) for i in range(count)]
-    return before, after
+def words_read(scratch: WordStore, pull: GuardedPull[Pull]) -> tuple[list[int], list[int]]:
+    """The lease words as ``pull`` read them into ``scratch`` before and after the blocks:
+    read back once the whole batch completed."""
+    row = scratch.read(pull.first_word, ROW_WORDS)
+    return row[: pull.words], row[MAX_LEASE_READERS : MAX_LEASE_READERS + pull.words]
 
 
 def verdict(expected: int, before: Sequence[int], after: Sequence[int]) -> tuple[str, int]:

@@ -3,9 +3,10 @@ when (``LeaseTable``), and ``LeaseServer``, which answers D's notices on the sid
 ends leases (D's side: lease_client; the messages: lease_messages).
 
 A lease starts when P's scheduler hands a finished prefill to the worker (SendSpec); its lease
-word (lease_words) already vouches for it, published by the scheduler. It ends
-when every expected D rank said "done" (or "release"), counted by distinct rank so a repeated
-notice (a lost reply, then a release) never stands in for another rank, or when no heartbeat
+word already vouches for it, published by the workers in the step that computed the prompt
+(leases.guarded_read). It ends when every expected D rank said "done" (or "release"), counted
+by distinct rank so a repeated notice (a lost reply, then a release) never stands in for
+another rank, or when no heartbeat
 arrived for `lease_s` seconds. Either way the worker clears its lease word, then reports the
 request in `finished_sending` exactly once, and vLLM frees its blocks. Pure and
 clock-injected, so it is unit-tested without processes.

@@ -24,6 +24,21 @@ def group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, ...]
     )
 
 
+def group_windows(kv_cache_config: Any) -> tuple[int, ...]:
+    """Each KV-cache group's sliding window in tokens (0: full attention)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return tuple(int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in groups)
+
+
+def blocks_left_behind(num_prompt_tokens: int, window: int, block_size: int) -> int:
+    """How many leading blocks of a prompt a sliding-window group no longer needs once the
+    prompt is computed (vLLM then replaces them by the null block): those whose tokens all
+    lie before the window of the prompt's last token. 0 for full attention."""
+    if not window:
+        return 0
+    return max(0, num_prompt_tokens - window + 1) // block_size
+
+
 def check_movable(kv_cache_config: Any) -> None:
     """Refuses, at start, a model with KV-cache state the connector cannot move: it reads
     attention KV (full, sliding-window, MLA), blocks of tokens; a per-request state such as

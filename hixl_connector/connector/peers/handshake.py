@@ -101,7 +101,7 @@ class HandshakePayload:
     units_per_block: int  # registered units per block: this rank's KV heads, or 1
     block_sizes: list[int]  # tokens per block of each KV-cache group
     slice_bytes: int  # bytes of one registered slice (block_slices); 0: not registered
-    incarnation: int  # P's start nonce (lease_words); 0 on an engine that does not prefill
+    incarnation: int  # P's start nonce (peers.incarnation); 0 on an engine that does not prefill
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {

@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.link_reports import LinkReport
-from hixl_connector.connector.mapping.kv_groups import group_block_sizes, one_group_block_bytes
+from hixl_connector.connector.mapping.kv_groups import (
+    group_block_sizes,
+    group_windows,
+    one_group_block_bytes,
+)
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler.decode_side import DecodeSide, DecodeStep
 from hixl_connector.connector.scheduler.misconfig import Misconfigurations
@@ -63,13 +67,28 @@ class HixlScheduler:
             self.decode = DecodeSide(loads, self._group_block_sizes, self.misconfigured, push)
         if kv_transfer_config.is_kv_producer:
             dp_rank = parallel.data_parallel_index
-            self.prefill = PrefillSide(config, engine_id, dp_rank, tp_size, self._group_block_sizes)
+            # As many lease slots as P's workers allocated lease words: one per block.
+            num_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0) or int(
+                getattr(kv_cache_config, "num_blocks", 0)
+            )
+            self.prefill = PrefillSide(
+                config,
+                engine_id,
+                dp_rank,
+                tp_size,
+                self._group_block_sizes,
+                num_blocks,
+                group_windows(kv_cache_config),
+            )
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
         request_id = request.request_id
-        if params.get("do_remote_decode") and self.prefill is None:
-            self.misconfigured.note("consumer_asked_to_produce", request_id)
+        if params.get("do_remote_decode"):
+            if self.prefill is None:
+                self.misconfigured.note("consumer_asked_to_produce", request_id)
+            else:
+                self.prefill.follow(request)
         if self.decode is not None and self.prefill is None and not params:
             self.misconfigured.note("decode_without_params", request_id)
         if not params.get("do_remote_prefill"):
@@ -119,6 +138,7 @@ class HixlScheduler:
         if self.prefill is None or not params or not params.get("do_remote_decode"):
             return False, None
         if request.status.name not in DELIVERABLE_STATUSES:
+            self.prefill.drop(request.request_id)
             return False, None
         if len(block_ids) != len(self._group_block_sizes):
             raise ValueError(
@@ -133,11 +153,16 @@ class HixlScheduler:
             if self.decode is not None
             else DecodeStep([], [], [], [], [], [])
         )
+        clears, publications = (
+            self.prefill.step(scheduler_output) if self.prefill is not None else ([], [])
+        )
         return HixlConnectorMetadata(
             to_recv=step.to_recv,
             to_push_recv=step.to_push_recv,
             to_release=step.to_release,
             to_send=self.prefill.take_sends() if self.prefill is not None else [],
+            to_clear=clears,
+            to_publish=publications,
             prefilling=self.prefill.prefilling(scheduler_output) if self.prefill else [],
             to_cancel=step.to_cancel,
             waiting=step.waiting,

@@ -1,19 +1,25 @@
-"""P's side of the scheduler half: a finished prefill's blocks stay with vLLM (delay-free)
-under a fresh lease, published in every TP rank's lease word before the ``kv_transfer_params``
-D needs leave the engine; the slot returns once every rank reported the lease finished."""
+"""P's side of the scheduler half: a prefill for a remote decode gets a lease word in the step
+that computes its prompt's end (the workers publish it before that step's forward); once it
+finished, its blocks stay with vLLM (delay-free) under that lease and the
+``kv_transfer_params`` D needs leave the engine; the slot returns once every rank reported
+the lease finished. Why this order is safe: leases.guarded_read."""
 
 from __future__ import annotations
 
 import logging
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.leases.guarded_read import LeaseWords, lease_word, words_path
+from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID, blocks_for_tokens
-from hixl_connector.connector.metadata import PromptBlocks, RemoteEndpoint, SendSpec
+from hixl_connector.connector.mapping.kv_groups import blocks_left_behind
+from hixl_connector.connector.metadata import PromptBlocks, RemoteEndpoint, SendSpec, WordSpec
+from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
 from hixl_connector.connector.peers.rank_addresses import rank_address
+from hixl_connector.connector.scheduler.block_tables import BlockTable, BlockTables, resumed_ids
 from hixl_connector.connector.transfer_params import build_remote_decode_params
 
 if TYPE_CHECKING:
@@ -25,6 +31,20 @@ logger = logging.getLogger(__name__)
 LEASE_ID_MODULUS = 2**64
 
 
+@dataclass(frozen=True)
+class _Published:
+    """A lease word the workers publish (or published) for a prompt that has not finished."""
+
+    lease_id: int
+    slot: int
+    word: int
+    blocks: BlockTable  # the prompt's blocks of each group, as the word covers them
+
+    @property
+    def spec(self) -> WordSpec:
+        return WordSpec(self.slot, self.word)
+
+
 class PrefillSide:
     def __init__(
         self,
@@ -33,8 +53,11 @@ class PrefillSide:
         dp_rank: int,
         tp_size: int,
         group_block_sizes: Sequence[int],
+        num_blocks: int,
+        group_windows: Sequence[int] = (),
     ) -> None:
         self._group_block_sizes = tuple(group_block_sizes)
+        self._group_windows = tuple(group_windows) or (0,) * len(self._group_block_sizes)
         self._push = config.transfer_mode == "push"
         # P announces rank 0's port and cluster id; D finds rank r at position r from there.
         rank_zero = rank_address(config, dp_rank, 0, tp_size)
@@ -54,43 +77,134 @@ class PrefillSide:
         # request_id -> (lease id, slot), until the workers report it in finished_sending.
         self.leased: dict[str, tuple[int, int]] = {}
         self._to_send: list[SendSpec] = []
-        self._words = self._map_lease_words(engine_id, dp_rank, tp_size)
-        self._free_slots = list(range(min(w.slots for w in self._words) - 1, -1, -1))
+        # Remote-decode prompts: their length while they prefill, their tables, and the word
+        # of each whose end was computed (until it finishes).
+        self._prompt_lengths: dict[str, int] = {}
+        self._tables = BlockTables()
+        self.published: dict[str, _Published] = {}
+        self._to_publish: list[WordSpec] = []
+        self._to_clear: list[WordSpec] = []
+        # One slot per lease in every rank's lease words (as many as blocks: a lease holds
+        # a block at least).
+        self._free_slots = list(range(num_blocks - 1, -1, -1))
+        self._write_incarnation(engine_id, dp_rank, tp_size)
+
+    def follow(self, request: Request) -> None:
+        """A request to prefill for a remote decode (``do_remote_decode``)."""
+        self._prompt_lengths[request.request_id] = request.num_prompt_tokens
+        self._tables.follow(request.request_id)
+
+    def step(self, scheduler_output: SchedulerOutput) -> tuple[list[WordSpec], list[WordSpec]]:
+        """This step's word changes for the workers, (clears, publications): a word for each
+        followed prompt the step computes to its end, over its blocks as vLLM holds them;
+        the clears of words whose prompt will not lease (preempted or finished otherwise)."""
+        self._tables.update(scheduler_output)
+        # A followed request that comes back new or resumed was preempted: its blocks went.
+        cached = scheduler_output.scheduled_cached_reqs
+        returned = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+        returned |= resumed_ids(cached)
+        for request_id in returned & self.published.keys():
+            self._unpublish(request_id)
+        computed = {
+            new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
+        }
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id, done in computed.items():
+            length = self._prompt_lengths.get(request_id)
+            if length is None or request_id in self.published:
+                continue
+            if done + scheduled.get(request_id, 0) >= length:
+                self._publish(request_id, length)
+        clears, self._to_clear = self._to_clear, []
+        publications, self._to_publish = self._to_publish, []
+        return clears, publications
 
     def lease(
         self, request: Request, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Keeps the prompt's blocks of every group under a fresh lease: (delay the free,
-        the params for D)."""
+        """Keeps the prompt's blocks of every group under the lease its word was published
+        for: (delay the free, the params for D)."""
         request_id = request.request_id
+        self.forget(request_id)
+        published = self.published.pop(request_id, None)
         # A sliding-window group holds the null block where its blocks left the window:
         # offered as such, never leased, and D never reads it.
         prompt_blocks = self._prompt_blocks(block_ids, request.num_prompt_tokens)
+        if published is None:
+            logger.warning("request %s: no lease word was published; D will compute it", request_id)
+            return False, None
+        if not _still_held(published.blocks, prompt_blocks):
+            # The word names a block vLLM no longer holds for the request: no params may
+            # name it, and a D computing the prompt is correct.
+            self._clear(published)
+            logger.warning(
+                "request %s: its blocks changed after its prompt was computed; D will compute it",
+                request_id,
+            )
+            return False, None
         leased = tuple(b for group in prompt_blocks for b in group if b != NULL_BLOCK_ID)
         if not leased:
+            self._clear(published)
             return False, None
-        if not self._free_slots:  # cannot happen: every lease holds a block of its own
-            logger.error("request %s: no free lease slot; D will compute it", request_id)
-            return False, None
-        slot = self._free_slots.pop()
-        lease_id = self._new_lease_id()
-        word = lease_word(lease_id, prompt_blocks, self.incarnation)
-        # Published before kv_transfer_params leave the engine: D can check it at once.
-        for rank_words in self._words:
-            rank_words.publish(slot, word)
+        lease_id, slot, word = published.lease_id, published.slot, published.word
         self.leased[request_id] = (lease_id, slot)
         # Push mode: the blocks go to the workers too, for a D that registers its own.
         pushed = prompt_blocks if self._push else ()
         self._to_send.append(SendSpec(request_id, lease_id, slot, word, pushed))
+        # The params name the blocks the word covers: D reads none that vLLM let go.
         return True, build_remote_decode_params(
             self._endpoint,
             request_id,
-            prompt_blocks,
+            published.blocks,
             request.num_prompt_tokens,
             (lease_id, slot),
             self._group_block_sizes,
             "push" if self._push else "pull",
         )
+
+    def drop(self, request_id: str) -> None:
+        """A followed request finished without a lease (aborted, or not deliverable): its
+        word, if published, is cleared."""
+        self.forget(request_id)
+        published = self.published.pop(request_id, None)
+        if published is not None:
+            self._clear(published)
+
+    def forget(self, request_id: str) -> None:
+        self._prompt_lengths.pop(request_id, None)
+        self._tables.forget(request_id)
+
+    def _publish(self, request_id: str, num_prompt_tokens: int) -> None:
+        blocks = self._prompt_blocks(self._tables[request_id], num_prompt_tokens)
+        # A sliding-window group needs none of the blocks its window left behind; vLLM
+        # lets them go once the prompt is computed, so the word never names them.
+        blocks = tuple(
+            (NULL_BLOCK_ID,) * blocks_left_behind(num_prompt_tokens, window, size)
+            + group[blocks_left_behind(num_prompt_tokens, window, size) :]
+            for group, window, size in zip(
+                blocks, self._group_windows, self._group_block_sizes, strict=True
+            )
+        )
+        if not self._free_slots:  # cannot happen: every lease holds a block of its own
+            logger.error("request %s: no free lease slot; D will compute it", request_id)
+            return
+        lease_id = self._new_lease_id()
+        word = lease_word(lease_id, blocks, self.incarnation)
+        published = _Published(lease_id, self._free_slots.pop(), word, blocks)
+        self.published[request_id] = published
+        self._to_publish.append(published.spec)
+
+    def _unpublish(self, request_id: str) -> None:
+        published = self.published.pop(request_id, None)
+        if published is not None:
+            self._clear(published)
+
+    def _clear(self, published: _Published) -> None:
+        """The workers clear the word before any later publication (same step or later), so
+        its slot may go to the next lease now."""
+        self._to_clear.append(published.spec)
+        self._free_slots.append(published.slot)
 
     def prefilling(self, scheduler_output: SchedulerOutput) -> list[PromptBlocks]:
         """Push mode: the prompts this step computes to their end, so that the workers write
@@ -132,16 +246,26 @@ class PrefillSide:
         sends, self._to_send = self._to_send, []
         return sends
 
-    def _map_lease_words(self, engine_id: str, dp_rank: int, tp_size: int) -> list[LeaseWords]:
-        """Every TP rank's lease words: the workers created them when they registered their
-        KV caches, before vLLM built this scheduler."""
-        words = [LeaseWords.open(words_path(engine_id, dp_rank, rank)) for rank in range(tp_size)]
-        for rank_words in words:  # mapped by every process that uses them now
-            rank_words.unlink()
-            rank_words.incarnation = self.incarnation  # the workers' handshakes announce it
-        return words
+    def _write_incarnation(self, engine_id: str, dp_rank: int, tp_size: int) -> None:
+        """Into every TP rank's incarnation file, which the workers created when they
+        registered their KV caches, before vLLM built this scheduler."""
+        for rank in range(tp_size):
+            nonce = IncarnationFile.open(incarnation_path(engine_id, dp_rank, rank))
+            nonce.unlink()  # mapped by every process that uses it now
+            nonce.nonce = self.incarnation  # the workers' handshakes announce it
+            nonce.close()
 
     def _new_lease_id(self) -> int:
         lease_id = self._next_lease_id
         self._next_lease_id = (lease_id + 1) % LEASE_ID_MODULUS
         return lease_id
+
+
+def _still_held(published: BlockTable, held: BlockTable) -> bool:
+    """Whether vLLM still holds every block a word names, where the word names it (a block
+    the word leaves out may be held or gone)."""
+    return len(published) == len(held) and all(
+        len(words) == len(ids)
+        and all(p in (NULL_BLOCK_ID, h) for p, h in zip(words, ids, strict=True))
+        for words, ids in zip(published, held, strict=True)
+    )

@@ -23,7 +23,7 @@ import zmq
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.client import LeaseClient
-from hixl_connector.connector.leases.guarded_read import LeaseWords, words_path
+from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.link_reports import LinkReport, LinkReporter
 from hixl_connector.connector.mapping.block_slices import SliceRun
 from hixl_connector.connector.mapping.kv_groups import (
@@ -33,6 +33,7 @@ from hixl_connector.connector.mapping.kv_groups import (
 from hixl_connector.connector.mapping.read_plans import ReadPlans
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.peers.handshake import HandshakePayload
+from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
 from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.connector.peers.registry import PeerRegistry
 from hixl_connector.connector.stats import HixlKVConnectorStats
@@ -137,18 +138,17 @@ class HixlWorker:
             int(heads) if head_major else 0,
             groups_share_buffers=len(describe_groups(self._kv_cache_config)) > 1,
         )
-        lease_words = None
-        if self._is_producer:  # one slot per lease, and a lease holds a block at least
-            path = words_path(self._engine_id, self._dp_rank, self._tp_rank)
-            lease_words = LeaseWords.create(path, num_blocks)
-        words = (lease_words.address, lease_words.slots) if lease_words else None
+        incarnation = None
+        if self._is_producer:  # where P's scheduler writes its start nonce
+            path = incarnation_path(self._engine_id, self._dp_rank, self._tp_rank)
+            incarnation = IncarnationFile.create(path)
         try:
             kv = register_kv(
-                self._config, layout, self._address, self._is_producer, self._is_consumer, words
+                self._config, layout, self._address, self._is_producer, self._is_consumer
             )
         except Exception:
-            if lease_words is not None:
-                lease_words.unlink()
+            if incarnation is not None:
+                incarnation.unlink()
             raise
         self._kv, self._layout = kv, layout
         self._payload = handshake_payload(
@@ -210,13 +210,13 @@ class HixlWorker:
                 self._finish,
                 plans,
             )
-        if lease_words is not None:
+        if incarnation is not None and kv.lease_word_memory is not None:
             self._serving = PrefillServing(
                 self._context,
                 self._config,
                 self._address.side_channel_port,
                 self._payload,
-                lease_words,
+                (LeaseWords(kv.lease_word_memory), incarnation),
                 self._record,
                 self._wake.set,
                 kv,
@@ -263,12 +263,14 @@ class HixlWorker:
 
     def bind(self, metadata: HixlConnectorMetadata) -> None:
         """Before the step's forward, which vLLM 0.32 runs before ``start_load_kv`` (unless
-        a load is synchronous): what must not wait a forward starts here. P's leases of the
-        prefills the last step finished (push mode: their words, which D waits for), and
-        D's push registrations (P writes once it has them); pulls start in
-        ``start_load_kv``, as vLLM intends."""
+        a load is synchronous): what must not wait a forward starts here. P's lease words
+        (cleared, then published: leases.guarded_read), the leases of the prefills the last
+        step finished (push mode: their words, which D waits for), and D's push
+        registrations (P writes once it has them); pulls start in ``start_load_kv``, as
+        vLLM intends."""
         now = time.monotonic()
         if self._serving is not None:
+            self._serving.publish(metadata.to_clear, metadata.to_publish)
             self._serving.hold(metadata.to_send)
         if self._pusher is not None:
             self._pusher.computing(metadata.prefilling)

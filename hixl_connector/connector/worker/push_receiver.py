@@ -94,7 +94,7 @@ class PushReceiver:
     ) -> None:
         """``plans``: which P ranks write which of this rank's KV heads (by P's TP size), and
         where the slices of P's blocks land (by P's block size), as a pull would read them."""
-        if kv.push_words is None:
+        if kv.push_words is None or kv.push_word_memory is None:
             raise ValueError("push mode needs this decode engine's push words registered")
         self._config = config
         self._kv = kv
@@ -143,7 +143,7 @@ class PushReceiver:
         if not slots:
             return False
         deadline = time.monotonic() + timeout_s
-        while not woken.is_set() and not any(self._words[slot] for slot in slots):
+        while not woken.is_set() and not any(self._set(slot) for slot in slots):
             if time.monotonic() >= deadline:
                 break
             time.sleep(WORD_POLL_S)
@@ -157,7 +157,7 @@ class PushReceiver:
         with self._lock:
             for awaited in self._awaited.values():
                 slots = awaited.slots()
-                if slots and all(self._words[slot] for slot in slots):
+                if slots and all(self._set(slot) for slot in slots):
                     landed.append(awaited)
                 elif now - awaited.registered_at > self._config.pull_timeout_s:
                     late.append(awaited)
@@ -268,9 +268,13 @@ class PushReceiver:
             if not self._free_slots:
                 raise RuntimeError(f"all {len(self._words)} push words are taken")
             writer.slot = self._free_slots.pop()
-        self._words[writer.slot] = 0
+        self._words.zero(writer.slot, 1)
         assert self._kv.push_words is not None
         writer.grants.append(self._kv.grant(cluster_id, self._kv.push_words, [writer.slot]))
+
+    def _set(self, slot: int) -> bool:
+        """Whether P wrote push word ``slot``."""
+        return bool(self._words.read(slot, 1)[0])
 
     def _landed(self, awaited: _Awaited, now: float) -> None:
         """P set the word: every block landed. Revoked before the report (a write under

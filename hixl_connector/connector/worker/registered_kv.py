@@ -12,7 +12,6 @@ here, before ``register_kv`` returns); one model_id per registered cache under t
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,6 +27,7 @@ from hixl_connector.connector.leases.guarded_read import (
 from hixl_connector.connector.mapping.blocks import chunk_pairs
 from hixl_connector.connector.peers.rank_addresses import RankAddress
 from hixl_connector.connector.worker.kv_layout import KVLayout
+from hixl_connector.connector.worker.word_memory import WordMemory
 from hixl_connector.datadist import (
     Backend,
     BlocksPull,
@@ -80,11 +80,13 @@ class RegisteredKV:
     listen_port: int  # where peers link to; the configured port when not listening
     max_pairs_per_pull: int | None  # chunk size of long block lists; None: no limit
     slices: RegisteredCache | None = None  # the caches again in slices, where registered
+    # Words, each in the KV's memory kind and registered as the KV is (leases.guarded_read):
     scratch: RegisteredCache | None = None  # D: where peers' lease words are read to
-    scratch_words: Any = None  # ... and the words themselves (ctypes array)
+    scratch_words: WordMemory | None = None  # ... and the words themselves
     lease_words: RegisteredCache | None = None  # P: its lease words (a push's last write)
+    lease_word_memory: WordMemory | None = None  # ... and the words themselves
     push_words: RegisteredCache | None = None  # D, push mode: where P's last writes land
-    push_word_memory: Any = None  # ... and the words themselves (ctypes array)
+    push_word_memory: WordMemory | None = None  # ... and the words themselves
 
     def lease_guarded_pull(
         self,
@@ -98,7 +100,7 @@ class RegisteredKV:
         ``dst[i]`` here, for every registered cache (a unit: one KV head of a block where
         heads split, else a whole block; with ``sliced``, a slice of one), between the lease
         words of ``words``. Each pull stays under the back-end's request-size limit."""
-        if self.scratch is None:
+        if self.scratch is None or self.scratch_words is None:
             raise ValueError("this engine registered no scratch words: it does not decode")
         if sliced and self.slices is None:
             raise ValueError("this engine registered no slices of its KV caches")
@@ -168,6 +170,7 @@ class RegisteredKV:
 
     def words_read(self, pull: GuardedPull[BlocksPull]) -> tuple[list[int], list[int]]:
         """The lease words as ``pull`` read them before and after the blocks."""
+        assert self.scratch_words is not None
         return words_read(self.scratch_words, pull)
 
 
@@ -238,10 +241,10 @@ def register_kv(
     rank: RankAddress,
     producer: bool,
     consumer: bool,
-    lease_words: tuple[int, int] | None = None,
 ) -> RegisteredKV:
-    """``rank``: this rank's cluster id and engine port (one listener per rank);
-    ``lease_words``: (address, count) of P's lease words, registered for D to read."""
+    """``rank``: this rank's cluster id and engine port (one listener per rank). A producer
+    gets lease words (one slot per block: a lease holds a block at least), a consumer scratch
+    rows (and in push mode push words), all beside the KV on its device."""
     cluster_id, port = rank.cluster_id, rank.engine_port
     device = _kv_device(layout)
     api = load_backend(config.backend, getattr(device, "type", None))
@@ -278,11 +281,13 @@ def register_kv(
         llm_config.listen_ip_info = f"{config.engine_host}:{port}"
     datadist = api.LLMDataDist(role, cluster_id)
     datadist.init(llm_config.generate_options())
-    host = api.Placement.HOST
-    scratch_words = (ctypes.c_uint64 * SCRATCH_WORDS)() if consumer else None
+    # The words live where the KV lives, registered with its placement (one memory kind).
+    word_device = device if device is not None else "cpu"
+    lease_word_memory = WordMemory(layout.num_blocks, word_device) if producer else None
+    scratch_words = WordMemory(SCRATCH_WORDS, word_device) if consumer else None
     pushed = consumer and config.transfer_mode == "push"
     push_word_count = layout.num_blocks * PUSH_WORDS_PER_BLOCK
-    push_word_memory = (ctypes.c_uint64 * push_word_count)() if pushed else None
+    push_word_memory = WordMemory(push_word_count, word_device) if pushed else None
     try:
         caches = tuple(
             replace(
@@ -304,23 +309,16 @@ def register_kv(
                 _register(api, datadist, cluster_id, registration, placement),
                 units_per_block=layout.block_bytes // layout.slice_bytes,
             )
-        words = None
-        if producer:
-            if lease_words is None:
-                raise ValueError("a prefill engine needs its lease words")
-            address, count = lease_words
-            registration = Registration(LEASE_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
-            words = _register(api, datadist, cluster_id, registration, host)
-        push_words = None
-        if push_word_memory is not None:
-            address, count = ctypes.addressof(push_word_memory), len(push_word_memory)
-            registration = Registration(PUSH_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
-            push_words = _register(api, datadist, cluster_id, registration, host)
-        scratch = None
-        if scratch_words is not None:
-            address, count = ctypes.addressof(scratch_words), len(scratch_words)
-            registration = Registration(SCRATCH_WORDS_MODEL_ID, (address,), WORD_BYTES, 1, count)
-            scratch = _register(api, datadist, cluster_id, registration, host)
+
+        def register_words(model_id: int, memory: WordMemory | None) -> RegisteredCache | None:
+            if memory is None:
+                return None
+            registration = Registration(model_id, (memory.address,), WORD_BYTES, 1, len(memory))
+            return _register(api, datadist, cluster_id, registration, placement)
+
+        words = register_words(LEASE_WORDS_MODEL_ID, lease_word_memory)
+        push_words = register_words(PUSH_WORDS_MODEL_ID, push_word_memory)
+        scratch = register_words(SCRATCH_WORDS_MODEL_ID, scratch_words)
     except Exception:
         datadist.finalize()
         raise
@@ -338,6 +336,7 @@ def register_kv(
         scratch,
         scratch_words,
         words,
+        lease_word_memory,
         push_words,
         push_word_memory,
     )
