@@ -25,18 +25,26 @@ def group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, ...]
 
 
 def group_windows(kv_cache_config: Any) -> tuple[int, ...]:
-    """Each KV-cache group's sliding window in tokens (0: full attention)."""
+    """Each KV-cache group's sliding window in tokens, where vLLM lets the blocks it left
+    behind go (0: it keeps every block). Only a sliding-window group does: with the hybrid
+    manager off, a window layer's full-attention spec names its window but keeps all."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return tuple(int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in groups)
+    return tuple(
+        int(getattr(g.kv_cache_spec, "sliding_window", None) or 0)
+        if any(c.__name__ == "SlidingWindowSpec" for c in type(g.kv_cache_spec).__mro__)
+        else 0
+        for g in groups
+    )
 
 
 def blocks_left_behind(num_prompt_tokens: int, window: int, block_size: int) -> int:
     """How many leading blocks of a prompt a sliding-window group no longer needs once the
-    prompt is computed (vLLM then replaces them by the null block): those whose tokens all
-    lie before the window of the prompt's last token. 0 for full attention."""
+    prompt is computed: those whose tokens all lie before the window of the prompt's last
+    token, which D computes again. vLLM lets them go (the null block takes their place), at
+    most one block later. 0 for full attention."""
     if not window:
         return 0
-    return max(0, num_prompt_tokens - window + 1) // block_size
+    return max(0, num_prompt_tokens - window) // block_size
 
 
 def check_movable(kv_cache_config: Any) -> None:
