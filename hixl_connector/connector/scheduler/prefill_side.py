@@ -167,9 +167,7 @@ class PrefillSide:
         """A followed request finished without a lease (aborted, or not deliverable): its
         word, if published, is cleared."""
         self.forget(request_id)
-        published = self.published.pop(request_id, None)
-        if published is not None:
-            self._clear(published)
+        self._unpublish(request_id)
 
     def forget(self, request_id: str) -> None:
         self._prompt_lengths.pop(request_id, None)
@@ -179,12 +177,12 @@ class PrefillSide:
         blocks = self._prompt_blocks(self._tables[request_id], num_prompt_tokens)
         # A sliding-window group needs none of the blocks its window left behind; vLLM
         # lets them go once the prompt is computed, so the word never names them.
+        behind = [
+            blocks_left_behind(num_prompt_tokens, window, size)
+            for window, size in zip(self._group_windows, self._group_block_sizes, strict=True)
+        ]
         blocks = tuple(
-            (NULL_BLOCK_ID,) * blocks_left_behind(num_prompt_tokens, window, size)
-            + group[blocks_left_behind(num_prompt_tokens, window, size) :]
-            for group, window, size in zip(
-                blocks, self._group_windows, self._group_block_sizes, strict=True
-            )
+            (NULL_BLOCK_ID,) * n + group[n:] for group, n in zip(blocks, behind, strict=True)
         )
         if not self._free_slots:  # cannot happen: every lease holds a block of its own
             logger.error("request %s: no free lease slot; D will compute it", request_id)
