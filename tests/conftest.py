@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for line in unexpected:
             print(f"  {line}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The Ascend link modes the llm_datadist stand-in enforces (its fabric.py reads the variable).
+STANDIN_FABRIC_ENV = "HIXL_STANDIN_FABRIC"
+STANDIN_FABRICS = ("hccs-a2", "hccs-a3", "roce")
+
+
+@pytest.fixture(scope="module", params=STANDIN_FABRICS)
+def standin_fabric(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs every stand-in test in each Ascend link mode, in this process and those it
+    starts: what a fixture builds on it (engines, peers) is built again for each mode."""
+    previous = os.environ.get(STANDIN_FABRIC_ENV)
+    os.environ[STANDIN_FABRIC_ENV] = request.param
+    try:
+        yield request.param
+    finally:
+        if previous is None:
+            del os.environ[STANDIN_FABRIC_ENV]
+        else:
+            os.environ[STANDIN_FABRIC_ENV] = previous

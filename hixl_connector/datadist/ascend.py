@@ -8,16 +8,18 @@ carry the project's checks where CANN silently accepts a mistake (``ascend_check
 thread (CANN has neither a batch nor an asynchronous pull).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
-``hixl_connector.connector.worker.registered_kv``): KV tensors on the NPU are ``Placement.DEVICE``,
-the device id is the one holding them, HCCS wants 2 MB-aligned bases, and one
-``pull_blocks`` request must fit CANN's request buffer (reference section 6.2), so long block
-lists are pulled in chunks.
+``hixl_connector.connector.worker.registered_kv``): the KV cache is in NPU memory and registers
+as ``Placement.DEVICE`` (a KV cache in host memory is refused: HCCS carries none, and RoCE
+only ``aclrtMallocHost`` memory), the device id is the one holding it, HCCS wants 2 MB-aligned
+bases, and one ``pull_blocks`` request must fit CANN's request buffer (reference section 6.2),
+so long block lists are pulled in chunks.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from hixl_connector.datadist.ascend_checks import checked_classes
@@ -124,9 +126,25 @@ def check_hccs_alignment(addrs: list[int], what: str) -> None:
         )
 
 
+def npu_memory(device: Any) -> bool:
+    if device.type == "npu":
+        return True
+    raise ValueError(
+        f"the 'ascend' datadist back-end moves a KV cache in NPU memory (HCCS carries no host "
+        f"memory, RoCE only aclrtMallocHost memory), but this one lives on {device}; use "
+        "kv_connector_extra_config 'backend': 'native' for a KV cache in host memory"
+    )
+
+
+def played_npu_memory(device: Any) -> bool:
+    """Under the project's stand-in for CANN (``tests/ascend_standin``: no NPU), host tensors
+    play NPU memory, as the stand-in plays device memory with host memory."""
+    return device.type == "cpu" or npu_memory(device)
+
+
 ASCEND_PROFILE = BackendProfile(
     name="ascend",
-    device_memory=True,
+    registers_as_device=npu_memory,
     transfer_backend="hixl",
     native_options=False,
     device_id_of=device_id_of,
@@ -148,9 +166,12 @@ def pull_blocks_batch_async(cache_manager: Any, pulls: Sequence[BlocksPull]) -> 
 def load() -> Backend:
     cann = import_cann()
     names = {name: getattr(cann, name) for name in API_NAMES if hasattr(cann, name)}
+    standin = getattr(cann, "STANDIN", False)  # CANN's package has no such mark
     return Backend(
         BACKEND_NAME="ascend",
-        PROFILE=ASCEND_PROFILE,
+        PROFILE=replace(ASCEND_PROFILE, registers_as_device=played_npu_memory)
+        if standin
+        else ASCEND_PROFILE,
         pull_blocks_batch_async=pull_blocks_batch_async,
         **{**names, **checked_classes(cann)},
     )

@@ -18,6 +18,15 @@ from hixl_connector.datadist.llm_types import BlocksPull
 from hixl_connector.datadist.pull_handle import PullHandle, ThreadPullHandle
 
 
+def _host_memory_only(device: Any) -> bool:
+    if device.type == "cpu":
+        return False
+    raise ValueError(
+        f"the 'native' datadist back-end moves host memory only, but the KV cache lives on "
+        f"{device}; use kv_connector_extra_config 'backend': 'ascend' on Ascend"
+    )
+
+
 def _no_alignment_rule(addrs: list[int], what: str) -> None:
     return None
 
@@ -98,12 +107,13 @@ class DataDist(Protocol):
 @dataclass(frozen=True)
 class BackendProfile:
     name: str
-    # True: tensors on an accelerator register as Placement.DEVICE; False: host memory only.
-    device_memory: bool
     # LLMConfig.transfer_backend ("" leaves the engine's default).
     transfer_backend: str
     # Whether LLMConfig's hixl_* extension properties (native engine options) apply.
     native_options: bool
+    # (the KV's torch device) -> whether its memory registers as Placement.DEVICE (else
+    # HOST); raises ValueError for memory this back-end cannot move.
+    registers_as_device: Callable[[Any], bool] = _host_memory_only
     # LLMConfig.device_id for the worker whose KV cache holds this tensor.
     device_id_of: Callable[[Any], int] = _device_zero
     # Raises ValueError when device addresses break the transport's alignment rule.
@@ -122,7 +132,6 @@ def _cma_link(datadist: Any, remote_cluster_id: int) -> bool:
 
 NATIVE_PROFILE = BackendProfile(
     name="native",
-    device_memory=False,
     transfer_backend="",
     native_options=True,
     reads_in_place=_cma_link,

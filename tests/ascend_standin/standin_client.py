@@ -4,6 +4,7 @@ prefill-side peer process."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,13 +15,17 @@ from typing import Any
 import numpy as np
 import pytest
 from harness import start, stop
-from standin_peer import BLOCK_BYTES, NUM_BLOCKS, NUM_TENSORS
+from standin_peer import BLOCK_BYTES, NUM_BLOCKS, NUM_TENSORS, aligned
 
 from hixl_connector.tools.demo.processes import free_port
 
 
-def init_client(api: Any, cluster_id: int, listen: str = "127.0.0.1:0") -> Any:
+def init_client(api: Any, cluster_id: int, listen: str = "127.0.0.1:0", pool: int = 0) -> Any:
+    """A decoder LLMDataDist as the connector configures one; ``pool``: bytes of the device
+    memory pool (mem_pool_cfg), 0 for none."""
     config = api.LLMConfig()
+    if pool:
+        config.mem_pool_cfg = json.dumps({"memory_size": pool})
     config.device_id = 0
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
@@ -33,10 +38,26 @@ def init_client(api: Any, cluster_id: int, listen: str = "127.0.0.1:0") -> Any:
 
 
 def register(
-    api: Any, dd: Any, cluster_id: int, model_id: int, accessible: bool | None = True
+    api: Any,
+    dd: Any,
+    cluster_id: int,
+    model_id: int,
+    accessible: bool | None = True,
+    memory: str = "device",
 ) -> tuple[Any, list[np.ndarray]]:
-    tensors = [np.zeros(NUM_BLOCKS * BLOCK_BYTES, np.uint8) for _ in range(NUM_TENSORS)]
-    desc = api.CacheDesc(NUM_TENSORS, [NUM_BLOCKS, BLOCK_BYTES], api.DataType.DT_UINT8)
+    """A blocks cache of zeroes under (cluster_id, model_id): ``memory`` "device" (2 MB
+    aligned), "host" (plain host memory) or "pinned" (the stand-in's aclrtMallocHost)."""
+    size = NUM_BLOCKS * BLOCK_BYTES
+    tensors = [
+        aligned(np.zeros(size, np.uint8))
+        if memory == "device"
+        else api.malloc_host(size)
+        if memory == "pinned"
+        else np.zeros(size, np.uint8)
+        for _ in range(NUM_TENSORS)
+    ]
+    placement = api.Placement.DEVICE if memory == "device" else api.Placement.HOST
+    desc = api.CacheDesc(NUM_TENSORS, [NUM_BLOCKS, BLOCK_BYTES], api.DataType.DT_UINT8, placement)
     cache = dd.cache_manager.register_blocks_cache(
         desc,
         [t.ctypes.data for t in tensors],

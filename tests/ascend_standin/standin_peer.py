@@ -1,9 +1,12 @@
 """A prefill-side peer for the ascend stand-in tests: a real process that serves one blocks
 cache through the connector's "ascend" back-end on the llm_datadist STAND-IN.
 
-Run: python standin_peer.py --cluster-id N --port P [--same-key-twice]
-Prints {"pid"} once it serves BlocksCacheKey(N, 0) (Placement.DEVICE, played by host memory;
-tensor t, block b holds bytes equal to (t * 31 + b) % 251). A stdin line "late" registers a
+Run: python standin_peer.py --cluster-id N --port P [--same-key-twice] [--misaligned]
+    [--host-cache plain|pinned]
+Prints {"pid"} once it serves BlocksCacheKey(N, 0) (Placement.DEVICE, played by host memory
+at 2 MB-aligned bases, or not with --misaligned; tensor t, block b holds bytes equal to
+(t * 31 + b) % 251). With --host-cache it also serves the same bytes from host memory under
+model_id 2: plain (numpy) or from the stand-in's aclrtMallocHost. A stdin line "late" registers a
 second cache under model_id 1 (after the test has linked) and answers "ok". EOF: finalize, exit.
 With --same-key-twice it registers, straight on the stand-in (the back-end would refuse it), a
 second cache under the same key whose bytes are one higher: the key then names that one.
@@ -25,15 +28,28 @@ sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the stand-in first, then the
 NUM_TENSORS = 4
 NUM_BLOCKS = 32
 BLOCK_BYTES = 256
+HOST_MODEL_ID = 2
+ALIGNMENT_BYTES = 2 * 1024 * 1024
+
+
+def aligned(values: np.ndarray, misaligned: bool = False) -> np.ndarray:
+    """``values`` copied to a 2 MB-aligned base (or one 64 bytes past it)."""
+    raw = np.zeros(values.nbytes + 2 * ALIGNMENT_BYTES, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT_BYTES + (64 if misaligned else 0)
+    out = raw[start : start + values.nbytes]
+    out[:] = values
+    return out
 
 
 def block_value(tensor: int, block: int) -> int:
     return (tensor * 31 + block) % 251
 
 
-def make_tensors() -> list[np.ndarray]:
+def make_tensors(misaligned: bool = False) -> list[np.ndarray]:
     values = np.repeat(np.arange(NUM_BLOCKS), BLOCK_BYTES)
-    return [((t * 31 + values) % 251).astype(np.uint8) for t in range(NUM_TENSORS)]
+    return [
+        aligned(((t * 31 + values) % 251).astype(np.uint8), misaligned) for t in range(NUM_TENSORS)
+    ]
 
 
 def main() -> None:
@@ -41,6 +57,8 @@ def main() -> None:
     parser.add_argument("--cluster-id", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--same-key-twice", action="store_true")
+    parser.add_argument("--misaligned", action="store_true")
+    parser.add_argument("--host-cache", choices=("plain", "pinned"))
     args = parser.parse_args()
     import llm_datadist
 
@@ -58,12 +76,29 @@ def main() -> None:
     desc = api.CacheDesc(
         NUM_TENSORS, [NUM_BLOCKS, BLOCK_BYTES], api.DataType.DT_UINT8, api.Placement.DEVICE
     )
-    keep = make_tensors()
+    keep = make_tensors(args.misaligned)
     dd.cache_manager.register_blocks_cache(
         desc, [t.ctypes.data for t in keep], api.BlocksCacheKey(args.cluster_id, 0)
     )
+    if args.host_cache:
+        host = [
+            llm_datadist.malloc_host(t.nbytes) if args.host_cache == "pinned" else t.copy()
+            for t in make_tensors()
+        ]
+        for memory, values in zip(host, make_tensors(), strict=True):
+            memory[:] = values
+        keep += host
+        host_desc = api.CacheDesc(
+            NUM_TENSORS, [NUM_BLOCKS, BLOCK_BYTES], api.DataType.DT_UINT8, api.Placement.HOST
+        )
+        dd.cache_manager.register_blocks_cache(
+            host_desc,
+            [t.ctypes.data for t in host],
+            api.BlocksCacheKey(args.cluster_id, HOST_MODEL_ID),
+            remote_accessible=True,
+        )
     if args.same_key_twice:
-        newer = [(t + 1).astype(np.uint8) for t in make_tensors()]
+        newer = [aligned((t + 1).astype(np.uint8)) for t in make_tensors()]
         keep += newer
         dd.cache_manager.register_blocks_cache(
             desc, [t.ctypes.data for t in newer], api.BlocksCacheKey(args.cluster_id, 0)

@@ -19,6 +19,8 @@ KV_HEADS = 2  # the tiny model's
 HEAD_SIZE = 16
 # The stand-in P's start nonce: its prefill_worker plays P's scheduler and writes it.
 P_INCARNATION = 0x5EED
+# HCCS reads device memory from 2 MB-aligned bases only, and vllm-ascend allocates the KV so.
+ALIGNMENT_BYTES = 2 * 1024 * 1024
 
 
 def vllm_config(model_dir: Path, kv_role: str, engine_id: str, extra: dict[str, Any]) -> Any:
@@ -77,7 +79,7 @@ def kv_caches(fill: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     for layer in range(NUM_LAYERS):
         parts = []
         for part in range(2):
-            tensor = torch.zeros(shape, dtype=torch.float32)
+            tensor = aligned_zeros(shape, torch.float32)
             if fill:
                 tensor += expected_block(2 * layer + part, torch.arange(NUM_BLOCKS)).view(
                     NUM_BLOCKS, 1, 1, 1
@@ -85,6 +87,17 @@ def kv_caches(fill: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             parts.append(tensor)
         caches[f"model.layers.{layer}.self_attn.attn"] = (parts[0], parts[1])
     return caches
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor whose base is 2 MB aligned (a view into a larger allocation)."""
+    count = 1
+    for size in shape:
+        count *= size
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = torch.zeros(count + ALIGNMENT_BYTES // item, dtype=dtype)
+    offset = (-raw.data_ptr() % ALIGNMENT_BYTES) // item
+    return raw[offset : offset + count].view(shape)
 
 
 def expected_block(tensor: int, block: Any) -> Any:

@@ -3,6 +3,8 @@ blocks cache for MHA/GQA in K0,V0,K1,V1,... order, one cache per part for MLA.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.connector.worker.kv_layout import describe_kv_caches
 from hixl_connector.connector.worker.registered_kv import register_kv, registrations
+from hixl_connector.datadist import ascend
 
 NUM_BLOCKS = 8
 
@@ -77,3 +80,14 @@ def test_native_back_end_refuses_device_memory_with_a_clear_error() -> None:
     layout = describe_kv_caches(meta, NUM_BLOCKS)
     with pytest.raises(ValueError, match="moves host memory only"):
         register_kv(config, layout, rank_address(config, 0, 0, 1), True, False)
+
+
+def test_ascend_back_end_refuses_a_kv_cache_in_host_memory() -> None:
+    """HCCS carries no host memory and RoCE only aclrtMallocHost memory: CANN's back-end takes
+    NPU memory alone (only the stand-in, which has no NPU, plays it with host memory)."""
+    assert ascend.npu_memory(SimpleNamespace(type="npu"))  # torch names "npu" with torch_npu
+    with pytest.raises(ValueError, match="moves a KV cache in NPU memory.*lives on cpu"):
+        ascend.npu_memory(torch.device("cpu"))
+    assert ascend.played_npu_memory(torch.device("cpu"))
+    with pytest.raises(ValueError, match="lives on meta"):
+        ascend.played_npu_memory(torch.device("meta"))

@@ -25,7 +25,7 @@ CLIENT_CLUSTER = 7102
 
 
 @pytest.fixture(scope="module")
-def api() -> Iterator[Any]:
+def api(standin_fabric: str) -> Iterator[Any]:
     with standin_on_path():
         yield load_backend("ascend")
 

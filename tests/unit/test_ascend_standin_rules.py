@@ -38,8 +38,9 @@ TWICE_PEER_CLUSTER = 7003
 
 
 @pytest.fixture(scope="module")
-def standin() -> Iterator[Any]:
-    """CANN's package as the stand-in plays it, without the back-end's checks."""
+def standin(standin_fabric: str) -> Iterator[Any]:
+    """CANN's package as the stand-in plays it, without the back-end's checks, in each of
+    the Ascend link modes."""
     with standin_on_path() as module:
         yield module
 

@@ -63,7 +63,7 @@ LEASES: list[tuple[str, int, list[int]]] = [
 
 @pytest.fixture(scope="module")
 def prefill(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, standin_fabric: str
 ) -> Iterator[dict[str, Any]]:
     side_port, engine_port = free_port(SIDE_HOST), free_port()
     extra = {

@@ -255,12 +255,7 @@ def register_kv(
             f"write grants, which the {profile.name!r} back-end lacks: use 'transfer_mode': "
             "'pull'"
         )
-    on_device = device is not None and device.type != "cpu"
-    if on_device and not profile.device_memory:
-        raise ValueError(
-            f"the {profile.name!r} datadist back-end moves host memory only, but the KV cache "
-            f"lives on {device}; use kv_connector_extra_config 'backend': 'ascend' on Ascend"
-        )
+    on_device = device is not None and profile.registers_as_device(device)
     placement = api.Placement.DEVICE if on_device else api.Placement.HOST
     kv_parts = registrations(layout)
     if on_device and config.ascend_hccs:

@@ -22,18 +22,30 @@ Where CANN decides in C++, the stand-in follows the rules the reference document
   ``LLM_KV_CACHE_NOT_EXIST``;
 - a destination cache that is not remote-accessible: ``LLM_PARAM_INVALID``;
 - a request over CANN's buffer (2 MiB with remote access, 112 KiB without): ``LLM_PARAM_INVALID``;
-- a reused ``(cluster_id, model_id)`` key silently re-points to the newest cache (last wins).
+- a reused ``(cluster_id, model_id)`` key silently re-points to the newest cache (last wins);
+- ``init`` refuses, as CANN's Python does, the HIXL transfer back-end without the cache
+  manager, with remote cache access off, or without ``llm.listenIpInfo`` (``LLM_PARAM_INVALID``);
+  without the cache manager there is no ``cache_manager`` (CANN's v1 API, not emulated).
 
-Device memory is played by host memory: a ``Placement.DEVICE`` cache is registered with the
-native engine as host memory. Nothing here proves the NPU, HCCS or RoCE path. ``calls()`` and
-``pull_kwargs()`` tell the tests what the stand-in was asked; ``set_pull_delay(s)`` makes
-every ``pull_blocks`` wait ``s`` first, as a slow device would.
+The fabric (``fabric.py``): in the link mode ``HIXL_STANDIN_FABRIC`` names (``hccs-a2``,
+the default, ``hccs-a3`` or ``roce``), a link fails (``LLM_LINK_FAILED``) where either side
+registered device memory at a base not 2 MB aligned (HCCS) or host memory not from
+``aclrtMallocHost`` (RoCE; ``malloc_host`` stands in for it), and a pull fails
+(``LLM_FEATURE_NOT_ENABLED``) where the mode does not move its memories (HCCS on A2: device
+to device only; on A3: no remote host memory) or moves between host and device without a
+device pool of 100 MB.
+
+Device memory is played by host memory: a ``Placement.DEVICE`` cache is taken at its word and
+registered with the native engine as host memory. Nothing here proves the NPU, HCCS or RoCE
+path. ``calls()`` and ``pull_kwargs()`` tell the tests what the stand-in was asked;
+``set_pull_delay(s)`` makes every ``pull_blocks`` wait ``s`` first, as a slow device would.
 """
 
 from __future__ import annotations
 
 from .cache_manager import CacheManager, set_pull_delay
 from .config import LLMConfig, LlmConfig
+from .fabric import FABRIC_ENV, MODES, free_host, malloc_host
 from .llm_datadist import TRANSPORT_ENV, LLMDataDist
 from .llm_types import (
     BlocksCacheKey,
@@ -54,6 +66,8 @@ from .status import LLMException, LLMStatusCode, Status
 STANDIN = True
 
 __all__ = [
+    "FABRIC_ENV",
+    "MODES",
     "TRANSPORT_ENV",
     "BlocksCacheKey",
     "Cache",
@@ -74,6 +88,8 @@ __all__ = [
     "RegisterMemStatus",
     "Status",
     "calls",
+    "free_host",
+    "malloc_host",
     "pull_kwargs",
     "set_pull_delay",
 ]

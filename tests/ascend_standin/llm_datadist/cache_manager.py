@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+from .fabric import Memory, Table, memory_of, pull_refusal
 from .llm_types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 from .recorder import record, record_pull_kwargs
 from .status import (
@@ -77,12 +78,27 @@ def _tensors_of(name: str, layer_range: Any, per_layer: int) -> tuple[int, int]:
 
 
 class CacheManager:
-    def __init__(self, engine: Any, accessible_mode: bool, timeout_ms: int) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        accessible_mode: bool,
+        timeout_ms: int,
+        link_mode: str,
+        pool_bytes: int,
+        table: Table,
+    ) -> None:
         self._engine = engine
         self._accessible_mode = accessible_mode
         self._timeout_ms = timeout_ms
         self._ids = itertools.count(1)
         self._accessible: dict[int, bool] = {}  # cache id -> remote-accessible
+        # The fabric (fabric.py): the link mode, the device pool, each local cache's memory,
+        # and each linked peer's blocks caches by model id, as learnt at the link.
+        self.link_mode = link_mode
+        self._pool_bytes = pool_bytes
+        self.table = table
+        self._memory: dict[int, Memory] = {}
+        self.peers: dict[int, dict[int, Memory]] = {}
         # Documented C++/HIXL rule: memory registered after link_clusters is not remotely
         # accessible. (CANN's Python guard, which raises on remote_accessible=True, is armed
         # only by the ranktable ``link``, which the stand-in does not emulate.)
@@ -152,6 +168,10 @@ class CacheManager:
         )
         handle_llm_status(code, func, f"cache_desc = {desc}: {message}")
         self._accessible[cache_id] = remote_accessible
+        memory = memory_of(desc.placement == Placement.DEVICE, addrs, desc.size)
+        self._memory[cache_id] = memory
+        if is_blocks and model_id >= 0 and remote_accessible:
+            self.table.add(model_id, memory)
         return Cache(cache_id, desc, list(addrs), is_blocks)
 
     def unregister_cache(self, cache_id: int) -> None:
@@ -160,6 +180,7 @@ class CacheManager:
         code, message = self._engine.unregister_cache(cache_id)
         handle_llm_status(code, "unregister_cache", message)
         self._accessible.pop(cache_id, None)
+        self._memory.pop(cache_id, None)
 
     def pull_blocks(
         self,
@@ -210,6 +231,7 @@ class CacheManager:
             self._accessible_mode and not self._accessible.get(dst_cache.cache_id, True),
             f"local cache {dst_cache.cache_id} is not remote accessible",
         )
+        self._check_fabric(src_cache_key, dst_cache)
         time.sleep(_pull_delay_s[0])
         code, message = self._engine.pull(
             int64(src_cache_key.cluster_id),
@@ -224,6 +246,23 @@ class CacheManager:
             self._timeout_ms,
         )
         handle_llm_status(code, "pull_blocks", f"src_cache_key = {src_cache_key}: {message}")
+
+    def _check_fabric(self, src_cache_key: Any, dst_cache: Cache) -> None:
+        """The link mode's rule for this pull's memories (fabric.py). Only blocks caches are
+        known by key; a cache the peer did not have at the link fails in the engine."""
+        if not isinstance(src_cache_key, BlocksCacheKey):
+            return
+        peer = self.peers.get(int64(src_cache_key.cluster_id), {})
+        remote = peer.get(int64(src_cache_key.model_id))
+        local = self._memory.get(dst_cache.cache_id)
+        if remote is None or local is None:
+            return
+        refusal = pull_refusal(self.link_mode, remote, local, self._pool_bytes)
+        if refusal is not None:
+            code, reason = refusal
+            raise LLMException(
+                f"pull_blocks failed, error code is {code}, {reason}", status_code=code
+            )
 
     @staticmethod
     def _remote(key: Any) -> tuple[int, int, int, int, int, int]:
