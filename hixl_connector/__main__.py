@@ -10,6 +10,10 @@ import sys
 
 # command -> (module, one-line help); the module exposes main(argv) -> int
 COMMANDS = {
+    "check": (
+        "hixl_connector.fabric_check.cli",
+        "link P and D back-ends as the connector does and verify guarded reads (fabric check)",
+    ),
     "bench": ("hixl_connector.tools.bench", "benchmark pull_blocks between two processes"),
     "bench-tp": ("hixl_connector.tools.bench_tp", "TP-mismatched pulls vs equal TP, same bytes"),
     "bench-step": (

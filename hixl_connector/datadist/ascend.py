@@ -142,6 +142,14 @@ def played_npu_memory(device: Any) -> bool:
     return device.type == "cpu" or npu_memory(device)
 
 
+def describe_link(datadist: Any, remote_cluster_id: int) -> str:
+    """CANN does not say which fabric a link took; the stand-in names its link mode."""
+    mode = getattr(datadist, "fabric", None)
+    if mode is not None:
+        return f"stand-in for CANN (no NPU), link mode {mode}"
+    return "CANN HIXL: HCCS within a server (A2) or supernode (A3), RoCE beyond"
+
+
 ASCEND_PROFILE = BackendProfile(
     name="ascend",
     registers_as_device=npu_memory,
@@ -150,6 +158,7 @@ ASCEND_PROFILE = BackendProfile(
     device_id_of=device_id_of,
     check_device_alignment=check_hccs_alignment,
     max_pairs_per_pull=max_pairs_per_pull,
+    describe_link=describe_link,
 )
 
 

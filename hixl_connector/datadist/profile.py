@@ -35,6 +35,10 @@ def _device_zero(tensor: Any) -> int:
     return 0
 
 
+def _unnamed_link(datadist: Any, remote_cluster_id: int) -> str:
+    return "unknown"
+
+
 def _never_in_place(datadist: Any, remote_cluster_id: int) -> bool:
     return False
 
@@ -124,10 +128,18 @@ class BackendProfile:
     # copy out of this host's memory, which ends whatever the peer does (stopped: it
     # completes; dead: it fails at once). A network read waits on the peer.
     reads_in_place: Callable[[Any, int], bool] = _never_in_place
+    # (LLMDataDist, linked peer's cluster id) -> the fabric that link uses, in words.
+    describe_link: Callable[[Any, int], str] = _unnamed_link
 
 
 def _cma_link(datadist: Any, remote_cluster_id: int) -> bool:
     return bool(datadist.peer_transport(remote_cluster_id) == "cma")
+
+
+def _native_link(datadist: Any, remote_cluster_id: int) -> str:
+    transport = datadist.peer_transport(remote_cluster_id)
+    how = {"cma": "one-sided copies between processes of this host", "tcp": "TCP"}
+    return f"native engine, {transport} ({how.get(transport, 'not linked')})"
 
 
 NATIVE_PROFILE = BackendProfile(
@@ -135,6 +147,7 @@ NATIVE_PROFILE = BackendProfile(
     transfer_backend="",
     native_options=True,
     reads_in_place=_cma_link,
+    describe_link=_native_link,
 )
 
 

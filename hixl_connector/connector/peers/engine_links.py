@@ -32,9 +32,13 @@ class EngineLinks:
         self._timeout_ms = int(timeout_s * 1000)
 
     def link(self, payload: HandshakePayload) -> None:
-        """Links the prefill rank ``payload`` announced; raises PeerError. A busy engine (at
-        its connection cap) is asked again until the link's bound passes."""
-        info = self._cluster_info(payload)
+        """Links the prefill rank ``payload`` announced; raises PeerError."""
+        self.link_to(payload.cluster_id, payload.engine_host, payload.engine_port)
+
+    def link_to(self, cluster_id: int, host: str, port: int) -> None:
+        """Links the engine of ``cluster_id`` listening at ``host:port``; raises PeerError. A
+        busy engine (at its connection cap) is asked again until the link's bound passes."""
+        info = self._cluster_info(cluster_id, host, port)
         codes = self._api.LLMStatusCode
         deadline = time.monotonic() + self._timeout_ms / 1000
         pause = BUSY_FIRST_PAUSE_S
@@ -57,23 +61,20 @@ class EngineLinks:
             if busy
             else f"failed: {status!r} {per_cluster!r}"
         )
-        raise PeerError(
-            f"link_clusters to cluster {payload.cluster_id} at "
-            f"{payload.engine_host}:{payload.engine_port} {why}"
-        )
+        raise PeerError(f"link_clusters to cluster {cluster_id} at {host}:{port} {why}")
 
     def unlink(self, payload: HandshakePayload, force: bool) -> None:
         """Unlinks it; never raises (the link is gone locally either way)."""
-        info = self._cluster_info(payload)
+        info = self._cluster_info(payload.cluster_id, payload.engine_host, payload.engine_port)
         try:
             self._datadist.unlink_clusters([info], UNLINK_TIMEOUT_MS, force=force)
         except Exception as e:  # unlinking a dead peer may fail; the link is gone either way
             logger.warning("hixl: unlink of cluster %d failed: %s", payload.cluster_id, e)
 
-    def _cluster_info(self, payload: HandshakePayload) -> Any:
+    def _cluster_info(self, cluster_id: int, host: str, port: int) -> Any:
         info = self._api.LLMClusterInfo()
-        info.remote_cluster_id = payload.cluster_id
+        info.remote_cluster_id = cluster_id
         # Port 0: the local side of a one-sided link needs no listener.
         info.append_local_ip_info(self._engine_host, 0)
-        info.append_remote_ip_info(payload.engine_host, payload.engine_port)
+        info.append_remote_ip_info(host, port)
         return info

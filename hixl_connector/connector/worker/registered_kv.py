@@ -168,6 +168,25 @@ class RegisteredKV:
         memory, which end whatever the peer does (the back-end's profile says)."""
         return self.api.PROFILE.reads_in_place(self.datadist, remote_cluster_id)
 
+    def describe_link(self, remote_cluster_id: int) -> str:
+        """The fabric the link to that peer uses, in words (the back-end's profile says)."""
+        return self.api.PROFILE.describe_link(self.datadist, remote_cluster_id)
+
+    def placements(self) -> dict[str, str]:
+        """The memory each registered cache is in ("DEVICE" or "HOST"), by what it holds."""
+        named = [(f"kv model_id {c.model_id}", c) for c in self.caches]
+        named += [
+            (what, cache)
+            for what, cache in (
+                ("kv slices", self.slices),
+                ("lease words", self.lease_words),
+                ("scratch rows", self.scratch),
+                ("push words", self.push_words),
+            )
+            if cache is not None
+        ]
+        return {what: _placement_name(cache.cache) for what, cache in named}
+
     def words_read(self, pull: GuardedPull[BlocksPull]) -> tuple[list[int], list[int]]:
         """The lease words as ``pull`` read them before and after the blocks."""
         assert self.scratch_words is not None
@@ -335,6 +354,11 @@ def register_kv(
         push_words,
         push_word_memory,
     )
+
+
+def _placement_name(cache: Any) -> str:
+    placement = cache.cache_desc.placement
+    return str(getattr(placement, "name", placement))
 
 
 def _register(

@@ -15,11 +15,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from hixl_connector.connector.leases.guarded_read import WORD_BYTES
-
 # HCCS reads device memory only from 2 MB-aligned bases; every word store starts on one.
 ALIGNMENT_BYTES = 2 * 1024 * 1024
 _SIGN = 1 << 63
+
+
+def aligned_zeros(count: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """``count`` zeroed elements on ``device`` whose base is 2 MB aligned: a view into a
+    larger allocation, which it keeps alive."""
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = torch.zeros(count + ALIGNMENT_BYTES // item, dtype=dtype, device=device)
+    offset = (-raw.data_ptr() % ALIGNMENT_BYTES) // item
+    return raw[offset : offset + count]
 
 
 def _signed(word: int) -> int:
@@ -33,12 +40,8 @@ class WordMemory:
     def __init__(self, count: int, device: Any) -> None:
         if count < 1:
             raise ValueError(f"a word store needs at least one word, got {count}")
-        slack = ALIGNMENT_BYTES // WORD_BYTES
         self._device = torch.device(device)
-        raw = torch.zeros(count + slack, dtype=torch.int64, device=self._device)
-        offset = (-raw.data_ptr() % ALIGNMENT_BYTES) // WORD_BYTES
-        self._raw = raw  # owns the memory the view below points into
-        self.tensor = raw[offset : offset + count]
+        self.tensor = aligned_zeros(count, torch.int64, self._device)
         self._host = self.tensor.numpy().view(np.uint64) if self._device.type == "cpu" else None
 
     @property
