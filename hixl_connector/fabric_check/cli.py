@@ -33,17 +33,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "reads of probe blocks, verify them, and print the fabric, the placements, the "
         "bandwidth and a fix for any failure",
     )
-    parser.add_argument("--backend", default="auto", choices=("auto", "native", "ascend"))
     parser.add_argument(
-        "--extra-config",
+        "--kv-transfer-config",
         default="{}",
-        help="kv_connector_extra_config as JSON (or @FILE), e.g. "
-        '\'{"ascend_hccs": false, "ascend_local_comm_res": "{\\"version\\":\\"1.3\\"}"}\'',
+        help="the --kv-transfer-config vLLM is given, as JSON or @FILE: its "
+        "kv_connector_extra_config (backend, ascend_hccs, ascend_local_comm_res, engine_host, "
+        "timeouts) configures both sides",
+    )
+    parser.add_argument(
+        "--backend", choices=("auto", "native", "ascend"), help="default: the config's, or auto"
     )
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="this host's engine address (on Ascend the NIC's, never 127.0.0.1)",
+        help="this host's engine address (default: the config's engine_host, or 127.0.0.1; "
+        "on Ascend the NIC's, never 127.0.0.1)",
     )
     side = parser.add_mutually_exclusive_group()
     side.add_argument("--serve", metavar="HOST:PORT", help="be the prefill side only")
@@ -77,14 +80,27 @@ def default_devices(backend: str) -> tuple[str, str]:
     return "cpu", "cpu"
 
 
-def config_for(args: argparse.Namespace, port: int, side: str) -> HixlConfig:
-    text = args.extra_config
+def extra_config(text: str) -> dict[str, Any]:
+    """The kv_connector_extra_config of a --kv-transfer-config given as JSON or @FILE."""
     if text.startswith("@"):
         with open(text[1:]) as source:
             text = source.read()
-    extra = json.loads(text)
+    config = json.loads(text)
+    extra = config.get("kv_connector_extra_config", {}) if isinstance(config, dict) else None
     if not isinstance(extra, dict):
-        raise ValueError("--extra-config must be a JSON object")
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    return extra
+
+
+def settle(args: argparse.Namespace) -> None:
+    """Fills --backend and --host from the config where they were not given."""
+    extra = extra_config(args.kv_transfer_config)
+    args.backend = args.backend or str(extra.get("backend", "auto"))
+    args.host = args.host or str(extra.get("engine_host", "127.0.0.1"))
+
+
+def config_for(args: argparse.Namespace, port: int, side: str) -> HixlConfig:
+    extra = extra_config(args.kv_transfer_config)
     extra = {**extra, "backend": args.backend, "engine_host": args.host, "engine_port": port}
     return HixlConfig.from_dict(extra, f"fabric-check-{side}")
 
@@ -114,7 +130,7 @@ def start_prefill(args: argparse.Namespace, device: str) -> tuple[subprocess.Pop
     command = [
         sys.executable, "-m", "hixl_connector", "check",
         "--serve", f"{args.host}:{free_port(args.host)}",
-        "--backend", args.backend, "--extra-config", args.extra_config,
+        "--backend", args.backend, "--kv-transfer-config", args.kv_transfer_config,
         "--p-device", device, "--blocks", str(args.blocks), "--block-kib", str(args.block_kib),
     ]  # fmt: skip
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -137,6 +153,11 @@ def stop(child: subprocess.Popen[str]) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    try:
+        settle(args)
+    except (OSError, ValueError) as e:
+        print(f"python -m hixl_connector check: {e}", file=sys.stderr)
+        return 2
     shape = ProbeShape(args.blocks, args.block_kib * 1024)
     p_default, d_default = default_devices(args.backend)
     if args.serve:

@@ -103,3 +103,18 @@ def test_registration_after_link_raises(api: Any, client: Any) -> None:
         link(api, client, PEER_CLUSTER, port)
         action = lambda: register(api, client, CLIENT_CLUSTER, 1)  # noqa: E731
         raises(api, "LLM_PARAM_INVALID", action, "after link_clusters")
+
+
+def test_push_mode_stays_refused_on_the_ascend_back_end(api: Any) -> None:
+    """CANN has no write grants: push mode is refused at registration, naming the fix."""
+    import torch
+
+    from hixl_connector.connector.config import HixlConfig
+    from hixl_connector.connector.peers.rank_addresses import RankAddress
+    from hixl_connector.connector.worker.kv_layout import describe_kv_caches
+    from hixl_connector.connector.worker.registered_kv import register_kv
+
+    config = HixlConfig.from_dict({"backend": "ascend", "transfer_mode": "push"}, "e")
+    layout = describe_kv_caches({"layer": torch.zeros(8, 64)}, 8)
+    with pytest.raises(ValueError, match="'push' needs the native engine's write grants.*'pull'"):
+        register_kv(config, layout, RankAddress(CLIENT_CLUSTER, 0, 26000), False, True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "ascend"
 CHECK_TIMEOUT_S = 240
 SMALL = ["--blocks", "8", "--block-kib", "16", "--reads", "3", "--json"]
 
@@ -44,7 +45,11 @@ def test_native_engine_passes_in_host_memory() -> None:
 def test_ascend_back_end_passes_on_every_fabric_with_device_memory_only(
     standin_fabric: str,
 ) -> None:
-    code, result = check("--backend", "ascend", standin=True)
+    """With the A3 config file as configs/ascend/README.md runs it (the host 127.0.0.1)."""
+    template = (CONFIGS / "a3-prefill.json").read_text()
+    config = template.replace("${P_HOST_IP}", "127.0.0.1").replace("${D_HOST_IP}", "127.0.0.1")
+    code, result = check("--kv-transfer-config", config, standin=True)
+    assert result["backend"] == "ascend"
     assert (code, result["ok"]) == (0, True), result
     assert result["fabric"].endswith(f"link mode {standin_fabric}")
     placements = {**result["placements_prefill"], **result["placements_decode"]}
@@ -55,10 +60,11 @@ def test_ascend_back_end_passes_on_every_fabric_with_device_memory_only(
 def test_a_failed_link_names_the_step_and_a_fix() -> None:
     from hixl_connector.tools.demo.processes import free_port
 
-    extra = json.dumps({"handshake_timeout_s": 1})
+    config = json.dumps({"kv_connector_extra_config": {"handshake_timeout_s": 1}})
     code, result = check(
-        "--backend", "native", "--connect", f"127.0.0.1:{free_port()}", "--extra-config", extra
-    )
+        "--backend", "native", "--connect", f"127.0.0.1:{free_port()}",
+        "--kv-transfer-config", config,
+    )  # fmt: skip
     assert (code, result["ok"], result["stage"]) == (1, False, "link"), result
     assert "link_clusters to cluster" in result["error"]
     assert "reaches P's engine host and port" in result["fix"]

@@ -77,6 +77,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hixl_connector"
 ALLOWED = {
     "datadist": {"datadist"},
     "connector": {"connector", "datadist"},
+    "fabric_check": {"fabric_check", "connector", "datadist"},
     "tools": {"tools", "connector", "datadist"},
 }
 
