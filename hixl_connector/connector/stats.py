@@ -52,6 +52,10 @@ _COUNTS = (
     "push_receives",
     "failed_push_receives",
     "push_timeouts",
+    # D: pushes failed because P said it gave up on them (asked every PUSH_CHECK_S), and
+    # because their P rank stopped answering or restarted (failed together, at once).
+    "push_failures_heard",
+    "push_peers_lost",
 )
 # Requests that show a misconfigured deployment, by kind (misconfig.KINDS): data keys
 # "misconfigured_requests:<kind>", one Prometheus counter labelled by kind.

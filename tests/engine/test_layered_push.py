@@ -19,6 +19,7 @@ from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.mapping.tp_mapping import unit_ids
 from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.peers.push_status import GaveUp
 from hixl_connector.connector.peers.rank_addresses import RankAddress
 from hixl_connector.connector.worker.kv_layout import describe_kv_caches
 from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
@@ -83,6 +84,7 @@ class Pair:
     counts: dict[str, int]
     pool: ThreadPoolExecutor
     grants: list[int]  # D's, not revoked yet
+    gave_up: list[tuple[str, GaveUp]]  # what P told its D it will not push, and why
 
     def registration(self) -> PushRegistration:
         self.conn.send("grant")
@@ -99,7 +101,10 @@ class Pair:
         def record(name: str, n: int) -> None:
             self.counts[name] = self.counts.get(name, 0) + n
 
-        return RequestPush(self.p, registration, SRC, LAYERS, self.pool, record)
+        def gave_up(registration: PushRegistration, why: GaveUp) -> None:
+            self.gave_up.append((registration.request, why))
+
+        return RequestPush(self.p, registration, SRC, LAYERS, self.pool, record, gave_up)
 
     def layer_landed(self, layer: int) -> bool:
         return torch.equal(self.d_kv[layer][list(DST)], self.p_kv[layer][list(SRC)])
@@ -124,7 +129,7 @@ def engines() -> Iterator[Pair]:
     child_conn.close()  # a D that died reads as EOF here
     try:
         assert conn.poll(60) and conn.recv(), "D did not link P"
-        yield Pair(p_kv, d_kv, p, conn, {}, pool, [])
+        yield Pair(p_kv, d_kv, p, conn, {}, pool, [], [])
         conn.send("stop")
         child.join(10)
     finally:
@@ -143,6 +148,7 @@ def pair(engines: Pair) -> Iterator[Pair]:
     engines.conn.send("clear")
     engines.conn.recv()
     engines.counts.clear()
+    engines.gave_up.clear()
     yield engines
     for grant in list(engines.grants):
         engines.revoke(grant)
@@ -197,3 +203,6 @@ def test_a_refused_layer_means_no_word(pair: Pair) -> None:
     assert pair.word() == 0
     assert not pair.d_kv.any()
     assert pair.counts == {"failed_pushes": 1}
+    # D hears of it when it next asks; a refused grant is no lost link.
+    ((request, why),) = pair.gave_up
+    assert request == "req" and "P's push failed" in why.reason and not why.relink

@@ -80,7 +80,7 @@ def router(pd: PushPair, log_dir: Path, net: NetnsBed) -> Iterator[RouterProcess
 def test_prefill_stopped_before_its_push_d_gives_up_on_its_own(
     pd: PushPair, fault_report: FaultReport
 ) -> None:
-    timeouts = hixl_counter(pd["decode"], "push_timeouts")
+    gave_up = given_up(pd)
     pushes = hixl_counter(pd["prefill"], "pushes")
     with Bystander(pd["decode"].url) as bystander:
         result, took = stuck(pd, seed=10, d_timeout_s=60.0)
@@ -88,7 +88,8 @@ def test_prefill_stopped_before_its_push_d_gives_up_on_its_own(
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
     assert result.failed, "a request P never pushed must not decode"
     assert took <= PULL_TIMEOUT_S + 1.5, f"the stuck request took {took:.2f} s"
-    assert hixl_counter(pd["decode"], "push_timeouts") == timeouts + 1
+    # A stopped P answers no status question either: D judges it gone, or times out first.
+    assert given_up(pd) == gave_up + 1
     pd.concurrent_identical(seed=11)
     # The stuck request's push never landed: D had given up (P forgot the registration, or
     # D's engine refused the write under the revoked grant).
@@ -99,6 +100,49 @@ def test_prefill_stopped_before_its_push_d_gives_up_on_its_own(
         "after pull_timeout_s on its own, revokes its grants and fails the request; P, "
         "resumed, writes nothing into blocks D took back; next request identical",
         took,
+        both_idle(pd.servers, IDLE_TIMEOUT_S),
+    )
+
+
+def given_up(pd: PushPair) -> float:
+    """Requests D stopped waiting for: its own timeout, or a P it judged gone."""
+    return sum(hixl_counter(pd["decode"], name) for name in ("push_timeouts", "push_peers_lost"))
+
+
+def test_data_link_cut_mid_push_heals_for_the_next_request(
+    pd: PushPair, net: NetnsBed, fault_report: FaultReport
+) -> None:
+    """The data link between P and D goes down while P writes: P's write times out and its
+    link to D is lost for good (LLM-DataDist: a timed-out link cannot be used again), D's
+    request fails. Once the link is back, the next request is pushed, token-identical: D
+    heard P was gone (or that P lost the link) and links again, rather than registering
+    over a link P can no longer write on."""
+    failed = hixl_counter(pd["prefill"], "failed_pushes")
+    try:
+        push = mid_push(pd, net, seed=70)
+        net.set_data_link(False)
+        cut_at = time.monotonic()
+        result, _ = push.d_leg.result(60)
+        wait_for(
+            lambda: hixl_counter(pd["prefill"], "failed_pushes") > failed,
+            PULL_TIMEOUT_S + MARGIN_S,
+            "P's timed-out write",
+        )
+    finally:
+        net.set_data_link(True)
+        net.restore()
+    detected = result.finished_at - cut_at
+    assert result.failed, "a request whose push never finished must not decode"
+    assert "LLM_TIMEOUT" in pd["prefill"].log_tail(300), "P's write did not time out"
+    began = time.monotonic()
+    pd.concurrent_identical(seed=71)
+    healed = time.monotonic() - began
+    fault_report.record(
+        "push, netns + TCP: P-D data link down mid-push, then up again",
+        f"D fails the request {detected:.1f} s after the cut (P gone, or P's own timeout); "
+        "P's write times out and its link is lost; D links again for the next request, "
+        f"which is pushed and identical ({healed:.1f} s)",
+        detected,
         both_idle(pd.servers, IDLE_TIMEOUT_S),
     )
 
@@ -134,7 +178,7 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
     """P dies with D's blocks half written: no word ever comes, D gives up within
     pull_timeout_s, revokes (after the write under way ended with P's connection) and fails
     the request; D keeps streaming its own; a restarted P serves the next request."""
-    timeouts = hixl_counter(pd["decode"], "push_timeouts")
+    gave_up = given_up(pd)
     with Bystander(pd["decode"].url) as bystander:
         try:
             push = mid_push(pd, net, seed=40)
@@ -151,7 +195,7 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
     assert result.failed, "a request whose push P never finished must not decode"
     assert detected <= PULL_TIMEOUT_S + MARGIN_S, f"D failed it {detected:.2f} s after P died"
-    assert hixl_counter(pd["decode"], "push_timeouts") == timeouts + 1
+    assert given_up(pd) == gave_up + 1
     pd.servers.wait_gone("prefill")
     restarted = pd.servers.restart("prefill", engine_id=f"push-p-{uuid.uuid4().hex[:8]}")
     pd.learn_identity(seed=41)

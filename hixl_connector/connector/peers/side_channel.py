@@ -38,6 +38,10 @@ class SideChannelError(RuntimeError):
     """A side-channel request failed: timeout, refused, or a malformed reply."""
 
 
+class SideChannelTimeout(SideChannelError):
+    """No reply within the timeout: the peer is gone, stopped, or cut off."""
+
+
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -223,9 +227,11 @@ class SideChannelClient:
             while True:
                 if not self._poll(sock):
                     self._reset()  # a late reply must not be taken for the next request's
-                    why = "shutting down" if self._stop.is_set() else "no reply"
-                    raise SideChannelError(
-                        f"{why} from {self._endpoint} to {message.get('type')!r} "
+                    stopping = self._stop.is_set()
+                    error = SideChannelError if stopping else SideChannelTimeout
+                    raise error(
+                        f"{'shutting down' if stopping else 'no reply'} from {self._endpoint} "
+                        f"to {message.get('type')!r} "
                         f"within {self._timeout_ms} ms"
                     )
                 frames = sock.recv_multipart()

@@ -25,7 +25,15 @@ The safety argument, for the native engine (push mode refuses other back-ends at
   only once no write under the grant is in flight and refuses every later one. So once vLLM
   may free or reuse a block (after the report), nothing writes it.
 - D gives up on its own after ``pull_timeout_s`` (the router never aborts D): it revokes and
-  reports a failed receive, and vLLM's kv_load_failure_policy decides.
+  reports a failed receive, and vLLM's kv_load_failure_policy decides; it drops its link to
+  the P ranks, as after a read that timed out, so the next request links again.
+- D gives up sooner where it learns that no word will come: every ``PUSH_CHECK_S`` while a
+  request has waited that long, it asks the P rank (``peers.push_status``). P names the
+  pushes it gave up on (D fails them, and links again first where P lost the link it writes
+  over); a P rank that does not answer within ``handshake_timeout_s``, or refuses (it
+  restarted), is gone: every request waiting on it fails at once, its link is dropped, and
+  so is every request that reached this rank before and still waits to register with it
+  (push_contact). Giving up is revoking first, as above, so nothing P writes later lands.
 """
 
 from __future__ import annotations
@@ -40,11 +48,13 @@ from dataclasses import dataclass, field
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
 from hixl_connector.connector.mapping.read_plans import ReadPlans
-from hixl_connector.connector.metadata import PushRecvSpec
+from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
 from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.peers.push_status import PUSH_CHECK_S, PushStatusQuery, gave_up_in
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
+from hixl_connector.connector.peers.side_channel import SideChannelTimeout
 from hixl_connector.connector.worker.kv_layout import KVLayout
-from hixl_connector.connector.worker.push_contact import PrefillEndpoints, PushRefused
+from hixl_connector.connector.worker.push_contact import PeerLost, PrefillEndpoints, PushRefused
 from hixl_connector.connector.worker.registered_kv import RegisteredCache, RegisteredKV
 
 logger = logging.getLogger(__name__)
@@ -116,6 +126,10 @@ class PushReceiver:
         self._started: set[str] = set()
         self._cancelled: set[str] = set()
         self._endpoints = PrefillEndpoints(peers)
+        # P ranks asked about the pushes awaited from them (peer key): when next, and
+        # whether a question is under way.
+        self._next_check: dict[tuple[str, int, str, int], float] = {}
+        self._checking: set[tuple[str, int, str, int]] = set()
 
     def start(self, spec: PushRecvSpec, queued_at: float) -> None:
         """Registers the request's blocks with P (on the pool)."""
@@ -169,6 +183,98 @@ class PushReceiver:
             self._record("push_timeouts")
             reason = f"no push from P within pull_timeout_s ({self._config.pull_timeout_s:g} s)"
             self._pool.submit(self._give_up, awaited, reason)
+        for awaited in late:
+            # As after a read that timed out: the link may be lost on P's side (its write
+            # timed out), so the next request links again rather than trusting it.
+            for writer in awaited.writers:
+                self._drop(writer.peer, f"the link was dropped: {reason}")
+        self._ask_about_waits(now)
+
+    def _ask_about_waits(self, now: float) -> None:
+        """Asks each P rank about the pushes awaited from it for PUSH_CHECK_S or more, at
+        most once every PUSH_CHECK_S and one question at a time (on the pool)."""
+        asks: dict[tuple[str, int, str, int], tuple[Peer, RemoteEndpoint, list[str]]] = {}
+        with self._lock:
+            for awaited in self._awaited.values():
+                if now - awaited.registered_at < PUSH_CHECK_S:
+                    continue
+                for writer in awaited.writers:
+                    key = writer.peer.target.key
+                    if writer.slot is None or key in self._checking:
+                        continue
+                    if now < self._next_check.get(key, 0.0):
+                        continue
+                    ask = asks.setdefault(key, (writer.peer, awaited.spec.remote, []))
+                    ask[2].append(awaited.spec.base_request_id)
+            for key in asks:
+                self._checking.add(key)
+                self._next_check[key] = now + PUSH_CHECK_S
+            waited_on = {w.peer.target.key for a in self._awaited.values() for w in a.writers}
+            for key in [key for key in self._next_check if key not in waited_on]:
+                del self._next_check[key]
+        for key, (peer, remote, requests) in asks.items():
+            self._pool.submit(self._ask, key, peer, remote, requests)
+
+    def _ask(
+        self,
+        key: tuple[str, int, str, int],
+        peer: Peer,
+        remote: RemoteEndpoint,
+        requests: list[str],
+    ) -> None:
+        """Asks ``peer`` whether it gave up on any of ``requests``; fails those it did, or,
+        where it does not answer or refuses (restarted), every request waiting on it."""
+        try:
+            reply = peer.client.request(
+                PushStatusQuery(self._cluster_id, tuple(requests)).to_dict()
+            )
+            gave_up = gave_up_in(reply, requests)
+        except Exception as e:
+            # Judged only while a request still waits on it, and not dropped meanwhile (what
+            # waited on it was failed then).
+            with self._lock:
+                waits = any(w.peer is peer for a in self._awaited.values() for w in a.writers)
+            if waits and self._peers.linked(peer.target) is peer:
+                rank = f"prefill rank {peer.target.rank} of {peer.engine_id}"
+                self._lose(peer, remote, f"{rank}: {e}")
+            return
+        finally:
+            with self._lock:
+                self._checking.discard(key)
+        with self._lock:
+            failed = [a for a in self._awaited.values() if a.spec.base_request_id in gave_up]
+            for awaited in failed:
+                del self._awaited[awaited.spec.request_id]
+        for awaited in failed:
+            self._record("push_failures_heard")
+            self._give_up(awaited, f"P gave up: {gave_up[awaited.spec.base_request_id].reason}")
+        if any(g.relink for g in gave_up.values()):
+            # P cannot write over this link again: the next request links anew.
+            self._drop(peer, "the link was dropped: P lost it")
+
+    def _lose(self, peer: Peer, remote: RemoteEndpoint, reason: str) -> None:
+        """``peer`` is gone: every request waiting on it, for its word or to register with
+        it (push_contact's verdict), fails now."""
+        self._endpoints.lost(remote, reason)
+        peer.client.close()  # registrations queued on it end now, and see the verdict
+        self._drop(peer, f"P is gone: {reason}", "push_peers_lost")
+
+    def _drop(self, peer: Peer, reason: str, counter: str | None = None) -> None:
+        """Drops ``peer``'s link (the next request links again); every request waiting for
+        a word over it fails, since nothing lands over a link torn down."""
+        self._peers.drop(peer)
+        with self._lock:
+            failed = [
+                awaited
+                for awaited in self._awaited.values()
+                if any(w.peer is peer for w in awaited.writers)
+            ]
+            for awaited in failed:
+                del self._awaited[awaited.spec.request_id]
+        for awaited in failed:
+            if counter is not None:
+                self._record(counter)
+            self._pool.submit(self._give_up, awaited, reason)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -178,9 +284,10 @@ class PushReceiver:
         try:
             try:
                 self._offer(awaited, fresh=False)
-            except PushRefused:
+            except (PushRefused, PeerLost):
                 raise
             except Exception as e:
+                self._endpoints.raise_if_lost(spec.remote, queued_at)
                 if awaited.fresh:
                     raise
                 # P may have restarted since D first contacted it (the router keeps naming
@@ -189,7 +296,9 @@ class PushReceiver:
                 self._revoke(awaited)
                 self._offer(awaited, fresh=True)
         except Exception as e:
-            if not isinstance(e, PushRefused):
+            if isinstance(e, PeerLost):
+                self._record("push_peers_lost")
+            elif not isinstance(e, PushRefused):
                 self._endpoints.forget(spec.remote)
             self._give_up(awaited, str(e))
             return
@@ -205,7 +314,7 @@ class PushReceiver:
         """Links each P rank this rank mirrors a KV head of, grants it the blocks' heads it
         writes, and registers them with it (a P rank nobody reads hears of no blocks)."""
         spec = awaited.spec
-        endpoint, learned = self._endpoints.get(spec.remote, fresh)
+        endpoint, learned = self._endpoints.get(spec.remote, fresh, awaited.registered_at)
         awaited.fresh |= learned
         awaited.slices = None  # learned from P's rank (a restarted P may differ)
         try:
@@ -236,7 +345,12 @@ class PushReceiver:
                 consumers=plan.consumers[p_rank],
                 groups=spec.groups if takes else (),
             )
-            writer.peer.client.request(message.to_dict())
+            try:
+                writer.peer.client.request(message.to_dict())
+            except SideChannelTimeout as e:
+                reason = f"prefill rank {p_rank} of {endpoint.engine_id}: {e}"
+                self._lose(writer.peer, spec.remote, reason)
+                raise PeerLost(reason) from e
         self._record("push_registrations")
 
     def _slices(self, peer: Peer) -> Slices | None:

@@ -16,8 +16,9 @@ whole once finished).
 
 A small pool (``transfer_threads``) writes, a request at a time per thread, each request's
 writes in order. A D that does not answer holds a thread for up to ``pull_timeout_s`` per
-write (the engine's bound on one write); a failed write is logged and counted, and D,
-which never sees its word set, times out on its own and reports a failed receive.
+write (the engine's bound on one write). A push P gives up on (a failed write, a lease that
+ended first) is logged, counted and kept for as long as its D waits, to answer D's
+``push_status`` question (``peers.push_status``): D then fails the request at once.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.metadata import PromptBlocks, SendSpec
 from hixl_connector.connector.peers.push_registration import PushRegistration
+from hixl_connector.connector.peers.push_status import GaveUp, PushStatusQuery, answer
 from hixl_connector.connector.transfer_params import base_request_id
 from hixl_connector.connector.worker.registered_kv import RegisteredKV
 from hixl_connector.connector.worker.request_push import (
@@ -77,10 +79,12 @@ class PushSender:
         # While a forward runs: the prompts it computes to their end, the layers it computed.
         self._computing: dict[str, PromptBlocks] = {}
         self._layers_computed = ComputedLayers(layers)
+        # (D's cluster id, base request id) -> (until when that D waits, why P gave up).
+        self._gave_up: dict[tuple[int, str], tuple[float, GaveUp]] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hixl-push")
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-        return {"push_register": self._on_register}
+        return {"push_register": self._on_register, "push_status": self._on_status}
 
     def hold(self, sends: Iterable[SendSpec]) -> None:
         """The prefills the last step finished: each is pushed (or its push finished) once
@@ -155,10 +159,27 @@ class PushSender:
                 self._match(base)
         return {}
 
+    def _on_status(self, message: dict[str, Any]) -> dict[str, Any]:
+        query = PushStatusQuery.from_dict(message)
+        with self._lock:
+            self._expire(time.monotonic())
+            keys = [(query.cluster_id, request) for request in query.requests]
+            return answer({key[1]: self._gave_up[key][1] for key in keys if key in self._gave_up})
+
+    def _note_gave_up(self, registration: PushRegistration, gave_up: GaveUp) -> None:
+        """Keeps why P will not push this request for as long as its D waits."""
+        with self._lock:
+            if len(self._gave_up) >= MAX_WAITING_REGISTRATIONS:
+                del self._gave_up[next(iter(self._gave_up))]  # the oldest
+            until = time.monotonic() + registration.wait_s
+            self._gave_up[(registration.cluster_id, registration.request)] = (until, gave_up)
+
     def _expire(self, now: float) -> None:
         """Forgets the registrations whose D gave up waiting (lock held)."""
         _drop_expired(self._registered, now)
         _drop_expired(self._begun, now)
+        for key in [key for key, (until, _) in self._gave_up.items() if until <= now]:
+            del self._gave_up[key]
 
     def _begin(self, base: str) -> None:
         """The forward computes ``base``'s prompt and its Ds registered: its layers are
@@ -181,7 +202,15 @@ class PushSender:
             self._registered.pop(base, None)
 
     def _new_push(self, registration: PushRegistration, src: tuple[int, ...]) -> RequestPush:
-        return RequestPush(self._kv, registration, src, self._num_layers, self._pool, self._record)
+        return RequestPush(
+            self._kv,
+            registration,
+            src,
+            self._num_layers,
+            self._pool,
+            self._record,
+            self._note_gave_up,
+        )
 
     def _match(self, base: str) -> None:
         """Finishes the pushes of ``base`` whose halves are both here (lock held)."""

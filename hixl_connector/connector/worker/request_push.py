@@ -12,6 +12,9 @@ D decodes only once it sees that word, so what keeps D from decoding wrong KV is
   the request ended otherwise (aborted: its blocks freed and reused), it gets no lease, so
   no word: D times out, and what was written is never decoded;
 - every write names D's grant: once D revoked (timeout, abort), nothing lands.
+A push P gives up on (a write failed, the lease ended first) is reported to ``gave_up``,
+which D hears of when it next asks (``peers.push_status``), so it fails the request without
+waiting out its own timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.mapping.tp_mapping import unit_ids
 from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.peers.push_status import GaveUp
 from hixl_connector.connector.worker.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
 from hixl_connector.connector.worker.serial_jobs import SerialJobs
 
@@ -147,9 +151,12 @@ class RequestPush:
         num_layers: int,
         pool: Executor,
         record: Callable[[str, int], None],
+        gave_up: Callable[[PushRegistration, GaveUp], None],
     ) -> None:
+        """``gave_up``: told of a push P will not finish, and why."""
         self.registration = registration
         self._kv = kv
+        self._gave_up = gave_up
         self._src = src
         self._num_layers = num_layers
         self._record = record
@@ -178,7 +185,9 @@ class RequestPush:
 
     def _finish(self, send: SendSpec, leases: LeaseTable, wake: Callable[[], None]) -> None:
         if not leases.pin(send.request_id, send.lease_id):
-            return  # ended meanwhile (expired): its blocks may be another's now
+            # Ended meanwhile (expired): its blocks may be another's now.
+            self._gave_up(self.registration, GaveUp("P's lease ended before its push", False))
+            return
         try:
             self._push_rest(send)
             self._record("pushes", 1)
@@ -187,6 +196,11 @@ class RequestPush:
         except Exception as e:
             self._record("failed_pushes", 1)
             logger.error("hixl: push of request %s failed: %s", send.request_id, e)
+            codes = self._kv.api.LLMStatusCode
+            # LLM-DataDist: after a timeout the link cannot be used again; a link P finds
+            # broken is one D must make anew before P can write to it again.
+            lost = getattr(e, "status_code", None) in (codes.LLM_TIMEOUT, codes.LLM_NOT_YET_LINK)
+            self._gave_up(self.registration, GaveUp(f"P's push failed: {e}", lost))
         finally:
             registration = self.registration
             leases.pushed(
