@@ -95,13 +95,13 @@ def extra_config(text: str) -> dict[str, Any]:
 def settle(args: argparse.Namespace) -> None:
     """Fills --backend and --host from the config where they were not given."""
     extra = extra_config(args.kv_transfer_config)
+    args.extra = extra
     args.backend = args.backend or str(extra.get("backend", "auto"))
     args.host = args.host or str(extra.get("engine_host", "127.0.0.1"))
 
 
 def config_for(args: argparse.Namespace, port: int, side: str) -> HixlConfig:
-    extra = extra_config(args.kv_transfer_config)
-    extra = {**extra, "backend": args.backend, "engine_host": args.host, "engine_port": port}
+    extra = {**args.extra, "backend": args.backend, "engine_host": args.host, "engine_port": port}
     return HixlConfig.from_dict(extra, f"fabric-check-{side}")
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from hixl_connector.connector.worker.word_memory import aligned_zeros
+
 NUM_LAYERS = 2
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16
@@ -19,8 +21,6 @@ KV_HEADS = 2  # the tiny model's
 HEAD_SIZE = 16
 # The stand-in P's start nonce: its prefill_worker plays P's scheduler and writes it.
 P_INCARNATION = 0x5EED
-# HCCS reads device memory from 2 MB-aligned bases only, and vllm-ascend allocates the KV so.
-ALIGNMENT_BYTES = 2 * 1024 * 1024
 
 
 def vllm_config(model_dir: Path, kv_role: str, engine_id: str, extra: dict[str, Any]) -> Any:
@@ -79,7 +79,11 @@ def kv_caches(fill: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     for layer in range(NUM_LAYERS):
         parts = []
         for part in range(2):
-            tensor = aligned_zeros(shape, torch.float32)
+            # HCCS reads device memory from 2 MB-aligned bases only; vllm-ascend allocates so.
+            tensor = aligned_zeros(
+                NUM_BLOCKS * BLOCK_SIZE * KV_HEADS * HEAD_SIZE, torch.float32, "cpu"
+            )
+            tensor = tensor.view(shape)
             if fill:
                 tensor += expected_block(2 * layer + part, torch.arange(NUM_BLOCKS)).view(
                     NUM_BLOCKS, 1, 1, 1
@@ -87,17 +91,6 @@ def kv_caches(fill: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             parts.append(tensor)
         caches[f"model.layers.{layer}.self_attn.attn"] = (parts[0], parts[1])
     return caches
-
-
-def aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor whose base is 2 MB aligned (a view into a larger allocation)."""
-    count = 1
-    for size in shape:
-        count *= size
-    item = torch.empty((), dtype=dtype).element_size()
-    raw = torch.zeros(count + ALIGNMENT_BYTES // item, dtype=dtype)
-    offset = (-raw.data_ptr() % ALIGNMENT_BYTES) // item
-    return raw[offset : offset + count].view(shape)
 
 
 def expected_block(tensor: int, block: Any) -> Any:
