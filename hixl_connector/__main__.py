@@ -24,6 +24,10 @@ COMMANDS = {
         "hixl_connector.tools.bench_serve",
         "vllm bench serve: plain server vs P/D through the router",
     ),
+    "bench-idle": (
+        "hixl_connector.tools.bench_idle",
+        "D's CPU while requests wait for pushed KV, next to a plain server's",
+    ),
     "bench-link": (
         "hixl_connector.tools.bench_link",
         "long prompts over a rate-limited link: pull vs push vs layer by layer (root)",

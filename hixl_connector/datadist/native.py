@@ -42,7 +42,7 @@ MAX_COMMS = 512
 __all__ = ["AUTH_TOKEN_ENV", "LLMDataDist", "load_native"]
 # The bindings this module is written against (``ABI_VERSION`` in native/bindings/module.cpp):
 # an extension built from other sources would fail later, on some name or argument.
-NATIVE_ABI_VERSION = 8
+NATIVE_ABI_VERSION = 9
 
 
 def load_native() -> Any:

@@ -87,6 +87,10 @@ class BlocksCacheManager(Protocol):
 
     def revoke_writes(self, grant: int, timeout_ms: int = ...) -> None: ...
 
+    def writes_landed(self) -> int: ...
+
+    def wait_for_writes(self, seen: int, timeout_ms: int) -> int: ...
+
 
 class DataDist(Protocol):
     """What the connector calls on an ``LLMDataDist``. Cluster infos and status codes are

@@ -5,7 +5,8 @@ kwarg), granted to that peer's cluster, and once ``revoke_writes`` returns nothi
 under the grant, not even a write that was under way. A decode side that hands its blocks to
 a pushing prefill side can so take them back (abort, timeout) and know they stay as it left
 them, also when it grants the same blocks to the same prefill side again for another request:
-a late push naming the old grant is refused. A mixin of ``CacheManager``."""
+a late push naming the old grant is refused. The side granting can also sleep until a write
+lands (``wait_for_writes``). A mixin of ``CacheManager``."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ class WriteGrantCalls:
         check_uint32("timeout_ms", timeout_ms)
         status, message = self._engine.revoke_writes(grant, max(timeout_ms, 1))
         check_status(status, "[revoke_writes]", f"grant = {grant}: {message}")
+
+    def writes_landed(self) -> int:
+        """How many peers' writes have landed in this engine so far (each push, and each
+        batch of up to 8192 ranges of one, counts once its last byte is in place)."""
+        self._check_is_inited()
+        return int(self._engine.writes_landed())
+
+    def wait_for_writes(self, seen: int, timeout_ms: int) -> int:
+        """Sleeps until ``writes_landed()`` differs from ``seen`` or ``timeout_ms`` passed, and
+        returns it: a side expecting a pushed word waits on this instead of polling memory."""
+        self._check_is_inited()
+        check_uint64("seen", seen)
+        check_uint32("timeout_ms", timeout_ms)
+        return int(self._engine.wait_for_writes(seen, timeout_ms))

@@ -94,7 +94,8 @@ std::vector<hixl::PullRequest> batch_of(const std::vector<nb::tuple>& pulls) {
 
 NB_MODULE(_native, m) {
   m.doc() = "hixl_connector native engine";
-  m.attr("ABI_VERSION") = 8;  // 7: write grants, links_both_ways; 8: push names its grant
+  m.attr("ABI_VERSION") = 9;  // 7: write grants, links_both_ways; 8: push names its grant;
+  // 9: writes_landed, wait_for_writes
   m.attr("SUCCESS") = hixl::status::kSuccess;
   m.attr("PENDING") = hixl::status::kPending;
   m.attr("KV_CACHE_NOT_EXIST") = hixl::status::kKvCacheNotExist;
@@ -266,6 +267,16 @@ NB_MODULE(_native, m) {
           },
           nb::arg("grant"), nb::arg("timeout_ms"),
           "withdraws a grant; returns once no write under it is in flight (TIMEOUT otherwise)")
+      .def("writes_landed", &hixl::Engine::writes_landed,
+           "how many peers' writes have landed in this engine so far")
+      .def(
+          "wait_for_writes",
+          [](hixl::Engine& e, uint64_t seen, int64_t timeout_ms) {
+            nb::gil_scoped_release release;
+            return e.wait_for_writes(seen, timeout_ms);
+          },
+          nb::arg("seen"), nb::arg("timeout_ms"),
+          "the landed-writes count once it differs from seen, or after timeout_ms")
       .def(
           "pull_cache",
           [](hixl::Engine& e, int64_t remote, int kind, int64_t model_id, int64_t cache_id,

@@ -3,8 +3,9 @@
 // table; instead the peer's unregistration count is read before and after the bytes, and a
 // pull counts only if no registration of the plan's copy was gone when it started and its
 // source registration outlived it. Writes are the one thing the peer's server does itself:
-// it pins the destination, checks every range and copies the bytes in from our memory, so
-// no byte lands in memory the peer no longer has registered.
+// it pins the destination, checks every range and copies the bytes in from our memory (over
+// its own transfer threads, as a pull does), so no byte lands in memory the peer no longer
+// has registered.
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -112,6 +113,36 @@ Status read_range(const std::vector<Op>& ops, OpCursor begin, OpCursor end, Read
   });
   if (st.ok() && !batch.empty()) st = read(&batch);
   return st;
+}
+
+// Reads every op with `read`, spread over the copiers: the ops are cut into chunks (views
+// into `ops`, no copy) and every thread, the caller included, claims the next one until none
+// is left, so the threads finish together even when one of them loses its core for a while.
+// The first failure skips the chunks nobody started.
+template <class Read>
+Status copy_in_chunks(const std::vector<Op>& ops, const Copiers& copiers, MemoryMeter& meter,
+                      Read&& read) {
+  const size_t chunks = chunk_count(total_bytes(ops), copiers.threads);
+  if (chunks == 1 || copiers.pool == nullptr) {
+    return read_range(ops, {0, 0}, {ops.size(), 0}, read);
+  }
+  std::vector<OpCursor> cuts = cut_ops(ops, chunks);
+  MemoryCharge charge(meter, static_cast<int64_t>(cuts.capacity() * sizeof(OpCursor)));
+  std::mutex mu;
+  Status first_error;
+  std::atomic<bool> failed{false};
+  run_shares(
+      *copiers.pool, cuts.size() - 1,
+      [&](size_t i) {
+        if (failed.load()) return;
+        Status s = read_range(ops, cuts[i], cuts[i + 1], read);
+        if (s.ok()) return;
+        failed.store(true);
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.ok()) first_error = s;
+      },
+      static_cast<size_t>(copiers.threads - 1));
+  return first_error;
 }
 
 class CmaTransport final : public Transport {
@@ -224,28 +255,8 @@ class CmaTransport final : public Transport {
   static Status busy() { return Status::Error(status::kLinkBusy, "link is being unlinked"); }
 
   Status copy(const std::vector<Op>& ops, Deadline deadline) {
-    const size_t chunks = chunk_count(total_bytes(ops), threads_);
-    auto read = [&](Batch* b) { return read_batch(b, deadline); };
-    if (chunks == 1) return read_range(ops, {0, 0}, {ops.size(), 0}, read);
-    // Chunks are views into `ops` (no copy); every thread claims the next one until none is
-    // left, so the threads finish together even when one of them loses its core for a while.
-    std::vector<OpCursor> cuts = cut_ops(ops, chunks);
-    MemoryCharge charge(meter_, static_cast<int64_t>(cuts.capacity() * sizeof(OpCursor)));
-    std::mutex mu;
-    Status first_error;
-    std::atomic<bool> failed{false};
-    run_shares(
-        pool_, cuts.size() - 1,
-        [&](size_t i) {
-          if (failed.load()) return;  // the pull already failed: skip the remaining chunks
-          Status s = read_range(ops, cuts[i], cuts[i + 1], read);
-          if (s.ok()) return;
-          failed.store(true);
-          std::lock_guard<std::mutex> lock(mu);
-          if (first_error.ok()) first_error = s;
-        },
-        static_cast<size_t>(threads_ - 1));
-    return first_error;
+    return copy_in_chunks(ops, {&pool_, threads_}, meter_,
+                          [&](Batch* b) { return read_batch(b, deadline); });
   }
 
   Status read_unregistrations(uint64_t* out, Deadline deadline) {
@@ -281,9 +292,10 @@ std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd,
                                         pool, threads, meter);
 }
 
-Status cma_read(int pid, int pidfd, const std::vector<Op>& ops, Deadline deadline) {
-  return read_range(ops, {0, 0}, {ops.size(), 0},
-                    [&](Batch* b) { return read_pieces(pid, pidfd, b, deadline); });
+Status cma_read(int pid, int pidfd, const std::vector<Op>& ops, Deadline deadline,
+                const Copiers& copiers, MemoryMeter& meter) {
+  return copy_in_chunks(ops, copiers, meter,
+                        [&](Batch* b) { return read_pieces(pid, pidfd, b, deadline); });
 }
 
 Status cma_probe(int pid, uint64_t addr, const uint8_t* expected, size_t len, UniqueFd* pidfd) {

@@ -16,6 +16,7 @@
 #include "server.h"
 #include "stats.h"
 #include "thread_pool.h"
+#include "landed_writes.h"
 #include "write_grants.h"
 
 namespace hixl {
@@ -113,6 +114,8 @@ class Engine::Impl {
     shared.meter = &meter;
     shared.returns = &returns;
     shared.grants = &grants;
+    shared.landed = &landed;
+    shared.copiers = {pool.get(), opts.transfer_threads};
     return std::make_unique<Server>(host, port, shared, limits);
   }
 
@@ -413,6 +416,7 @@ class Engine::Impl {
   std::unique_ptr<ThreadPool> pool;
   ReturnPaths returns;  // peers that linked here: where to link back to them
   WriteGrants grants;   // which blocks of writes_by_grant caches each peer may write
+  LandedWrites landed;  // peers' writes landed here, for a wait on the next one
   std::unique_ptr<Listeners> listeners;
   std::unique_ptr<LinkSet> links;
   std::atomic<bool> closed{false};
@@ -460,6 +464,12 @@ Status Engine::grant_writes(int64_t writer, int64_t cache_id, const std::vector<
                          "cache " + std::to_string(cache_id) + " is not registered");
   }
   return impl_->grants.grant(writer, cache.info(), blocks, grant);
+}
+
+uint64_t Engine::writes_landed() const { return impl_->landed.count(); }
+
+uint64_t Engine::wait_for_writes(uint64_t seen, int64_t timeout_ms) {
+  return impl_->landed.wait_past(seen, timeout_ms);
 }
 
 Status Engine::revoke_writes(uint64_t grant, int64_t timeout_ms) {

@@ -450,7 +450,8 @@ void ServeLoop::start_write(Conn& c) {
   Status refusal;
   uint64_t bytes = 0;
   switch (WriteIntake::start(c.payload, *ctx_.table, *ctx_.grants, c.handshake.client_cluster(),
-                             &c.writer, *ctx_.meter, &c.write, &refusal, &bytes)) {
+                             &c.writer, ctx_.copiers, *ctx_.meter, &c.write, &refusal,
+                             &bytes)) {
     case WriteIntake::Outcome::kRefused:
       ctx_.stats->rejected_requests++;
       queue_frame(c, wire::kError, wire::error_payload(refusal.code, refusal.message));
@@ -465,6 +466,7 @@ void ServeLoop::start_write(Conn& c) {
     case WriteIntake::Outcome::kDone:
       ctx_.stats->received_writes++;
       ctx_.stats->received_bytes += static_cast<int64_t>(bytes);
+      ctx_.landed->note();
       queue_frame(c, wire::kWriteDone, {});
       return;
   }
@@ -474,6 +476,7 @@ void ServeLoop::finish_write(Conn& c) {
   ctx_.stats->received_writes++;
   ctx_.stats->received_bytes += static_cast<int64_t>(c.write->bytes());
   c.write.reset();  // unpins the destination
+  ctx_.landed->note();
   c.receiving_write = false;
   c.header_got = 0;
   queue_frame(c, wire::kWriteDone, {});

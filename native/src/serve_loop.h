@@ -17,6 +17,7 @@
 
 #include "cache_table.h"
 #include "handshake.h"
+#include "landed_writes.h"
 #include "return_paths.h"
 #include "write_grants.h"
 #include "stats.h"
@@ -58,6 +59,8 @@ struct ServeContext {
   Admissions* admissions = nullptr;
   ReturnPaths* returns = nullptr;  // the engine's: peers' offers to be linked back to
   WriteGrants* grants = nullptr;   // the engine's: which blocks each peer may write
+  LandedWrites* landed = nullptr;  // the engine's: told of every write that landed
+  Copiers copiers;                 // the engine's transfer threads, for same-host writes
   // The refusal texts, naming each cap and the option that raises it.
   std::string handshakes_full;
   std::string connections_full;

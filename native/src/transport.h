@@ -41,6 +41,13 @@ constexpr int64_t kStale = -2;
 constexpr int64_t kTableMoved = -3;
 }  // namespace plan
 
+// The threads a same-host copy is spread over: `threads` of them, the calling thread and
+// up to threads - 1 workers of `pool` (none: the caller alone).
+struct Copiers {
+  ThreadPool* pool = nullptr;
+  int threads = 1;
+};
+
 // A link's control connection: one exchange (request and its reply) at a time.
 struct ControlChannel {
   std::mutex mu;
@@ -82,10 +89,11 @@ std::unique_ptr<Transport> make_cma_transport(int pid, UniqueFd pidfd,
 std::unique_ptr<Transport> make_tcp_transport(std::vector<UniqueFd> conns, ThreadPool& pool,
                                               MemoryMeter& meter);
 
-// Copies every op's remote range in process `pid` into its local range, on this thread;
-// FAILED when a range cannot be read or the process exited (`pidfd`), TIMEOUT past
-// `deadline`.
-Status cma_read(int pid, int pidfd, const std::vector<Op>& ops, Deadline deadline);
+// Copies every op's remote range in process `pid` into its local range, spread over
+// `copiers`; FAILED when a range cannot be read or the process exited (`pidfd`), TIMEOUT
+// past `deadline`.
+Status cma_read(int pid, int pidfd, const std::vector<Op>& ops, Deadline deadline,
+                const Copiers& copiers, MemoryMeter& meter);
 
 // Link-time probe: opens a pidfd for `pid` and reads `len` bytes at `addr` of that process,
 // expecting `expected`. On success *pidfd holds the peer's pidfd.

@@ -8,7 +8,6 @@
 #include <string>
 
 #include "handshake.h"
-#include "transport.h"
 
 namespace hixl {
 namespace {
@@ -51,8 +50,9 @@ WriteIntake::WriteIntake(CacheTable::Pin pin, WriteGrants::Hold hold, std::vecto
 WriteIntake::Outcome WriteIntake::start(const std::vector<uint8_t>& payload,
                                         const CacheTable& table, WriteGrants& grants,
                                         int64_t writer_cluster, ProvenWriter* writer,
-                                        MemoryMeter& meter, std::unique_ptr<WriteIntake>* out,
-                                        Status* refusal, uint64_t* bytes) {
+                                        const Copiers& copiers, MemoryMeter& meter,
+                                        std::unique_ptr<WriteIntake>* out, Status* refusal,
+                                        uint64_t* bytes) {
   wire::Decoder dec(payload.data(), payload.size());
   uint64_t serial = 0;
   uint64_t grant = 0;  // the write grant the writer names; only a writes_by_grant cache reads it
@@ -101,10 +101,11 @@ WriteIntake::Outcome WriteIntake::start(const std::vector<uint8_t>& payload,
   }
   *bytes = total;
   if (source == wire::kFromWriter) {
-    // Copied while the pin holds the destination registered; reading the writer's memory
-    // cannot harm it.
+    // Copied while the pin holds the destination registered and the hold keeps the grant
+    // from being revoked (revoke waits for this write); reading the writer's memory cannot
+    // harm it.
     Status s = cma_read(static_cast<int>(writer->pid), writer->pidfd.get(), ops,
-                        deadline_after_ms(kSameHostCopyLimitMs));
+                        deadline_after_ms(kSameHostCopyLimitMs), copiers, meter);
     if (!s.ok()) {
       *refusal = s;
       return Outcome::kRefused;

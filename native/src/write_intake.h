@@ -13,6 +13,7 @@
 
 #include "cache_table.h"
 #include "stats.h"
+#include "transport.h"
 #include "wire.h"
 #include "write_grants.h"
 
@@ -34,12 +35,12 @@ class WriteIntake {
     kDone,        // a same-host write, already copied in
   };
 
-  // Decodes and checks one WRITE of cluster `writer_cluster`. A kAwaitData intake is left
-  // in *out.
+  // Decodes and checks one WRITE of cluster `writer_cluster`; a same-host write is copied
+  // in over `copiers`. A kAwaitData intake is left in *out.
   static Outcome start(const std::vector<uint8_t>& payload, const CacheTable& table,
                        WriteGrants& grants, int64_t writer_cluster, ProvenWriter* writer,
-                       MemoryMeter& meter, std::unique_ptr<WriteIntake>* out, Status* refusal,
-                       uint64_t* bytes);
+                       const Copiers& copiers, MemoryMeter& meter,
+                       std::unique_ptr<WriteIntake>* out, Status* refusal, uint64_t* bytes);
 
   // Whether `h` is the DATA frame this write waits for.
   bool expects(const wire::Header& h) const;

@@ -9,7 +9,7 @@ SCRIBBLE bytes as a new owner would, and free it); "drop ID" (unregister cache I
 (register a second blocks cache, EXTRA_CACHE_ID with model EXTRA_MODEL_ID); "grant WRITER
 B,B,..." (grant those blocks of GRANTED_CACHE_ID, a blocks cache with model GRANTED_MODEL_ID
 written by grant only, to cluster WRITER: [status, message, grant id]); "revoke GRANT MS"
-(revoke_writes: [status, message]).
+(revoke_writes: [status, message]); "landed" (writes_landed: how many peers' writes landed).
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--server-handshakes", type=int, default=1024)
     parser.add_argument("--server-connections", type=int, default=4096)
     parser.add_argument("--server-threads", type=int, default=0)
+    parser.add_argument("--transfer-threads", type=int, default=2)
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO_ROOT))
@@ -184,6 +185,7 @@ def main() -> None:
         server_handshakes=args.server_handshakes,
         server_connections=args.server_connections,
         server_threads=args.server_threads,
+        transfer_threads=args.transfer_threads,
     )
     blocks_bytes = args.blocks * args.block_bytes
     blocks = _tensors(args.cluster_id, BLOCKS_CACHE_ID, args.tensors, blocks_bytes)
@@ -242,6 +244,8 @@ def main() -> None:
             answer = engine.grant_writes(int(arg[0]), GRANTED_CACHE_ID, _block_list(arg[1]))
         elif command == "revoke":
             answer = engine.revoke_writes(int(arg[0]), int(arg[1]))
+        elif command == "landed":
+            answer = engine.writes_landed()
         elif command == "add":
             keep = _tensors(args.cluster_id, EXTRA_CACHE_ID, args.tensors, args.block_bytes * 4)
             register(EXTRA_CACHE_ID, keep, 4, True, True, EXTRA_MODEL_ID, [])

@@ -8,6 +8,8 @@ a new grant."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,6 +114,40 @@ def test_pushes_at_once_over_a_link_back_not_open_yet_all_land(
     for t in range(NT):
         model[t][3], model[t][4] = kv[t][0], kv[t][1]
     assert_model(tensors, model)
+    cm.revoke_writes(grant)
+    cm.unregister_cache(cache.cache_id)
+
+
+def test_a_waiter_sleeps_until_a_push_lands(sides: tuple[Client, NativePeer]) -> None:
+    """``wait_for_writes`` returns when the prompt side's push lands (not at its timeout), and
+    at its timeout when nothing lands; a refused push lands nothing and counts nothing."""
+    client, prompt = sides
+    api, cm = client.api, client.dd.cache_manager
+    cache, _ = client.blocks_cache(NT, NB, layout.BLOCK_SHAPE, key=api.BlocksCacheKey(DECODE, 0))
+    grant = cm.grant_writes(cache, prompt.cluster_id, [3, 4])
+    seen = cm.writes_landed()
+    start = time.monotonic()
+    assert cm.wait_for_writes(seen, 200) == seen
+    assert time.monotonic() - start >= 0.19
+    assert push(prompt, [0], [5], grant) == "LLM_PARAM_INVALID"
+    assert cm.writes_landed() == seen
+    woke: list[tuple[int, float]] = []
+
+    def wait() -> None:
+        woke.append((cm.wait_for_writes(seen, 10_000), time.monotonic()))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    assert not woke
+    assert push(prompt, [0, 1], [3, 4], grant) == "LLM_SUCCESS"
+    answered = time.monotonic()
+    waiter.join(timeout=10)
+    assert woke and woke[0][0] == seen + 1
+    assert woke[0][1] - answered < 1.0, "the waiter slept on after the push landed"
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError):
+            cm.wait_for_writes(bad, 1)
     cm.revoke_writes(grant)
     cm.unregister_cache(cache.cache_id)
 

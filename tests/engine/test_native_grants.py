@@ -232,3 +232,75 @@ def test_grant_ids_start_at_random_and_count_up() -> None:
         finally:
             engine.close()
     assert firsts[0] != firsts[1]
+
+
+@pytest.mark.parametrize("transport", ["cma", "tcp"])
+def test_revoke_under_many_threads_leaves_nothing_landing_after_it(transport: str) -> None:
+    """A grant revoked while a large write spreads over every transfer thread of the
+    destination (cma: its pool copies in from the writer; tcp: every connection receives): the
+    revoke finds the write in flight and returns only once every thread is done, so bytes the
+    writer changes afterwards never land, and no byte lands outside the granted blocks."""
+    threads, blocks, block_bytes = 8, 64, 256 * 1024
+    granted = list(range(8, 56))
+    d = start_peer(PEER, tensors=TENSORS, blocks=blocks, block_bytes=block_bytes,
+                   transfer_threads=threads, server_threads=threads)  # fmt: skip
+    writer = _native.Engine(80, transport=transport, transfer_threads=threads,
+                            tcp_connections=threads)  # fmt: skip
+    nbytes = blocks * block_bytes
+    before = [pattern(1, 0, t, nbytes) for t in range(TENSORS)]
+    after = [pattern(2, 0, t, nbytes) for t in range(TENSORS)]
+    src = [b.copy() for b in before]
+    back = [np.zeros(nbytes, np.uint8) for _ in range(TENSORS)]
+    stop = threading.Event()
+    try:
+        for cache_id, tensors in ((1, src), (2, back)):
+            addrs = [t.ctypes.data for t in tensors]
+            assert (
+                writer.register_cache(cache_id, addrs, nbytes, blocks, True, True, -1, [])[0] == 0
+            )
+        assert writer.link(PEER, "127.0.0.1", d.port, 3000) == (0, "")
+        in_flight_seen = False
+        for _ in range(20):  # until a revoke lands while a write is in flight
+            grant_id = grant(d, 80, granted)
+            pushed: list[tuple[int, str]] = []
+
+            def push_until_refused(grant_id: int = grant_id, pushed: list = pushed) -> None:
+                while not stop.is_set():
+                    result = writer.push(PEER, GRANTED_MODEL_ID, 1, granted, granted, 0, -1, 0,
+                                         -1, 10_000, grant=grant_id)  # fmt: skip
+                    pushed.append(result)
+                    if result[0] != 0:
+                        return
+
+            pushing = threading.Thread(target=push_until_refused)
+            pushing.start()
+            while not pushed and pushing.is_alive():
+                time.sleep(0.001)
+            status, message = d.command(f"revoke {grant_id} 1")
+            assert status in (_native.SUCCESS, _native.TIMEOUT), message
+            in_flight_seen = status == _native.TIMEOUT
+            if in_flight_seen:
+                assert d.command(f"revoke {grant_id} 10000") == [0, ""]
+                for s, a in zip(src, after, strict=True):
+                    s[:] = a  # the writer's bytes change the moment the revoke returned
+            pushing.join(timeout=30)
+            assert not pushing.is_alive()
+            assert pushed[-1][0] == _native.PARAM_INVALID, pushed[-1]
+            if in_flight_seen:
+                break
+        assert in_flight_seen, "no revoke found a write in flight in 20 tries"
+        time.sleep(0.2)
+        ids = list(range(blocks))
+        assert writer.pull(PEER, 0, GRANTED_MODEL_ID, -1, -1, -1, 0, 2, ids, ids, 0, -1, 0, -1,
+                           10_000) == (0, "")  # fmt: skip
+        for t in range(TENSORS):
+            got = back[t].reshape(blocks, block_bytes)
+            initial = pattern(PEER, GRANTED_CACHE_ID, t, nbytes).reshape(blocks, block_bytes)
+            written = before[t].reshape(blocks, block_bytes)
+            for b in range(blocks):
+                expected = written[b] if b in granted else initial[b]
+                assert np.array_equal(got[b], expected), f"tensor {t} block {b}"
+    finally:
+        stop.set()
+        writer.close()
+        d.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,15 @@ import pytest
 from hixl_connector.tools.demo.servers import RouterProcess, start_router
 from hixl_connector.tools.netns import NetnsBed
 
-from .deployments import LEASE_S, PULL_TIMEOUT_S
+from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S
 from .fault_harness import (
     FaultReport,
     both_idle,
     hixl_counter,
     in_namespaces,
+    kv_usage,
     plain,
+    requests_in_flight,
     token_prompt,
     wait_for,
     wait_idle,
@@ -43,6 +46,9 @@ ABORT_AFTER_S = 1.0
 MARGIN_S = 3.0
 # P learns of a dead D from its connection (a reset), well within a write's own limit.
 DEAD_PEER_SEEN_S = 1.0
+# P's side of the data link under load: 8 requests' blocks (5 of 32 KiB each) take about a
+# second to write, so D always waits on a few, each well within PULL_TIMEOUT_S.
+UNDER_LOAD_RATE = "10mbit"
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +212,71 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
         "D gives up after pull_timeout_s on its own, revokes its grants and fails the "
         f"request; P restarted in {restarted:.0f} s, next request identical",
         detected,
+        both_idle(pd.servers, IDLE_TIMEOUT_S),
+    )
+
+
+def test_prefill_killed_under_load_behind_the_router_frees_d_at_once(
+    pd: PushPair, net: NetnsBed, router: RouterProcess, fault_report: FaultReport
+) -> None:
+    """16 requests through vllm-router, 8 at a time, P's writes slowed so that D always waits
+    on some; P's process group is SIGKILLed once D holds four or more. Every request D holds
+    waits on that P: D fails them together (P's host refuses D's side channel at once), not
+    one after another and not at pull_timeout_s, so D is idle again within one handshake timeout;
+    nothing is leaked, and after P's restart requests are served, token-identical."""
+    decode = pd["decode"]
+    timeouts = hixl_counter(decode, "push_timeouts")
+    lost = hixl_counter(decode, "push_peers_lost")
+    registered = hixl_counter(decode, "push_registrations")
+    prompts = [token_prompt(160, seed=80 + i) for i in range(16)]
+    held: list[tuple[float, float]] = []  # (s after the kill, D's KV usage)
+    net.throttle(UNDER_LOAD_RATE, burst="16kb")
+    try:
+        with ThreadPoolExecutor(8) as clients:
+            futures = [clients.submit(through_router, router, p) for p in prompts]
+            wait_for(
+                lambda: (
+                    hixl_counter(decode, "push_registrations") >= registered + 4
+                    and requests_in_flight(decode) >= 4
+                ),
+                30.0,
+                "four requests on D waiting for P's pushes",
+            )
+            held.append((0.0, kv_usage(decode)))
+            pd.servers.kill("prefill")
+            killed_at = time.monotonic()
+            while requests_in_flight(decode) > 0 or kv_usage(decode) > 0:
+                since = time.monotonic() - killed_at
+                assert since < PULL_TIMEOUT_S * 4, f"D still busy {since:.1f} s after the kill"
+                held.append((since, kv_usage(decode)))
+                time.sleep(0.05)
+            back = time.monotonic() - killed_at
+            results = [f.result(120) for f in futures]
+    finally:
+        net.restore()
+    served = sum(r.error is None for r in results)
+    assert served < len(prompts), "P died under load: some requests must have failed"
+    assert back <= HANDSHAKE_TIMEOUT_S, f"D was idle again only {back:.2f} s after P died"
+    assert hixl_counter(decode, "push_peers_lost") > lost, "D did not judge P gone"
+    assert hixl_counter(decode, "push_timeouts") == timeouts, "D waited out pull_timeout_s"
+    pd.servers.wait_gone("prefill")
+    restarted = pd.servers.restart("prefill", engine_id=f"push-p-{uuid.uuid4().hex[:8]}")
+    after = [token_prompt(120, seed=100 + i) for i in range(3)]
+    for prompt in after:
+        result = through_router(router, prompt)
+        assert result.error is None, result.error
+        assert result.tokens == plain(pd["prefill"], prompt, MAX_TOKENS)
+    pd.learn_identity(seed=103)
+    timeline = ", ".join(
+        f"{usage:.1%} at +{t:.2f} s" for t, usage in held[:: max(1, len(held) // 6)]
+    )
+    fault_report.record(
+        "push, netns + TCP: P killed (SIGKILL) under load behind vllm-router, 16 requests "
+        "at concurrency 8",
+        f"{served}/16 served; every request waiting on P failed together once P's host "
+        f"refused D's side channel; D idle {back:.2f} s after the kill (its KV: {timeline}); P "
+        f"restarted in {restarted:.0f} s, next requests through the router identical",
+        back,
         both_idle(pd.servers, IDLE_TIMEOUT_S),
     )
 

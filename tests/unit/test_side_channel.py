@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +20,9 @@ from hixl_connector.connector.peers.envelope import Destination, seal_request, s
 from hixl_connector.connector.peers.side_channel import (
     SideChannelClient,
     SideChannelError,
+    SideChannelRefused,
     SideChannelServer,
+    SideChannelTimeout,
 )
 
 # Both as long as a real token must be, so the refusal comes from the HMAC, not the length.
@@ -81,6 +85,73 @@ def test_timeout_is_bounded_and_client_recovers(context: zmq.Context) -> None:
     finally:
         client.close()
         silent.close()
+
+
+SLOW_SERVER = """
+import threading, zmq
+from hixl_connector.connector.peers.envelope import Destination
+from hixl_connector.connector.peers.side_channel import SideChannelServer
+server = SideChannelServer(zmq.Context(), "127.0.0.1", 0,
+                           {"slow": lambda m: threading.Event().wait(60) or {}},
+                           lambda: Destination("p", 0, 0xA1))
+print(server.port, flush=True)
+threading.Event().wait(60)
+"""
+
+
+def test_a_refused_or_closed_connection_fails_the_request_at_once(
+    context: zmq.Context,
+) -> None:
+    """A dead peer's host refuses the connection, or closes it under a request waiting for
+    its reply: the request fails in well under its timeout (as a timeout: the peer is gone).
+    A silent peer that keeps the connection open still takes the whole timeout."""
+    nothing = socket.socket()
+    nothing.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    client = SideChannelClient(context, "127.0.0.1", nothing.getsockname()[1], ME, timeout_s=5)
+    try:
+        began = time.monotonic()
+        with pytest.raises(SideChannelRefused, match="refused the connection while 'echo'"):
+            client.request({"type": "echo", "value": 1})
+        assert time.monotonic() - began < 1.0
+    finally:
+        client.close()
+        nothing.close()
+    # A server in a process of its own, killed while it holds a request unanswered.
+    serving = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert serving.stdout is not None
+        port = int(serving.stdout.readline())
+        client = SideChannelClient(context, "127.0.0.1", port, ME, timeout_s=5)
+        threading.Timer(0.3, serving.kill).start()
+        began = time.monotonic()
+        with pytest.raises(SideChannelTimeout) as lost:
+            client.request({"type": "slow"})
+        assert isinstance(lost.value, SideChannelRefused), lost.value
+        assert 0.25 < time.monotonic() - began < 2.0
+        client.close()
+    finally:
+        serving.kill()
+        serving.wait(5)
+
+
+def test_a_connection_lost_before_the_request_does_not_fail_it(context: zmq.Context) -> None:
+    """The peer restarted at the same address between two requests: the loss was before the
+    second one was sent, so that one goes to the new server and is answered."""
+    server = _serve(context)
+    port = server.port
+    client = SideChannelClient(context, "127.0.0.1", port, ME, timeout_s=5)
+    try:
+        assert client.request({"type": "echo", "value": 1})["echo"] == 1
+        server.close()
+        time.sleep(0.3)  # the loss (and refused reconnects) reported meanwhile
+        server = SideChannelServer(context, "127.0.0.1", port, {"echo": _echo}, lambda: ME)
+        time.sleep(0.3)  # reconnected
+        assert client.request({"type": "echo", "value": 2})["echo"] == 2
+    finally:
+        client.close()
+        server.close()
 
 
 def test_hostile_frames_are_answered_and_server_keeps_serving(context: zmq.Context) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from hixl_connector.connector.peers.envelope import (
     MAX_MESSAGE_BYTES,
@@ -40,6 +41,12 @@ class SideChannelError(RuntimeError):
 
 class SideChannelTimeout(SideChannelError):
     """No reply within the timeout: the peer is gone, stopped, or cut off."""
+
+
+class SideChannelRefused(SideChannelTimeout):
+    """The peer's host closed or refused the connection while a request waited for its
+    reply (nothing listens there now): no reply can come, known without waiting out the
+    timeout. A peer that is cut off or frozen refuses nothing, so it still times out."""
 
 
 def endpoint(host: str, port: int) -> str:
@@ -184,6 +191,8 @@ class SideChannelServer:
 
 # How often a request waiting for its reply checks whether its owner shuts down.
 STOP_POLL_MS = 50
+# What the connection reports when the peer's host ended it or refused a new one.
+LOST_CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class SideChannelClient:
@@ -210,6 +219,7 @@ class SideChannelClient:
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None  # the socket's LOST_CONNECTION_EVENTS
         # Closed for good: a request after close raises (a socket made then would belong to
         # no one, and zmq.Context.term would wait for it forever).
         self._closed = False
@@ -223,17 +233,13 @@ class SideChannelClient:
             seq = next(self._seq)
             body, nonce = seal_request(message, seq, self._to, self._auth_token, time.time())
             sock = self._connected()
+            self._forget_lost_connections()  # only a loss after the send dooms this request
             sock.send_multipart([b"", pack(body)])
             while True:
-                if not self._poll(sock):
+                outcome = self._poll(sock)
+                if outcome != "reply":
                     self._reset()  # a late reply must not be taken for the next request's
-                    stopping = self._stop.is_set()
-                    error = SideChannelError if stopping else SideChannelTimeout
-                    raise error(
-                        f"{'shutting down' if stopping else 'no reply'} from {self._endpoint} "
-                        f"to {message.get('type')!r} "
-                        f"within {self._timeout_ms} ms"
-                    )
+                    raise self._no_reply(outcome, message.get("type"))
                 frames = sock.recv_multipart()
                 try:
                     reply = unpack(frames[-1])
@@ -259,16 +265,43 @@ class SideChannelClient:
             self._closed = True
             self._reset()
 
-    def _poll(self, sock: zmq.Socket) -> bool:
-        """Waits for a reply up to the timeout, in slices so that ``stop`` ends the wait."""
+    def _poll(self, sock: zmq.Socket) -> str:
+        """Waits for a reply up to the timeout, in slices so that ``stop`` ends the wait:
+        "reply", "timeout", "stopping", or "refused" once the connection was lost."""
         deadline = time.monotonic() + self._timeout_ms / 1000
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                return False
-            if sock.poll(min(left_ms, STOP_POLL_MS), zmq.POLLIN):
-                return True
-        return False
+                return "timeout"
+            ready = dict(poller.poll(min(left_ms, STOP_POLL_MS)))
+            if sock in ready:
+                return "reply"
+            if self._monitor is not None and self._monitor in ready:
+                return "refused"
+        return "stopping"
+
+    def _no_reply(self, outcome: str, kind: Any) -> SideChannelError:
+        if outcome == "refused":
+            return SideChannelRefused(
+                f"{self._endpoint} closed or refused the connection while {kind!r} waited for "
+                "its reply: nothing listens there now"
+            )
+        if outcome == "stopping":
+            return SideChannelError(
+                f"shutting down: {kind!r} to {self._endpoint} abandoned before its reply"
+            )
+        return SideChannelTimeout(
+            f"no reply from {self._endpoint} to {kind!r} within {self._timeout_ms} ms"
+        )
+
+    def _forget_lost_connections(self) -> None:
+        """Drops the losses reported before now: the connection may be back since."""
+        while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
+            recv_monitor_message(self._monitor)
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
@@ -277,11 +310,16 @@ class SideChannelClient:
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             if self._endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            self._monitor = sock.get_monitor_socket(LOST_CONNECTION_EVENTS)
             sock.connect(self._endpoint)
             self._socket = sock
         return self._socket
 
     def _reset(self) -> None:
         if self._socket is not None:
+            self._socket.disable_monitor()
             self._socket.close(linger=0)
             self._socket = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None

@@ -61,9 +61,6 @@ logger = logging.getLogger(__name__)
 
 # How long a revoke waits for a write under way before it tries again.
 REVOKE_WAIT_S = 1.0
-# How often an idle step looks at the words of the requests awaited: P's engine writes a
-# word straight into memory, so nothing signals it.
-WORD_POLL_S = 0.0001
 
 
 @dataclass
@@ -149,18 +146,23 @@ class PushReceiver:
             self._pool.submit(self._give_up, awaited, "aborted")
 
     def wait_for_word(self, timeout_s: float, woken: threading.Event) -> bool:
-        """An idle step's wait: until a word of a request awaited now is set, ``woken`` is
-        set, or ``timeout_s`` passed; False, without waiting, when no request is awaited.
+        """An idle step's wait: until a word of a request awaited now is set, or
+        ``timeout_s`` passed, asleep until a peer's write lands (``woken`` is looked at on
+        each wake); False, without waiting, when no request is awaited.
         (A request registered meanwhile is looked at in the next step, ``timeout_s`` on.)"""
         with self._lock:
             slots = [slot for awaited in self._awaited.values() for slot in awaited.slots()]
         if not slots:
             return False
+        # The count is read before the words: a word landing in between moves it, so the
+        # wait below returns at once instead of sleeping past it.
         deadline = time.monotonic() + timeout_s
+        landed = self._kv.writes_landed()
         while not woken.is_set() and not any(self._set(slot) for slot in slots):
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-            time.sleep(WORD_POLL_S)
+            landed = self._kv.wait_for_writes(landed, left)
         return True
 
     def collect(self) -> None:

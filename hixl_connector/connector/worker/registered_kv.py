@@ -12,6 +12,7 @@ here, before ``register_kv`` returns); one model_id per registered cache under t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -138,6 +139,16 @@ class RegisteredKV:
         """Once this returns, nothing lands under ``grant``; raises LLMException(LLM_TIMEOUT)
         while a write under it is still in flight after ``timeout_s``."""
         self.datadist.cache_manager.revoke_writes(grant, max(1, int(timeout_s * 1000)))
+
+    def writes_landed(self) -> int:
+        """How many peers' writes have landed here so far."""
+        return self.datadist.cache_manager.writes_landed()
+
+    def wait_for_writes(self, seen: int, timeout_s: float) -> int:
+        """Sleeps until a peer's write lands (``writes_landed()`` differs from ``seen``) or
+        ``timeout_s`` passed; returns ``writes_landed()``."""
+        timeout_ms = max(1, math.ceil(timeout_s * 1000))
+        return self.datadist.cache_manager.wait_for_writes(seen, timeout_ms)
 
     def push(
         self,

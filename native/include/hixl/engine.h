@@ -170,6 +170,11 @@ class Engine {
   // Withdraws the grant and returns once no write under it is in flight (TIMEOUT when one
   // still is after timeout_ms; the grant stays withdrawn).
   Status revoke_writes(uint64_t grant, int64_t timeout_ms);
+  // How many peers' writes have landed here so far, and a wait until that count differs
+  // from `seen` (or `timeout_ms` passed): a process expecting a pushed word sleeps on this
+  // rather than polling its memory.
+  uint64_t writes_landed() const;
+  uint64_t wait_for_writes(uint64_t seen, int64_t timeout_ms);
 
   void close();
   std::map<std::string, int64_t> stats() const;
