@@ -199,6 +199,9 @@ class HixlConnectorMetadata:
     to_publish: list[WordSpec] = field(default_factory=list)
     to_push_recv: list[PushRecvSpec] = field(default_factory=list)
     prefilling: list[PromptBlocks] = field(default_factory=list)
+    # P, push mode: prompts that finished without a lease (aborted, not deliverable, their
+    # blocks changed): no push will come for them, and a D waiting for one is told so.
+    not_pushed: list[str] = field(default_factory=list)
     # D: requests aborted after their RecvSpec: not read if not yet read, P told at once.
     to_cancel: list[str] = field(default_factory=list)
     # D: requests that began waiting for their KV this step (their leases are renewed while

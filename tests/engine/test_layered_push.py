@@ -17,11 +17,12 @@ import torch
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.mapping.tp_mapping import unit_ids
-from hixl_connector.connector.metadata import SendSpec
+from hixl_connector.connector.metadata import PromptBlocks, SendSpec
 from hixl_connector.connector.peers.push_registration import PushRegistration
-from hixl_connector.connector.peers.push_status import GaveUp
+from hixl_connector.connector.peers.push_status import GaveUp, PushStatusQuery, gave_up_in
 from hixl_connector.connector.peers.rank_addresses import RankAddress
 from hixl_connector.connector.worker.kv_layout import describe_kv_caches
+from hixl_connector.connector.worker.push_sender import PushSender
 from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
 from hixl_connector.connector.worker.request_push import RequestPush
 
@@ -206,3 +207,42 @@ def test_a_refused_layer_means_no_word(pair: Pair) -> None:
     # D hears of it when it next asks; a refused grant is no lost link.
     ((request, why),) = pair.gave_up
     assert request == "req" and "P's push failed" in why.reason and not why.relink
+
+
+def _sender(pair: Pair) -> PushSender:
+    def record(name: str, n: int) -> None:
+        pair.counts[name] = pair.counts.get(name, 0) + n
+
+    layers = {f"model.layers.{i}.attn": i for i in range(LAYERS)}
+    return PushSender(pair.p, LeaseTable(lease_s=30.0), layers, 2, record, lambda: None)
+
+
+def _gave_up(sender: PushSender, request: str) -> dict[str, GaveUp]:
+    return gave_up_in(
+        sender._on_status(PushStatusQuery(D_CLUSTER, (request,)).to_dict()), [request]
+    )
+
+
+def test_a_prompt_ended_without_a_lease_tells_its_d_and_refuses_a_late_one(pair: Pair) -> None:
+    """P's prefill was aborted (its scheduler names it in ``not_pushed``) after D registered
+    and P began writing its layers: the layers not yet written are not, no word comes, P's
+    answer to D's next status question says why, and a D registering later is refused."""
+    sender = _sender(pair)
+    try:
+        registration = pair.registration()
+        sender._on_register(registration.to_dict())
+        assert _gave_up(sender, "req") == {}
+        sender.computing([PromptBlocks("req-0badcafe", (SRC,))])
+        sender.layer_saved("model.layers.0.attn")
+        _until(lambda: pair.layer_landed(0))
+        sender.not_pushed(["req-0badcafe"])
+        sender.layer_saved("model.layers.1.attn")  # the forward goes on: nothing written
+        sender.computed()
+        ((request, why),) = _gave_up(sender, "req").items()
+        assert request == "req" and "ended without KV" in why.reason and not why.relink
+        time.sleep(0.2)
+        assert not pair.layer_landed(1) and pair.word() == 0
+        with pytest.raises(ValueError, match="nothing will be pushed"):
+            sender._on_register(registration.to_dict())  # its D, once more
+    finally:
+        sender.close()

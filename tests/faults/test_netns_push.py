@@ -11,6 +11,8 @@ nothing is left leased or held.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.tools.demo.servers import RouterProcess, start_router
+from hixl_connector.connector.peers.push_status import PUSH_CHECK_S
+from hixl_connector.tools.demo.servers import RouterProcess, VllmServer, start_router
 from hixl_connector.tools.netns import NetnsBed
 
 from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S
@@ -46,6 +49,15 @@ ABORT_AFTER_S = 1.0
 MARGIN_S = 3.0
 # P learns of a dead D from its connection (a reset), well within a write's own limit.
 DEAD_PEER_SEEN_S = 1.0
+# After a healed cut, a request this much later: past the leases, timeouts and status
+# questions of this deployment (D's idle links close only after link_idle_s, 300 s).
+LATER_S = 20.0
+# P's leg of the aborted prompt: its client gives up after this while P's engine is frozen,
+# and P's API server has sent the abort this much later.
+ABORTED_P_LEG_S = 0.3
+ABORT_SENT_S = 0.3
+# D asks P about a push it waited PUSH_CHECK_S for, then every PUSH_CHECK_S.
+HEARD_WITHIN_S = 2 * PUSH_CHECK_S + 0.5
 # P's side of the data link under load: 8 requests' blocks (5 of 32 KiB each) take about a
 # second to write, so D always waits on a few, each well within PULL_TIMEOUT_S.
 UNDER_LOAD_RATE = "10mbit"
@@ -110,44 +122,110 @@ def test_prefill_stopped_before_its_push_d_gives_up_on_its_own(
     )
 
 
+def engine_core(server: VllmServer) -> int:
+    """The pid of ``server``'s engine core (its own process in the server's group)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != server.pid:
+                continue
+            if (entry / "comm").read_text().startswith("VLLM::EngineCor"):
+                return int(entry.name)
+        except OSError:  # gone meanwhile
+            continue
+    raise AssertionError(f"no engine core process in {server.name}'s group")
+
+
 def given_up(pd: PushPair) -> float:
     """Requests D stopped waiting for: its own timeout, or a P it judged gone."""
     return sum(hixl_counter(pd["decode"], name) for name in ("push_timeouts", "push_peers_lost"))
 
 
+def test_prefill_aborted_before_it_computes_d_hears_at_once(
+    pd: PushPair, fault_report: FaultReport
+) -> None:
+    """D registered; P's leg is aborted before P computes it (its client gives up while P's
+    engine core is frozen; on resume the engine takes the request and its abort together).
+    P's scheduler finishes it without a lease, P's worker keeps why, and D hears it at its
+    next status question: the request fails well before pull_timeout_s, counted as heard."""
+    decode = pd["decode"]
+    heard = hixl_counter(decode, "push_failures_heard")
+    timeouts = hixl_counter(decode, "push_timeouts")
+    engine = engine_core(pd["prefill"])
+    for attempt in range(3):  # until the abort beats P's prefill (it nearly always does)
+        prompt = token_prompt(150, seed=90 + attempt)
+        request_id = uuid.uuid4().hex
+        registered = hixl_counter(decode, "push_registrations")
+        d_leg = pd.d_leg(prompt, request_id)
+        pd.registered(registered)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            p_result, _ = pd.p_leg(prompt, request_id, timeout_s=ABORTED_P_LEG_S).result(30)
+            time.sleep(ABORT_SENT_S)  # P's API server sends the abort after the request
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        resumed = time.monotonic()
+        assert p_result.failed, "P's client was to give up while P's engine was frozen"
+        d_result, _ = d_leg.result(60)
+        if d_result.failed:
+            break
+    took = d_result.finished_at - resumed
+    assert d_result.failed, "P computed the prompt before its abort in every attempt"
+    assert hixl_counter(decode, "push_failures_heard") == heard + 1
+    assert hixl_counter(decode, "push_timeouts") == timeouts
+    assert took < HEARD_WITHIN_S, f"D failed it {took:.2f} s after P resumed"
+    pd.concurrent_identical(seed=95)
+    fault_report.record(
+        "push, netns + TCP: P's leg aborted before P computes it (D registered)",
+        f"P finishes the prompt without a lease and keeps why; D hears it at its next status "
+        f"question and fails the request {took:.2f} s after P resumed (pull_timeout_s: "
+        f"{PULL_TIMEOUT_S:g} s); next request identical",
+        took,
+        both_idle(pd.servers, IDLE_TIMEOUT_S),
+    )
+
+
 def test_data_link_cut_mid_push_heals_for_the_next_request(
     pd: PushPair, net: NetnsBed, fault_report: FaultReport
 ) -> None:
-    """The data link between P and D goes down while P writes: P's write times out and its
-    link to D is lost for good (LLM-DataDist: a timed-out link cannot be used again), D's
-    request fails. Once the link is back, the next request is pushed, token-identical: D
-    heard P was gone (or that P lost the link) and links again, rather than registering
-    over a link P can no longer write on."""
+    """The data link between P and D goes down while P writes, D streaming a request of its
+    own: P's write times out and its link to D is lost for good (LLM-DataDist: a timed-out
+    link cannot be used again), D's request fails, and D's stream keeps its pace. Once the
+    link is back, the next request is pushed, token-identical: D heard P was gone (or that
+    P lost the link) and links again, rather than registering over a link P can no longer
+    write on; so is a request well after (past every timer of this deployment)."""
     failed = hixl_counter(pd["prefill"], "failed_pushes")
-    try:
-        push = mid_push(pd, net, seed=70)
-        net.set_data_link(False)
-        cut_at = time.monotonic()
-        result, _ = push.d_leg.result(60)
-        wait_for(
-            lambda: hixl_counter(pd["prefill"], "failed_pushes") > failed,
-            PULL_TIMEOUT_S + MARGIN_S,
-            "P's timed-out write",
-        )
-    finally:
-        net.set_data_link(True)
-        net.restore()
+    with Bystander(pd["decode"].url) as bystander:
+        try:
+            push = mid_push(pd, net, seed=70)
+            net.set_data_link(False)
+            cut_at = time.monotonic()
+            result, _ = push.d_leg.result(60)
+            wait_for(
+                lambda: hixl_counter(pd["prefill"], "failed_pushes") > failed,
+                PULL_TIMEOUT_S + MARGIN_S,
+                "P's timed-out write",
+            )
+        finally:
+            net.set_data_link(True)
+            net.restore()
+    assert bystander.error is None, bystander.error
+    assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
     detected = result.finished_at - cut_at
     assert result.failed, "a request whose push never finished must not decode"
     assert "LLM_TIMEOUT" in pd["prefill"].log_tail(300), "P's write did not time out"
     began = time.monotonic()
     pd.concurrent_identical(seed=71)
     healed = time.monotonic() - began
+    time.sleep(LATER_S)
+    pd.concurrent_identical(seed=72)
     fault_report.record(
-        "push, netns + TCP: P-D data link down mid-push, then up again",
-        f"D fails the request {detected:.1f} s after the cut (P gone, or P's own timeout); "
-        "P's write times out and its link is lost; D links again for the next request, "
-        f"which is pushed and identical ({healed:.1f} s)",
+        "push, netns + TCP: P-D data link down mid-push, then up again, D streaming",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; D fails the "
+        f"request {detected:.1f} s after the cut (P gone, or P's own timeout); P's write "
+        "times out and its link is lost; D links again for the next request, pushed and "
+        f"identical ({healed:.1f} s), and for one {LATER_S:.0f} s later",
         detected,
         both_idle(pd.servers, IDLE_TIMEOUT_S),
     )
@@ -182,8 +260,9 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
     pd: PushPair, net: NetnsBed, fault_report: FaultReport
 ) -> None:
     """P dies with D's blocks half written: no word ever comes, D gives up within
-    pull_timeout_s, revokes (after the write under way ended with P's connection) and fails
-    the request; D keeps streaming its own; a restarted P serves the next request."""
+    pull_timeout_s (at its next status question, which P's host refuses), revokes (after the
+    write under way ended with P's connection) and fails the request; D keeps streaming its
+    own; a restarted P serves the next request."""
     gave_up = given_up(pd)
     with Bystander(pd["decode"].url) as bystander:
         try:
@@ -201,16 +280,19 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
     assert result.failed, "a request whose push P never finished must not decode"
     assert detected <= PULL_TIMEOUT_S + MARGIN_S, f"D failed it {detected:.2f} s after P died"
-    assert given_up(pd) == gave_up + 1
+    # This request, and any other D had under way with that P (a first contact telling it
+    # to free a request D let go, say), which the dead P's host refuses at once.
+    assert given_up(pd) >= gave_up + 1
     pd.servers.wait_gone("prefill")
     restarted = pd.servers.restart("prefill", engine_id=f"push-p-{uuid.uuid4().hex[:8]}")
     pd.learn_identity(seed=41)
     pd.concurrent_identical(seed=42)
     fault_report.record(
         "push, netns + TCP: P killed (SIGKILL) mid-push, D streaming",
-        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; no word comes, "
-        "D gives up after pull_timeout_s on its own, revokes its grants and fails the "
-        f"request; P restarted in {restarted:.0f} s, next request identical",
+        f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; no word comes; "
+        "at D's next status question P's host refuses the side channel, so D judges P gone "
+        "(else its own pull_timeout_s), revokes its grants and fails the request; P "
+        f"restarted in {restarted:.0f} s, next request identical",
         detected,
         both_idle(pd.servers, IDLE_TIMEOUT_S),
     )

@@ -13,6 +13,7 @@ from registry_support import LinkRecorder, PrefillRank, make_registry, payload
 from hixl_connector.connector.link_reports import LinkReporter
 from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers.compatibility import PeerError
+from hixl_connector.connector.peers.registry import RETIRE_S
 
 CLUSTER = 4242
 
@@ -48,7 +49,8 @@ def test_a_dropped_peer_is_gone_at_once_reported_and_unlinked_with_force(
         assert peers.linked(remote.rank(0)) is None
         report = links.take()
         assert report is not None and report.ranks == {0: {remote: False}}
-        eventually(lambda: datadist.unlinked == [(CLUSTER, True)])
+        # A same-host link stays readable for RETIRE_S first.
+        eventually(lambda: datadist.unlinked == [(CLUSTER, True)], within_s=RETIRE_S + 5.0)
         peers.drop(peer)  # a second failure of the same read's peers changes nothing
         peers.read_through(remote, [peer])  # a read that went through it before the drop
         late = links.take()

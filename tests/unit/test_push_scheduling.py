@@ -154,6 +154,34 @@ def test_push_mode_p_hands_its_workers_the_prompt_blocks_and_names_the_mode(
     assert send.block_ids == (tuple(blocks[:3]),)
 
 
+def test_push_mode_p_names_the_prompts_that_end_without_a_lease(tiny_model_dir: Path) -> None:
+    """A prompt aborted while P computes it, or before, gets no lease: the workers are told,
+    so that a D registered for it hears that nothing comes. One that leased is not named,
+    and a pull-mode P names none."""
+    params = {"do_remote_decode": True}
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", extra=PUSH)
+    for request_id in ("running", "leased"):
+        scheduler.add_request(
+            make_request(request_id, prompt(2 * BLOCK_SIZE + 3), max_tokens=1, params=params)
+        )
+    output = scheduler.schedule()
+    scheduler.finish_requests(["running"], RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(output, runner_output(output))
+    output, _ = step(scheduler)
+    assert metadata(output).not_pushed == ["running"]
+    assert [send.request_id for send in metadata(output).to_send] == ["leased"]
+    assert metadata(step(scheduler)[0]).not_pushed == []
+    scheduler.add_request(make_request("queued", prompt(40), params=params))
+    scheduler.finish_requests(["queued"], RequestStatus.FINISHED_ABORTED)
+    assert metadata(step(scheduler)[0]).not_pushed == ["queued"]
+
+    pulling = make_scheduler(tiny_model_dir, "kv_producer")
+    pulling.add_request(make_request("p", prompt(40), params=params))
+    pulling.schedule()
+    pulling.finish_requests("p", RequestStatus.FINISHED_ABORTED)
+    assert metadata(pulling.schedule()).not_pushed == []
+
+
 def test_a_hybrid_d_registers_each_groups_blocks_the_window_only_where_it_attends(
     tiny_model_dir: Path,
 ) -> None:

@@ -164,6 +164,7 @@ class HixlScheduler:
             to_clear=clears,
             to_publish=publications,
             prefilling=self.prefill.prefilling(scheduler_output) if self.prefill else [],
+            not_pushed=self.prefill.take_not_pushed() if self.prefill else [],
             to_cancel=step.to_cancel,
             waiting=step.waiting,
             done_waiting=step.done_waiting,

@@ -84,6 +84,7 @@ class PrefillSide:
         self.published: dict[str, _Published] = {}
         self._to_publish: list[WordSpec] = []
         self._to_clear: list[WordSpec] = []
+        self._not_pushed: list[str] = []  # push mode: finished without a lease
         # One slot per lease in every rank's lease words (as many as blocks: a lease holds
         # a block at least).
         self._free_slots = list(range(num_blocks - 1, -1, -1))
@@ -133,7 +134,7 @@ class PrefillSide:
         prompt_blocks = self._prompt_blocks(block_ids, request.num_prompt_tokens)
         if published is None:
             logger.warning("request %s: no lease word was published; D will compute it", request_id)
-            return False, None
+            return self._no_lease(request_id)
         if not _still_held(published.blocks, prompt_blocks):
             # The word names a block vLLM no longer holds for the request: no params may
             # name it, and a D computing the prompt is correct.
@@ -142,11 +143,11 @@ class PrefillSide:
                 "request %s: its blocks changed after its prompt was computed; D will compute it",
                 request_id,
             )
-            return False, None
+            return self._no_lease(request_id)
         leased = tuple(b for group in prompt_blocks for b in group if b != NULL_BLOCK_ID)
         if not leased:
             self._clear(published)
-            return False, None
+            return self._no_lease(request_id)
         lease_id, slot, word = published.lease_id, published.slot, published.word
         self.leased[request_id] = (lease_id, slot)
         # Push mode: the blocks go to the workers too, for a D that registers its own.
@@ -168,6 +169,17 @@ class PrefillSide:
         word, if published, is cleared."""
         self.forget(request_id)
         self._unpublish(request_id)
+        self._no_lease(request_id)
+
+    def _no_lease(self, request_id: str) -> tuple[bool, None]:
+        """Push mode: a D may wait for this prompt's push; the workers tell it none comes."""
+        if self._push:
+            self._not_pushed.append(request_id)
+        return False, None
+
+    def take_not_pushed(self) -> list[str]:
+        not_pushed, self._not_pushed = self._not_pushed, []
+        return not_pushed
 
     def forget(self, request_id: str) -> None:
         self._prompt_lengths.pop(request_id, None)

@@ -273,6 +273,7 @@ class HixlWorker:
             self._serving.publish(metadata.to_clear, metadata.to_publish)
             self._serving.hold(metadata.to_send)
         if self._pusher is not None:
+            self._pusher.not_pushed(metadata.not_pushed)
             self._pusher.computing(metadata.prefilling)
         if self._push_receiver is not None:
             for push in metadata.to_push_recv:

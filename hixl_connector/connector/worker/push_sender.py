@@ -17,8 +17,10 @@ whole once finished).
 A small pool (``transfer_threads``) writes, a request at a time per thread, each request's
 writes in order. A D that does not answer holds a thread for up to ``pull_timeout_s`` per
 write (the engine's bound on one write). A push P gives up on (a failed write, a lease that
-ended first) is logged, counted and kept for as long as its D waits, to answer D's
-``push_status`` question (``peers.push_status``): D then fails the request at once.
+ended first, a prompt that finished without a lease: aborted, not deliverable) is logged,
+counted and kept for as long as its D waits, to answer D's ``push_status`` question
+(``peers.push_status``): D then fails the request at once. A D that registers for a prompt
+that already finished without a lease is refused at once.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from hixl_connector.connector.worker.request_push import (
 logger = logging.getLogger(__name__)
 
 MAX_WAITING_REGISTRATIONS = 4096
+# How long a prompt that finished without a lease refuses a late registration: longer than a
+# D's registration may trail P's leg (both legs leave the router together).
+NOT_PUSHED_KEEP_S = 60.0
 T = TypeVar("T")
 
 
@@ -81,6 +86,8 @@ class PushSender:
         self._layers_computed = ComputedLayers(layers)
         # (D's cluster id, base request id) -> (until when that D waits, why P gave up).
         self._gave_up: dict[tuple[int, str], tuple[float, GaveUp]] = {}
+        # base request id -> until when: prompts that finished without a lease.
+        self._not_pushed: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hixl-push")
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
@@ -96,6 +103,29 @@ class PushSender:
                     base = base_request_id(send.request_id)
                     self._finished[base] = send
                     self._match(base)
+
+    def not_pushed(self, request_ids: Iterable[str]) -> None:
+        """Prompts that finished without a lease: the Ds registered for them are told none
+        comes (their next ``push_status``), a push begun while P computed writes no more,
+        and a D registering later is refused."""
+        request_ids = list(request_ids)
+        if not request_ids:
+            return
+        why = GaveUp("P's prefill ended without KV for D (aborted, or not deliverable)", False)
+        with self._lock:
+            now = time.monotonic()
+            self._expire(now)
+            for request_id in request_ids:
+                base = base_request_id(request_id)
+                self._not_pushed[base] = now + NOT_PUSHED_KEEP_S
+                if len(self._not_pushed) > MAX_WAITING_REGISTRATIONS:
+                    del self._not_pushed[next(iter(self._not_pushed))]  # the oldest
+                waiting = [r for r, _ in self._registered.pop(base, {}).values()]
+                for push, _ in self._begun.pop(base, {}).values():
+                    push.drop()
+                    waiting.append(push.registration)
+                for registration in waiting:
+                    self._note_gave_up_locked(registration, why)
 
     def computing(self, prompts: Iterable[PromptBlocks]) -> None:
         """Before a forward: the prompts it computes to their end."""
@@ -148,6 +178,11 @@ class PushSender:
                     f"{MAX_WAITING_REGISTRATIONS} push registrations already wait for their "
                     "prefill on this rank"
                 )
+            if base in self._not_pushed:
+                raise ValueError(
+                    f"request {base}: P's prefill ended without KV for D (aborted, or not "
+                    "deliverable); nothing will be pushed"
+                )
             if base not in self._finished:
                 # D registered while P still prefills: the router sent both legs at once.
                 self._record("early_push_registrations", 1)
@@ -169,10 +204,13 @@ class PushSender:
     def _note_gave_up(self, registration: PushRegistration, gave_up: GaveUp) -> None:
         """Keeps why P will not push this request for as long as its D waits."""
         with self._lock:
-            if len(self._gave_up) >= MAX_WAITING_REGISTRATIONS:
-                del self._gave_up[next(iter(self._gave_up))]  # the oldest
-            until = time.monotonic() + registration.wait_s
-            self._gave_up[(registration.cluster_id, registration.request)] = (until, gave_up)
+            self._note_gave_up_locked(registration, gave_up)
+
+    def _note_gave_up_locked(self, registration: PushRegistration, gave_up: GaveUp) -> None:
+        if len(self._gave_up) >= MAX_WAITING_REGISTRATIONS:
+            del self._gave_up[next(iter(self._gave_up))]  # the oldest
+        until = time.monotonic() + registration.wait_s
+        self._gave_up[(registration.cluster_id, registration.request)] = (until, gave_up)
 
     def _expire(self, now: float) -> None:
         """Forgets the registrations whose D gave up waiting (lock held)."""
@@ -180,6 +218,8 @@ class PushSender:
         _drop_expired(self._begun, now)
         for key in [key for key, (until, _) in self._gave_up.items() if until <= now]:
             del self._gave_up[key]
+        for base in [base for base, until in self._not_pushed.items() if until <= now]:
+            del self._not_pushed[base]
 
     def _begin(self, base: str) -> None:
         """The forward computes ``base``'s prompt and its Ds registered: its layers are

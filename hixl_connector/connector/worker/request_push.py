@@ -20,6 +20,7 @@ waiting out its own timeout.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 
@@ -164,10 +165,15 @@ class RequestPush:
         # Touched by the jobs only, one at a time.
         self._written: set[int] = set()
         self._error = ""
+        self._dropped = threading.Event()  # the prompt finished without a lease
 
     def write_layers(self, layers: range) -> None:
         """Queues the write of ``layers`` (computed, not yet written) of every block."""
         self._jobs.submit(lambda: self._write_layers(layers))
+
+    def drop(self) -> None:
+        """The prompt finished without a lease: layers still queued are not written."""
+        self._dropped.set()
 
     def finish(self, send: SendSpec, leases: LeaseTable, wake: Callable[[], None]) -> None:
         """Queues the rest, after what is queued: the layers not written, then the word;
@@ -175,8 +181,8 @@ class RequestPush:
         self._jobs.submit(lambda: self._finish(send, leases, wake))
 
     def _write_layers(self, layers: range) -> None:
-        if self._error:
-            return  # the request failed already: D gets no word
+        if self._error or self._dropped.is_set():
+            return  # the request failed or ended already: D gets no word
         try:
             self._write(layers)
             self._written.update(layers)
