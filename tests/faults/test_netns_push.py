@@ -50,8 +50,8 @@ MARGIN_S = 3.0
 # P learns of a dead D from its connection (a reset), well within a write's own limit.
 DEAD_PEER_SEEN_S = 1.0
 # After a healed cut, a request this much later: past the leases, timeouts and status
-# questions of this deployment (D's idle links close only after link_idle_s, 300 s).
-LATER_S = 20.0
+# questions of this deployment many times over.
+LATER_S = 60.0
 # P's leg of the aborted prompt: its client gives up after this while P's engine is frozen,
 # and P's API server has sent the abort this much later.
 ABORTED_P_LEG_S = 0.3

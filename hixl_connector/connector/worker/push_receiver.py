@@ -10,8 +10,9 @@ P's blocks are smaller: their slices, with where each slice of P's blocks lands)
 word of its own, clear the word, and register all of it with that rank (``push_register``).
 Each P rank writes its heads, then its lease word into its push word. `collect` (on the step
 thread) looks at the words: once every one is set, every block landed, and the request is
-reported received. A P rank nobody reads (a replica) hears from one D rank that it has
-nothing to write.
+reported received; an idle step sleeps until a write lands in D's engine
+(``wait_for_writes``) rather than polling the words. A P rank nobody reads (a replica) hears
+from one D rank that it has nothing to write.
 
 The safety argument, for the native engine (push mode refuses other back-ends at start):
 - D decodes a block only after the last write of every P rank of the request, its word,
@@ -23,15 +24,18 @@ The safety argument, for the native engine (push mode refuses other back-ends at
   either side reissues none.
 - D revokes a request's grants before it reports the request, ok or failed; a revoke returns
   only once no write under the grant is in flight and refuses every later one. So once vLLM
-  may free or reuse a block (after the report), nothing writes it.
+  may free or reuse a block (after the report), nothing writes it. A same-host write is
+  copied in by D's engine over its transfer threads, and stays in flight (holding its grant)
+  until every one of them is done with it, so this holds for each thread's bytes alike.
 - D gives up on its own after ``pull_timeout_s`` (the router never aborts D): it revokes and
   reports a failed receive, and vLLM's kv_load_failure_policy decides; it drops its link to
   the P ranks, as after a read that timed out, so the next request links again.
 - D gives up sooner where it learns that no word will come: every ``PUSH_CHECK_S`` while a
   request has waited that long, it asks the P rank (``peers.push_status``). P names the
   pushes it gave up on (D fails them, and links again first where P lost the link it writes
-  over); a P rank that does not answer within ``handshake_timeout_s``, or refuses (it
-  restarted), is gone: every request waiting on it fails at once, its link is dropped, and
+  over); a P rank that does not answer within ``handshake_timeout_s``, refuses (it
+  restarted), or whose host refuses the side channel's connection (its process died), is
+  gone: every request waiting on it fails at once, its link is dropped, and
   so is every request that reached this rank before and still waits to register with it
   (push_contact). Giving up is revoking first, as above, so nothing P writes later lands.
 """
