@@ -1,18 +1,23 @@
 """The vLLM KV connector: what runs inside vLLM's processes.
 
-- ``facade``: ``HixlConnector``, the class vLLM instantiates; it forwards to one half.
-  ``vllm_interface`` holds what differs between the vLLM versions it supports.
-- Shared by both halves: ``config`` (``kv_connector_extra_config``, validated), ``metadata``
-  (the per-step metadata and ``kv_transfer_params``), ``link_reports`` (what workers tell
-  the scheduler about links), ``stats``, ``limits``.
+Its rooms, from the bottom up (an import only ever points down; tests/unit/test_import_rules.py
+holds the order):
+
+- ``limits``, ``endpoints`` (the engine identity: a prefill engine, its ranks, their
+  addresses), ``transfer_params`` (what P tells D through the router).
+- ``mapping/``: pure planning of which blocks, heads and slices go where.
+- ``metadata`` (the per-step metadata), ``link_reports`` (what workers tell the scheduler
+  about links), ``config`` (``kv_connector_extra_config``, validated), ``stats``,
+  ``vllm_interface`` (what differs between the vLLM versions it supports).
+- ``peers/``: the side channel and its envelope, the handshake, the registry of links.
+- ``leases/``: the lease server (P), client (D), their messages, and the guarded read.
+- ``kv/``: the KV registered with the engine, its layout and words; ``registered_kv`` is the
+  only module that configures the ``datadist`` back-end.
+- ``push/``: both halves of push mode and its guarded write.
 - ``scheduler/``: the scheduler half (EngineCore, pure bookkeeping; imports no torch, zmq,
   vLLM runtime, engine or ``datadist``).
-- ``worker/``: the worker half (registration, D's reads, P's serving side); ``registered_kv``
-  is the only module that configures the ``datadist`` back-end.
-- ``leases/``: the lease server (P), client (D), their messages, and the lease words.
-- ``mapping/``: pure planning of which blocks, heads and slices go where.
-- ``peers/``: the side channel and its envelope, the handshake, the registry of links, and
-  each rank's addresses.
+- ``worker/``: the worker half (registration, D's reads, P's serving side).
+- ``facade``: ``HixlConnector``, the class vLLM instantiates; it forwards to one half.
 
 The connector talks to transfer engines only through ``hixl_connector.datadist``.
 ``HixlConnector`` loads (and with it vLLM) on first access, so importing this package stays

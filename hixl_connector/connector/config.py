@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import ipaddress
 import json
+import logging
 import math
 import os
 import re
@@ -18,11 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hixl_connector.connector.endpoints import CLUSTER_ID_STEP
 from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT, is_int
-from hixl_connector.connector.peers.rank_addresses import CLUSTER_ID_STEP
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
 
 # A short token lets anyone who sniffs one HMAC challenge and its answer guess it offline;
 # 32 characters of secrets.token_hex carry 128 bits. The native engine applies the same rule.
@@ -52,7 +55,8 @@ MAX_HOST_NAME_CHARS = 253
 # the step thread anyway (native/src/engine.cpp, kCopyHereBytes).
 DEFAULT_SYNC_LOAD_BYTES = 1 << 20
 MAX_SYNC_LOAD_BYTES = 1 << 30
-# Keys an earlier release took, and what they are called now.
+# Keys an earlier release took, and what they are called now: the old name still works, with
+# a warning, for at least one release after the rename (CHANGELOG.md lists each).
 RENAMED_KEYS = {"load_in_step_bytes": "sync_load_bytes"}
 # D unlinks a prefill rank no read used for this long (0: never); the next read links again.
 DEFAULT_LINK_IDLE_S = 300.0
@@ -91,13 +95,9 @@ class HixlConfig:
         """Builds the config from ``kv_connector_extra_config``; raises ValueError."""
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
-        extra = dict(extra or {})
+        extra = _renamed_keys_resolved(dict(extra or {}))
         valid = sorted(field.name for field in dataclasses.fields(cls))
         for key in extra:
-            if key in RENAMED_KEYS:
-                raise ValueError(
-                    f"kv_connector_extra_config key {key!r} is now {RENAMED_KEYS[key]!r}"
-                )
             if key not in valid:
                 raise ValueError(
                     f"unknown kv_connector_extra_config key {key!r}; valid keys: {', '.join(valid)}"
@@ -356,3 +356,24 @@ def _json_object_or_empty(extra: Mapping[str, Any], key: str) -> str:
         if not isinstance(parsed, dict):
             raise _bad(key, value, 'empty or a JSON object string such as \'{"version":"1.3"}\'')
     return value
+
+
+def _renamed_keys_resolved(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` with each renamed key under its new name (a warning names both); raises
+    ValueError where both names are given."""
+    for old, new in RENAMED_KEYS.items():
+        if old not in extra:
+            continue
+        if new in extra:
+            raise ValueError(
+                f"kv_connector_extra_config keys {old!r} and {new!r} are one setting "
+                f"({old!r} is its old name): give only {new!r}"
+            )
+        logger.warning(
+            "hixl: kv_connector_extra_config key %r is now %r; the old name will be removed "
+            "in a later release (CHANGELOG.md)",
+            old,
+            new,
+        )
+        extra[new] = extra.pop(old)
+    return extra

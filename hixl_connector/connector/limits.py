@@ -10,6 +10,7 @@ MAX_CLUSTER_ID = 2**63 - 1  # LLM-DataDist cluster ids are int64
 MAX_PORT = 65535
 MAX_KV_CACHE_GROUPS = 64
 MAX_BLOCK_SIZE = 2**20
+MAX_LEASE_SLOT = 2**32
 
 
 def is_int(value: Any) -> bool:

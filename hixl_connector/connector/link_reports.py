@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.endpoints import RemoteEndpoint
 
 # Engines a worker remembers having reported; beyond this many the least recently read is
 # forgotten (reported again at its next read): engines come and go over a long run.

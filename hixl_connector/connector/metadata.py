@@ -1,84 +1,18 @@
 """What the scheduler half tells the worker half each step: the per-step
-``HixlConnectorMetadata`` (pickled by vLLM) and the specs in it, and the prefill engines
-they name.
+``HixlConnectorMetadata`` (pickled by vLLM) and the specs in it. The prefill engines they
+name are ``endpoints``.
 
 What P tells D through the router (``kv_transfer_params``) is in ``transfer_params``; the
 worker <-> worker messages live beside it: the handshake in ``peers.handshake``, the
 done/heartbeat/release notices in ``leases.messages``, push registrations in
-``peers.push_registration``.
+``push.registration``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hixl_connector.connector.limits import is_int
-from hixl_connector.connector.peers.rank_addresses import CLUSTER_ID_STEP, cluster_id_at, port_at
-
-# A prefill engine's ranks share one window of ports and cluster ids (rank_addresses).
-MAX_TP_SIZE = CLUSTER_ID_STEP
-MAX_LEASE_SLOT = 2**32
-
-
-@dataclass(frozen=True)
-class RemoteEndpoint:
-    """A prefill engine as its kv_transfer_params name it: rank 0's side channel and cluster id."""
-
-    engine_id: str
-    host: str
-    port: int  # side channel port of P's tp rank 0; rank r listens on port + r
-    tp_size: int
-    cluster_id: int  # cluster id of P's tp rank 0; rank r's handshake must announce + r
-    # P's start nonce (peers.incarnation): a P restarted at the same address, even under the same
-    # engine id, is another endpoint, and its handshake must announce the same nonce.
-    incarnation: int = 0
-
-    def rank(self, p_rank: int) -> PeerRank:
-        """One TP rank of this engine; raises ValueError when it has no such rank, or when
-        that rank's port or cluster id would be out of range."""
-        if not is_int(p_rank) or not 0 <= p_rank < self.tp_size:
-            raise ValueError(
-                f"prefill engine {self.engine_id} has tp_size {self.tp_size}, no rank {p_rank!r}"
-            )
-        try:
-            port_at("remote_port", self.port, p_rank)
-            cluster_id_at("remote_cluster_id", self.cluster_id, p_rank)
-        except ValueError as e:
-            raise ValueError(f"prefill engine {self.engine_id}: {e}") from None
-        return PeerRank(self, p_rank)
-
-
-@dataclass(frozen=True)
-class PeerRank:
-    """One TP rank of a prefill engine: what D handshakes, links, pulls from and notifies."""
-
-    remote: RemoteEndpoint
-    rank: int
-
-    @property
-    def port(self) -> int:
-        """Its side-channel port."""
-        return port_at("remote_port", self.remote.port, self.rank)
-
-    @property
-    def cluster_id(self) -> int:
-        """The cluster id its handshake must announce."""
-        return cluster_id_at("remote_cluster_id", self.remote.cluster_id, self.rank)
-
-    @property
-    def key(self) -> tuple[str, int, str, int]:
-        """(engine id, incarnation, side-channel host, port): a restarted engine gets a new
-        key, whatever its engine id."""
-        return (self.remote.engine_id, self.remote.incarnation, self.remote.host, self.port)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """(side-channel host, port): where whichever engine serves this rank now answers."""
-        return (self.remote.host, self.port)
-
-
-# Stands in for the peer when kv_transfer_params were unusable: such a spec carries an error.
-UNKNOWN_ENDPOINT = RemoteEndpoint(engine_id="", host="", port=0, tp_size=1, cluster_id=0)
+from hixl_connector.connector.endpoints import RemoteEndpoint
 
 
 @dataclass(frozen=True)

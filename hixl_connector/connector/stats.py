@@ -57,6 +57,10 @@ _COUNTS = (
     "push_failures_heard",
     "push_peers_lost",
 )
+# Counters an earlier release exported under another name: each old name is still exported
+# (vllm:hixl_<old>_total, counting what the new one counts) for at least one release after
+# the rename; CHANGELOG.md lists each.
+RENAMED_COUNTERS = {"in_step_loads": "sync_loads", "in_step_peer_gone": "sync_load_peer_gone"}
 # Requests that show a misconfigured deployment, by kind (misconfig.KINDS): data keys
 # "misconfigured_requests:<kind>", one Prometheus counter labelled by kind.
 MISCONFIGURED = "misconfigured_requests"
@@ -170,15 +174,21 @@ class HixlPromMetrics(KVConnectorPromMetrics):
             )
             for name in ("pull_seconds", "kv_ready_seconds")
         }
-        self._counters = {
-            name: per_engine(
+
+        def counter(name: str, documentation: str) -> dict[int, PromMetric]:
+            return per_engine(
                 self._counter_cls(
-                    name=f"vllm:hixl_{name}",
-                    documentation=f"hixl_connector {name.replace('_', ' ')}.",
-                    labelnames=labelnames,
+                    name=f"vllm:hixl_{name}", documentation=documentation, labelnames=labelnames
                 )
             )
+
+        self._counters = {
+            name: counter(name, f"hixl_connector {name.replace('_', ' ')}.")
             for name in ("pulls", "pull_bytes", "pull_blocks", *_COUNTS)
+        }
+        self._aliases = {
+            old: counter(old, f"hixl_connector: the old name of vllm:hixl_{new}_total.")
+            for old, new in RENAMED_COUNTERS.items()
         }
         self._misconfigured = self._counter_cls(
             name=f"vllm:hixl_{MISCONFIGURED}",
@@ -195,6 +205,10 @@ class HixlPromMetrics(KVConnectorPromMetrics):
             total = sum(transfer_stats_data.get(name, ()))
             if total:
                 self._counters[name][engine_idx].inc(total)
+        for old, new in RENAMED_COUNTERS.items():
+            total = sum(transfer_stats_data.get(new, ()))
+            if total:
+                self._aliases[old][engine_idx].inc(total)
         labels = self.per_engine_labelvalues[engine_idx]
         for kind, n in _misconfigured(transfer_stats_data).items():
             self._misconfigured.labels(*labels, kind).inc(n)

@@ -14,16 +14,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hixl_connector.connector.endpoints import MAX_TP_SIZE, RemoteEndpoint
 from hixl_connector.connector.limits import (
     MAX_BLOCK_SIZE,
     MAX_CLUSTER_ID,
     MAX_KV_CACHE_GROUPS,
+    MAX_LEASE_SLOT,
     MAX_PORT,
     MAX_U64,
     check_field,
     is_int,
 )
-from hixl_connector.connector.metadata import MAX_LEASE_SLOT, MAX_TP_SIZE, RemoteEndpoint
 
 
 class InvalidTransferParams(ValueError):

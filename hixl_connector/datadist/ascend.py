@@ -8,7 +8,7 @@ carry the project's checks where CANN silently accepts a mistake (``ascend_check
 thread (CANN has neither a batch nor an asynchronous pull).
 
 It also states what the connector must respect on Ascend (``ASCEND_PROFILE``, consulted by
-``hixl_connector.connector.worker.registered_kv``): the KV cache is in NPU memory and registers
+``hixl_connector.connector.kv.registered_kv``): the KV cache is in NPU memory and registers
 as ``Placement.DEVICE`` (a KV cache in host memory is refused: HCCS carries none, and RoCE
 only ``aclrtMallocHost`` memory), the device id is the one holding it, HCCS wants 2 MB-aligned
 bases, and one ``pull_blocks`` request must fit CANN's request buffer (reference section 6.2),

@@ -5,7 +5,7 @@ connector calls, and ``BackendProfile``, what a backend needs from the code that
 The connector's worker uses nothing but the LLM-DataDist API, through a ``Backend``
 (``load_backend``). The few facts in which the backends differ (which memory they move,
 LLMConfig fields, alignment, request-size limits) live in its profile, one per backend, and
-only ``hixl_connector.connector.worker.registered_kv`` reads them.
+only ``hixl_connector.connector.kv.registered_kv`` reads them.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import RankAddress
+from hixl_connector.connector.kv.layout import KVLayout, describe_kv_caches
+from hixl_connector.connector.kv.registered_kv import RegisteredKV, register_kv
+from hixl_connector.connector.kv.word_memory import aligned_zeros
 from hixl_connector.connector.leases.guarded_read import lease_word
-from hixl_connector.connector.peers.rank_addresses import RankAddress
-from hixl_connector.connector.worker.kv_layout import KVLayout, describe_kv_caches
-from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
-from hixl_connector.connector.worker.word_memory import aligned_zeros
 
 # Fixed, so that P and D on two hosts agree without talking: cluster ids far from any
 # engine's (config.derived_cluster_id_base), the lease and P's start nonce.

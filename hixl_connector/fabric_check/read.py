@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.leases.guarded_read import verdict
 from hixl_connector.connector.peers.engine_links import EngineLinks
-from hixl_connector.connector.worker.registered_kv import RegisteredKV
 from hixl_connector.fabric_check.probe import (
     LEASE_SLOT,
     PREFILL_CLUSTER_ID,

@@ -83,8 +83,9 @@ def scheduler_step_us(model: Path, waiting: int, steps: int) -> tuple[int, float
 
 def worker_step_us(waiting: int, steps: int) -> tuple[int, float, float]:
     """(waiting, median, p99) of a worker's lease-client step (changes, heartbeats due)."""
+    from hixl_connector.connector.endpoints import RemoteEndpoint
     from hixl_connector.connector.leases.client import LeaseClient
-    from hixl_connector.connector.metadata import RemoteEndpoint, WaitingRead
+    from hixl_connector.connector.metadata import WaitingRead
 
     client = LeaseClient(
         client_for=_never_sent,

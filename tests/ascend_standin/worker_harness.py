@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hixl_connector.connector.worker.word_memory import aligned_zeros
+from hixl_connector.connector.kv.word_memory import aligned_zeros
 
 NUM_LAYERS = 2
 NUM_BLOCKS = 64

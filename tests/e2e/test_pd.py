@@ -78,6 +78,10 @@ def test_completions_token_identical_and_blocks_pulled(
         wait_for_counter(deployment.decode, "sync_loads", sync_before + 1) - sync_before
     )
     assert 1 <= read_synchronously <= len(PROMPTS) - 1
+    # The counter's name before its rename still counts the same reads (CHANGELOG.md).
+    assert hixl_counter(deployment.decode, "in_step_loads") == hixl_counter(
+        deployment.decode, "sync_loads"
+    )
     # vLLM's own count of prompt tokens that came from the connector, not local compute: all
     # of them, but the last of a read in the step, which that step's forward computes.
     loaded = external_prompt_tokens(deployment.decode.url) - external

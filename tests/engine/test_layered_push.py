@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import RankAddress
+from hixl_connector.connector.kv.layout import describe_kv_caches
+from hixl_connector.connector.kv.registered_kv import RegisteredKV, register_kv
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.mapping.tp_mapping import unit_ids
 from hixl_connector.connector.metadata import PromptBlocks, SendSpec
-from hixl_connector.connector.peers.push_registration import PushRegistration
-from hixl_connector.connector.peers.push_status import GaveUp, PushStatusQuery, gave_up_in
-from hixl_connector.connector.peers.rank_addresses import RankAddress
-from hixl_connector.connector.worker.kv_layout import describe_kv_caches
-from hixl_connector.connector.worker.push_sender import PushSender
-from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
-from hixl_connector.connector.worker.request_push import RequestPush
+from hixl_connector.connector.push.registration import PushRegistration
+from hixl_connector.connector.push.request_push import RequestPush
+from hixl_connector.connector.push.sender import PushSender
+from hixl_connector.connector.push.status import GaveUp, PushStatusQuery, gave_up_in
 
 LAYERS, BLOCKS, HEADS = 4, 8, 2
 P_CLUSTER, D_CLUSTER = 7100, 7200

@@ -19,8 +19,8 @@ import numpy as np
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.link_reports import LinkReporter
-from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers.registry import PeerRegistry
 
 from .datadist_harness import Client

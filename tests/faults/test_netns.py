@@ -65,6 +65,11 @@ def pd(model_dir: Path, log_dir: Path, net: NetnsBed) -> Iterator[Servers]:
         servers.stop_all()
 
 
+# What an impaired link adds to a 200-token read at least: netem's 20 ms delay each way, or
+# the token bucket's 4 Mbit/s for its bytes (about 460 ms measured).
+IMPAIRED_AT_LEAST_MS = 20.0
+
+
 def timed_two_legs(pd: Servers, seed: int) -> float:
     prompt = token_prompt(200, seed)
     expected = plain(pd["prefill"], prompt)
@@ -138,6 +143,10 @@ def test_impaired_link_still_correct(pd: Servers, net: NetnsBed, fault_report: F
         net.restore()
     wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
     wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    # The impairment took effect: the reads crossed it (each pays its delay or rate at least
+    # once), and it dropped packets they had to retransmit.
+    assert slowed > clean + IMPAIRED_AT_LEAST_MS, (clean, slowed)
+    assert dropped > 0
     fault_report.record(
         "netns + TCP: impaired P-D link (delay and loss)",
         f"{applied}: token-identical, only slower: mean pull {clean:.1f} ms clean vs "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.connector.peers.push_status import PUSH_CHECK_S
+from hixl_connector.connector.push.status import PUSH_CHECK_S
 from hixl_connector.tools.demo.servers import RouterProcess, VllmServer, start_router
 from hixl_connector.tools.netns import NetnsBed
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from hixl_connector.connector.facade import HixlConnector
 from hixl_connector.connector.metadata import PushRecvSpec, RecvSpec
-from hixl_connector.connector.worker.push_receiver import PushReceiver
+from hixl_connector.connector.push.receiver import PushReceiver
 from hixl_connector.connector.worker.receiver import Receiver
 
 CORRUPT = "test_corrupt_received_kv"

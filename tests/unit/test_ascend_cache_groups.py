@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hixl_connector.connector.config import HixlConfig
-from hixl_connector.connector.peers.rank_addresses import rank_address
-from hixl_connector.connector.worker.kv_layout import describe_kv_caches
-from hixl_connector.connector.worker.registered_kv import register_kv, registrations
+from hixl_connector.connector.endpoints import rank_address
+from hixl_connector.connector.kv.layout import describe_kv_caches
+from hixl_connector.connector.kv.registered_kv import register_kv, registrations
 from hixl_connector.datadist import ascend
 
 NUM_BLOCKS = 8

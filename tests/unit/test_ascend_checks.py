@@ -110,9 +110,9 @@ def test_push_mode_stays_refused_on_the_ascend_back_end(api: Any) -> None:
     import torch
 
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.peers.rank_addresses import RankAddress
-    from hixl_connector.connector.worker.kv_layout import describe_kv_caches
-    from hixl_connector.connector.worker.registered_kv import register_kv
+    from hixl_connector.connector.endpoints import RankAddress
+    from hixl_connector.connector.kv.layout import describe_kv_caches
+    from hixl_connector.connector.kv.registered_kv import register_kv
 
     config = HixlConfig.from_dict({"backend": "ascend", "transfer_mode": "push"}, "e")
     layout = describe_kv_caches({"layer": torch.zeros(8, 64)}, 8)

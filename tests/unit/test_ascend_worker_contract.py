@@ -120,8 +120,9 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
 
 
 def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local: list[int]) -> bool:
+    from hixl_connector.connector.endpoints import RemoteEndpoint
     from hixl_connector.connector.leases.guarded_read import lease_word
-    from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, RemoteEndpoint
+    from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec
 
     request, lease_id, remote_blocks = LEASES[lease]
     remote = RemoteEndpoint("p-engine", SIDE_HOST, prefill["side_port"], 1, P_BASE, P_INCARNATION)

@@ -73,7 +73,8 @@ def per_peer_state_sizes(worker: Any) -> tuple[int, int, int]:
 
 
 def _specs(round_: int, ports: list[int]) -> tuple[list[Any], list[Any]]:
-    from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint, WaitingRead
+    from hixl_connector.connector.endpoints import RemoteEndpoint
+    from hixl_connector.connector.metadata import RecvSpec, WaitingRead
 
     recvs, beats = [], []
     for i, port in enumerate(ports):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,10 +13,11 @@ import pytest
 from hixl_connector.connector.config import (
     CLUSTER_ID_SPACE,
     MIN_AUTH_TOKEN_CHARS,
+    RENAMED_KEYS,
     HixlConfig,
     derived_cluster_id_base,
 )
-from hixl_connector.connector.peers.rank_addresses import CLUSTER_ID_STEP, rank_address
+from hixl_connector.connector.endpoints import CLUSTER_ID_STEP, rank_address
 
 ENV_TOKEN = "env-token-0123456789abcdef0123456789"
 KEY_TOKEN = "key-token-0123456789abcdef0123456789"
@@ -38,9 +41,27 @@ def test_the_tests_controls_are_no_user_keys(key: str) -> None:
         HixlConfig.from_dict({key: 1}, "e")
 
 
-def test_a_renamed_key_names_its_new_name() -> None:
-    with pytest.raises(ValueError, match="'load_in_step_bytes' is now 'sync_load_bytes'"):
-        HixlConfig.from_dict({"load_in_step_bytes": 0}, "e")
+def test_a_renamed_key_still_works_and_names_its_new_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, "hixl_connector.connector.config"):
+        config = HixlConfig.from_dict({"load_in_step_bytes": 0}, "e")
+    assert config.sync_load_bytes == 0
+    assert "'load_in_step_bytes' is now 'sync_load_bytes'" in caplog.text
+    # The old name is checked as the new one is.
+    with pytest.raises(ValueError, match="'sync_load_bytes'"):
+        HixlConfig.from_dict({"load_in_step_bytes": -1}, "e")
+
+
+def test_a_setting_given_under_both_names_is_refused() -> None:
+    with pytest.raises(ValueError, match="give only 'sync_load_bytes'"):
+        HixlConfig.from_dict({"load_in_step_bytes": 0, "sync_load_bytes": 0}, "e")
+
+
+def test_every_renamed_key_is_in_the_changelog() -> None:
+    changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text()
+    for old, new in RENAMED_KEYS.items():
+        assert f"`{old}`" in changelog and f"`{new}`" in changelog
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,8 +31,9 @@ from vllm_harness import (
     step,
 )
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
-from hixl_connector.connector.metadata import ReleaseSpec, RemoteEndpoint, WaitingRead
+from hixl_connector.connector.metadata import ReleaseSpec, WaitingRead
 
 pytestmark = pytest.mark.usefixtures("scheduling")
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hixl_connector.connector.kv.word_memory import ALIGNMENT_BYTES, WordMemory
 from hixl_connector.connector.leases.guarded_read import (
     CLEARED,
     IN_FLIGHT_READS,
@@ -28,7 +29,6 @@ from hixl_connector.connector.leases.guarded_read import (
     words_read,
 )
 from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
-from hixl_connector.connector.worker.word_memory import ALIGNMENT_BYTES, WordMemory
 
 
 class DeviceWords(WordMemory):

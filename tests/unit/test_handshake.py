@@ -147,7 +147,7 @@ def test_mla_reads_equal_block_sizes_and_refuses_others_naming_them(
 ) -> None:
     """MLA's latent is not registered in slices, which assembling a D block out of smaller
     P blocks needs: unequal sizes are refused at the handshake, naming both and the layout."""
-    from hixl_connector.connector.metadata import RemoteEndpoint
+    from hixl_connector.connector.endpoints import RemoteEndpoint
     from hixl_connector.connector.peers.compatibility import PeerError, check_compatible
 
     def mla(block_size: int, rank: int) -> HandshakePayload:
@@ -171,7 +171,7 @@ def test_mla_reads_equal_block_sizes_and_refuses_others_naming_them(
 def test_kv_in_other_memory_is_refused_naming_both() -> None:
     """P's KV on an NPU and D's in host memory (or the reverse) would make every read
     host-to-device, which CANN serves only through a device memory pool: refused."""
-    from hixl_connector.connector.metadata import RemoteEndpoint
+    from hixl_connector.connector.endpoints import RemoteEndpoint
     from hixl_connector.connector.peers.compatibility import PeerError, check_compatible
 
     def side(memory: str) -> HandshakePayload:

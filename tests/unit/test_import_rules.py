@@ -32,38 +32,112 @@ def test_the_planning_room_is_pure() -> None:
 
 
 CONNECTOR = "hixl_connector.connector"
-# Room of the connector -> the rooms it must not import: the scheduler half reaches neither
-# the worker half nor the network, planning reaches nothing that does I/O, and the shared
-# modules beside the facade reach no room but the planning one.
-FORBIDDEN = {
-    "scheduler": (
-        "worker",
-        "peers.side_channel",
-        "peers.registry",
-        "leases.client",
-        "leases.server",
-    ),
-    "mapping": ("scheduler", "worker", "peers", "leases"),
-    "leases": ("scheduler", "worker"),
-    "peers": ("scheduler", "worker", "leases"),
-    "": ("scheduler", "worker", "leases", "peers.side_channel", "peers.registry"),
-}
+# The connector's rooms from the bottom up: a module imports only from its own room or one
+# below it. A room is a folder of connector/ or a module beside the facade.
+ROOMS = (
+    "limits",
+    "endpoints",
+    "transfer_params",
+    "mapping",
+    "metadata",
+    "link_reports",
+    "config",
+    "stats",
+    "vllm_interface",
+    "peers",
+    "leases",
+    "kv",
+    "push",
+    "scheduler",
+    "worker",
+    "facade",
+)
+# Below it or not, the scheduler half reaches neither the worker half, the KV, push, nor the
+# network (test_the_scheduler_half_imports_... checks what that loads).
+SCHEDULER_NEVER = (
+    "kv",
+    "push",
+    "peers.side_channel",
+    "peers.registry",
+    "leases.client",
+    "leases.server",
+)
 
 
-def test_each_room_of_the_connector_keeps_to_its_side() -> None:
+def connector_modules() -> dict[str, Path]:
+    folder = PACKAGE / "connector"
+    modules = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join((CONNECTOR, *parts))] = path
+    return modules
+
+
+def room_of(module: str) -> str:
+    rest = module.removeprefix(CONNECTOR).lstrip(".")
+    return rest.split(".")[0] if rest else "facade"
+
+
+def connector_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The connector's own modules ``path`` imports (``from a import b`` of a module b: b)."""
+    found = set()
+    for name in imported_names(path):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name.startswith(CONNECTOR + "."):
+            found.add(name)
+    return found
+
+
+def test_every_room_of_the_connector_is_ranked() -> None:
+    assert {room_of(module) for module in connector_modules()} == set(ROOMS)
+
+
+def test_no_import_inside_the_connector_runs_upward() -> None:
+    modules = connector_modules()
     breaches = []
-    for room, forbidden in FORBIDDEN.items():
-        folder = PACKAGE / "connector" / room
-        paths = sorted(folder.glob("*.py"))
-        if room == "":
-            paths = [path for path in paths if path.stem not in ("facade", "__init__")]
-        for path in paths:
-            for module in imported_modules(path):
-                if any(module.startswith(f"{CONNECTOR}.{name}") for name in forbidden):
-                    breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
-                if room in ("scheduler", "mapping") and layer_of(module) == "datadist":
-                    breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    for module, path in modules.items():
+        room = room_of(module)
+        for target in connector_imports(path, modules):
+            if ROOMS.index(room_of(target)) > ROOMS.index(room):
+                breaches.append(f"{module} ({room}) imports {target} ({room_of(target)})")
+            if room == "scheduler" and any(
+                target.startswith(f"{CONNECTOR}.{name}") for name in SCHEDULER_NEVER
+            ):
+                breaches.append(f"the scheduler half's {module} imports {target}")
+        if room in ("scheduler", "mapping"):
+            breaches += [
+                f"{module} imports {name}"
+                for name in imported_modules(path)
+                if layer_of(name) == "datadist"
+            ]
     assert breaches == []
+
+
+def test_the_connectors_imports_have_no_circle() -> None:
+    modules = connector_modules()
+    graph = {
+        module: connector_imports(path, modules) - {module} for module, path in modules.items()
+    }
+    # A package's __init__ is imported by its modules' imports; it imports none of them here.
+    done: set[str] = set()
+    circles = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            circles.append(" -> ".join(trail[trail.index(module) :] + [module]))
+            return
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*trail, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert circles == []
 
 
 def test_importing_the_package_loads_nothing_but_itself() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hixl_connector.connector.worker.kv_layout import describe_kv_caches
+from hixl_connector.connector.kv.layout import describe_kv_caches
 
 
 def test_cpu_layout_layers_are_views_of_one_buffer() -> None:

@@ -8,8 +8,8 @@ import torch
 import vllm._custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+from hixl_connector.connector.kv.probe import cpu_slice_runs
 from hixl_connector.connector.mapping.block_slices import SLICE_ELEMENTS
-from hixl_connector.connector.worker.kv_probe import cpu_slice_runs
 
 
 def kernel_cache(

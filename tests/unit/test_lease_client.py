@@ -10,9 +10,10 @@ from typing import Any
 
 import zmq
 
+from hixl_connector.connector.endpoints import PeerRank, RemoteEndpoint
 from hixl_connector.connector.leases.client import LeaseClient, Outgoing, PeerLanes
 from hixl_connector.connector.leases.messages import LeaseNotice
-from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint, WaitingRead
+from hixl_connector.connector.metadata import ReleaseSpec, WaitingRead
 from hixl_connector.connector.peers.envelope import Destination
 from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelServer
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hixl_connector.connector.endpoints import PeerRank, RemoteEndpoint
 from hixl_connector.connector.leases.client import DueHeartbeat, HeartbeatSchedule, PeerKey
 from hixl_connector.connector.leases.messages import LeaseNotice
-from hixl_connector.connector.metadata import PeerRank, RemoteEndpoint
 
 
 def _remote(port: int, engine_id: str = "p-engine") -> PeerRank:

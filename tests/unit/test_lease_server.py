@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from raw_side_channel import RawSideChannel
 
+from hixl_connector.connector.kv.word_memory import WordMemory
 from hixl_connector.connector.leases.guarded_read import CLEARED, LeaseWords
 from hixl_connector.connector.leases.messages import LeaseNotice, Notification
 from hixl_connector.connector.leases.server import LeaseServer, LeaseTable
@@ -24,7 +25,6 @@ from hixl_connector.connector.peers.envelope import (
     seal_request,
 )
 from hixl_connector.connector.peers.side_channel import SideChannelServer
-from hixl_connector.connector.worker.word_memory import WordMemory
 
 TOKEN = "lease-server-test-token-0123456789abcdef"
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.metadata import (
     HixlConnectorMetadata,
     RecvSpec,
     ReleaseSpec,
-    RemoteEndpoint,
     SendSpec,
     WaitingRead,
 )

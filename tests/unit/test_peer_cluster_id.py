@@ -11,7 +11,7 @@ import pytest
 import zmq
 from registry_support import LinkRecorder, PrefillRank, make_registry, payload
 
-from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.peers.compatibility import PeerError
 from hixl_connector.connector.peers.registry import UNLINK_BOUND_S, Peer
 from hixl_connector.connector.peers.side_channel import SideChannelError

@@ -12,7 +12,7 @@ import pytest
 import zmq
 from registry_support import make_registry
 
-from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.peers.compatibility import PeerError
 from hixl_connector.connector.peers.registry import PeerRegistry
 

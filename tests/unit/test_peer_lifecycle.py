@@ -10,8 +10,8 @@ import pytest
 import zmq
 from registry_support import LinkRecorder, PrefillRank, make_registry, payload
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.link_reports import LinkReporter
-from hixl_connector.connector.metadata import RemoteEndpoint
 from hixl_connector.connector.peers.compatibility import PeerError
 from hixl_connector.connector.peers.registry import RETIRE_S
 

@@ -31,9 +31,9 @@ from vllm_harness import (
 )
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import rank_address
 from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec
-from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
 pytestmark = pytest.mark.usefixtures("scheduling")

@@ -1,4 +1,4 @@
-"""D's first contacts with a prefill engine in push mode (worker/push_contact.py), against
+"""D's first contacts with a prefill engine in push mode (push/contact.py), against
 real sockets: a P that never answers is judged gone once, and every request that came
 before that verdict fails with it at once instead of waiting out a timeout of its own; a
 request that comes later contacts P again."""
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import zmq
 
-from hixl_connector.connector.metadata import PeerRank, RemoteEndpoint
+from hixl_connector.connector.endpoints import PeerRank, RemoteEndpoint
 from hixl_connector.connector.peers.envelope import Destination
 from hixl_connector.connector.peers.side_channel import SideChannelClient
-from hixl_connector.connector.worker.push_contact import PeerLost, PrefillEndpoints
+from hixl_connector.connector.push.contact import PeerLost, PrefillEndpoints
 
 TIMEOUT_S = 0.5
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hixl_connector.connector.mapping.block_slices import SliceRun
-from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
 
 ids = st.integers(0, 2**31)
 

@@ -27,8 +27,9 @@ from vllm_harness import (
     step,
 )
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
-from hixl_connector.connector.metadata import PromptBlocks, PushRecvSpec, RemoteEndpoint
+from hixl_connector.connector.metadata import PromptBlocks, PushRecvSpec
 from hixl_connector.connector.transfer_params import (
     InvalidTransferParams,
     base_request_id,

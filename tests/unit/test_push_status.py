@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.peers.push_status import (
+from hixl_connector.connector.push.status import (
     MAX_ASKED,
     MAX_REASON_CHARS,
     GaveUp,

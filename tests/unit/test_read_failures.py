@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from hixl_connector.connector.endpoints import UNKNOWN_ENDPOINT
 from hixl_connector.connector.mapping.read_plans import UnreadableRequest
 from hixl_connector.connector.mapping.tp_mapping import TPMismatch
-from hixl_connector.connector.metadata import UNKNOWN_ENDPOINT, RecvSpec
+from hixl_connector.connector.metadata import RecvSpec
 from hixl_connector.connector.worker.read_failures import (
     HandshakeFailed,
     LeaseError,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.scheduler.misconfig import KINDS
 from hixl_connector.connector.transfer_params import (
     OWN_PARAMS,

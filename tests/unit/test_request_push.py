@@ -23,16 +23,16 @@ from hixl_connector.connector.mapping.tp_mapping import (
     heads_per_rank,
     plan_rank,
 )
-from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
-from hixl_connector.connector.worker.push_sender import ComputedLayers
-from hixl_connector.connector.worker.request_push import (
+from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.push.request_push import (
     head_runs,
     layer_ranges,
     pushed_slices,
     pushed_units,
     source_blocks,
 )
-from hixl_connector.connector.worker.serial_jobs import SerialJobs
+from hixl_connector.connector.push.sender import ComputedLayers
+from hixl_connector.connector.push.serial_jobs import SerialJobs
 
 
 @given(st.sets(st.integers(0, 80)))

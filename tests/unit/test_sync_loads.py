@@ -27,8 +27,9 @@ from vllm_harness import (
     step,
 )
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.link_reports import MAX_REPORTED_ENGINES, LinkReport, LinkReporter
-from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
+from hixl_connector.connector.metadata import RecvSpec
 from hixl_connector.connector.scheduler.sync_loads import SyncLoads
 
 pytestmark = pytest.mark.usefixtures("scheduling")

@@ -89,8 +89,9 @@ def recv_spec(
     side_port: int, lease: int, local_block: int, synchronous: bool = False, copy: int = 0
 ) -> Any:
     """D's read of lease ``lease`` into ``local_block`` (``copy``: which of its reads)."""
+    from hixl_connector.connector.endpoints import RemoteEndpoint
     from hixl_connector.connector.leases.guarded_read import lease_word
-    from hixl_connector.connector.metadata import RecvSpec, RemoteEndpoint
+    from hixl_connector.connector.metadata import RecvSpec
 
     request, lease_id, blocks = LEASES[lease]
     remote = RemoteEndpoint("p-synchronous", "127.0.0.1", side_port, 1, P_BASE, P_INCARNATION)

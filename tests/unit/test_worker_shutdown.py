@@ -56,12 +56,8 @@ def test_shutdown_under_load_is_bounded_and_leaves_nothing(
     tiny_model_dir: Path, silent_peers: list[int]
 ) -> None:
     from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.metadata import (
-        HixlConnectorMetadata,
-        RecvSpec,
-        RemoteEndpoint,
-        WaitingRead,
-    )
+    from hixl_connector.connector.endpoints import RemoteEndpoint
+    from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, WaitingRead
     from hixl_connector.connector.worker.half import HixlWorker
 
     extra = {"backend": "native", "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}

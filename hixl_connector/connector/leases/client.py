@@ -30,12 +30,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hixl_connector.connector.endpoints import PeerRank, RemoteEndpoint
 from hixl_connector.connector.leases.messages import (
     MAX_NOTIFICATION_ITEMS,
     LeaseNotice,
     Notification,
 )
-from hixl_connector.connector.metadata import PeerRank, ReleaseSpec, RemoteEndpoint, WaitingRead
+from hixl_connector.connector.metadata import ReleaseSpec, WaitingRead
 from hixl_connector.connector.peers.side_channel import SideChannelClient, SideChannelError
 
 logger = logging.getLogger(__name__)

@@ -212,7 +212,7 @@ class LeaseServer:
 
     @property
     def table(self) -> LeaseTable:
-        """Push mode pins and ends leases here (push_sender)."""
+        """Push mode pins and ends leases here (push.sender)."""
         return self._table
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:

@@ -5,7 +5,7 @@ A decode block of ``ratio * p`` tokens holds what ``ratio`` consecutive prefill 
 order that depends on the block size (keys transposed, ``[head_size, block_size]``, then
 values). So both sides also register their KV caches in slices of ``SLICE_ELEMENTS``
 elements, and D reads, for every KV head of every block, the slices of each of P's blocks
-straight into their places (``SliceRun``s, found from the kernels by ``kv_probe``).
+straight into their places (``SliceRun``s, found from the kernels by ``kv.probe``).
 
 Nothing here knows about vLLM, tensors or transports: plain ints in, plain ints out.
 """

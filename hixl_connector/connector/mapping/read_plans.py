@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.mapping.block_slices import SliceRun
 from hixl_connector.connector.mapping.tp_mapping import (
     HeadRead,
@@ -15,7 +16,6 @@ from hixl_connector.connector.mapping.tp_mapping import (
     check_shardable,
     plan_rank,
 )
-from hixl_connector.connector.metadata import RemoteEndpoint
 
 
 class UnreadableRequest(ValueError):

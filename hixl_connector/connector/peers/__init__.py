@@ -1,3 +1,3 @@
-"""Peers: the side channel to each prefill rank (envelope, sockets), the handshake, the
-registry of links, and each rank's addresses.
+"""Peers: the side channel to each prefill rank (envelope, sockets), the handshake, and the
+registry of links with their lifecycle.
 """

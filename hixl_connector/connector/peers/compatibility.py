@@ -6,9 +6,9 @@ announcement; nothing is linked here.
 
 from __future__ import annotations
 
+from hixl_connector.connector.endpoints import PeerRank
 from hixl_connector.connector.mapping.block_slices import BlockSizeMismatch, blocks_per_block
 from hixl_connector.connector.mapping.tp_mapping import heads_per_rank
-from hixl_connector.connector.metadata import PeerRank
 from hixl_connector.connector.peers.handshake import HandshakePayload, describe_mismatch
 
 

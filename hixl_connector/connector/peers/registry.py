@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import PeerRank, RemoteEndpoint
 from hixl_connector.connector.link_reports import LinkReporter
-from hixl_connector.connector.metadata import PeerRank, RemoteEndpoint
 from hixl_connector.connector.peers.compatibility import PeerError, check_compatible
 from hixl_connector.connector.peers.engine_links import EngineLinks
 from hixl_connector.connector.peers.envelope import Destination

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hixl_connector.connector.endpoints import UNKNOWN_ENDPOINT
 from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.mapping.kv_groups import (
@@ -24,13 +25,7 @@ from hixl_connector.connector.mapping.kv_groups import (
     blocks_to_fill,
     remote_blocks_to_read,
 )
-from hixl_connector.connector.metadata import (
-    UNKNOWN_ENDPOINT,
-    PushRecvSpec,
-    RecvSpec,
-    ReleaseSpec,
-    WaitingRead,
-)
+from hixl_connector.connector.metadata import PushRecvSpec, RecvSpec, ReleaseSpec, WaitingRead
 from hixl_connector.connector.scheduler.misconfig import Misconfigurations
 from hixl_connector.connector.scheduler.sync_loads import SyncLoads
 from hixl_connector.connector.transfer_params import (

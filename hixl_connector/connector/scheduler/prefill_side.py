@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import RemoteEndpoint, rank_address
 from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID, blocks_for_tokens
 from hixl_connector.connector.mapping.kv_groups import blocks_left_behind
-from hixl_connector.connector.metadata import PromptBlocks, RemoteEndpoint, SendSpec, WordSpec
+from hixl_connector.connector.metadata import PromptBlocks, SendSpec, WordSpec
 from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
-from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.connector.scheduler.block_tables import BlockTable, BlockTables, resumed_ids
 from hixl_connector.connector.transfer_params import build_remote_decode_params
 

@@ -24,9 +24,9 @@ Pure bookkeeping of the scheduler half: no engine, no I/O.
 
 from __future__ import annotations
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.link_reports import LinkReport, put_newest
 from hixl_connector.connector.mapping.blocks import blocks_for_tokens
-from hixl_connector.connector.metadata import RemoteEndpoint
 
 
 class SyncLoads:

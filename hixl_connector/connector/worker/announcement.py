@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hixl_connector.connector.kv.layout import KVLayout
 from hixl_connector.connector.peers.handshake import (
     SCHEMA_VERSION,
     HandshakePayload,
     compatibility_hash,
 )
-from hixl_connector.connector.worker.kv_layout import KVLayout
 
 
 def handshake_payload(

@@ -22,6 +22,9 @@ from typing import Any
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import rank_address
+from hixl_connector.connector.kv.layout import KVLayout, describe_kv_caches
+from hixl_connector.connector.kv.registered_kv import RegisteredKV, register_kv
 from hixl_connector.connector.leases.client import LeaseClient
 from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.link_reports import LinkReport, LinkReporter
@@ -34,16 +37,13 @@ from hixl_connector.connector.mapping.read_plans import ReadPlans
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.peers.handshake import HandshakePayload
 from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
-from hixl_connector.connector.peers.rank_addresses import rank_address
 from hixl_connector.connector.peers.registry import PeerRegistry
+from hixl_connector.connector.push.receiver import PushReceiver
+from hixl_connector.connector.push.sender import PushSender
 from hixl_connector.connector.stats import HixlKVConnectorStats
 from hixl_connector.connector.worker.announcement import describe_groups, handshake_payload
-from hixl_connector.connector.worker.kv_layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.worker.prefill_serving import PrefillServing
-from hixl_connector.connector.worker.push_receiver import PushReceiver
-from hixl_connector.connector.worker.push_sender import PushSender
 from hixl_connector.connector.worker.receiver import Receiver
-from hixl_connector.connector.worker.registered_kv import RegisteredKV, register_kv
 
 logger = logging.getLogger(__name__)
 
@@ -360,7 +360,7 @@ class HixlWorker:
 
     def _probe_slices(self, p_block_size: int) -> tuple[SliceRun, ...]:
         """Where P's blocks land in this rank's larger ones, from the CPU kernels."""
-        from hixl_connector.connector.worker.kv_probe import cpu_slice_runs
+        from hixl_connector.connector.kv.probe import cpu_slice_runs
 
         assert self._layout is not None
         cache = self._vllm_config.cache_config

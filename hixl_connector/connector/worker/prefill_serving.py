@@ -11,6 +11,7 @@ from typing import Any
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.leases.server import LeaseServer
 from hixl_connector.connector.metadata import SendSpec, WordSpec
@@ -18,8 +19,7 @@ from hixl_connector.connector.peers.envelope import Destination
 from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
 from hixl_connector.connector.peers.incarnation import IncarnationFile
 from hixl_connector.connector.peers.side_channel import SideChannelServer
-from hixl_connector.connector.worker.push_sender import PushSender
-from hixl_connector.connector.worker.registered_kv import RegisteredKV
+from hixl_connector.connector.push.sender import PushSender
 
 
 class PrefillServing:

@@ -7,12 +7,12 @@ land straight in their slots here.
 
 from __future__ import annotations
 
+from hixl_connector.connector.kv.layout import KVLayout
 from hixl_connector.connector.mapping.block_slices import blocks_per_block, slice_ids
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
 from hixl_connector.connector.mapping.tp_mapping import HeadRead, unit_ids
 from hixl_connector.connector.metadata import RecvSpec
 from hixl_connector.connector.peers.registry import Peer
-from hixl_connector.connector.worker.kv_layout import KVLayout
 from hixl_connector.connector.worker.read_failures import LeaseError
 
 # (peer cluster id, source ids, destination ids): one P rank's share of a request.

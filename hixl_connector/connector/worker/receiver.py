@@ -36,12 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import PeerRank
+from hixl_connector.connector.kv.layout import KVLayout
+from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.leases.client import LeaseClient
 from hixl_connector.connector.leases.guarded_read import GuardedPull, ScratchRows, verdict
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
-from hixl_connector.connector.metadata import PeerRank, RecvSpec, ReleaseSpec
+from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
-from hixl_connector.connector.worker.kv_layout import KVLayout
 from hixl_connector.connector.worker.read_failures import (
     HandshakeFailed,
     LeaseError,
@@ -54,7 +56,6 @@ from hixl_connector.connector.worker.read_units import (
     check_block_sizes,
     peer_units,
 )
-from hixl_connector.connector.worker.registered_kv import RegisteredKV
 
 logger = logging.getLogger(__name__)
 

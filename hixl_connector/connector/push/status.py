@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hixl_connector.connector.limits import MAX_CLUSTER_ID, check_field
-from hixl_connector.connector.peers.push_registration import MAX_REQUEST_ID_CHARS
+from hixl_connector.connector.push.registration import MAX_REQUEST_ID_CHARS
 
 MESSAGE_TYPE = "push_status"
 # A D rank waits for at most this many pushes from one P rank at once (its push words).

@@ -3,7 +3,7 @@ its KV heads and waits for them to write.
 
 For each ``PushRecvSpec``, on a small pool (never the step thread): learn P's cluster id and
 incarnation from a first-contact handshake when the router named P only by address
-(``push_contact``, kept per address until a push with it fails); then, for each P rank this
+(``push.contact``, kept per address until a push with it fails); then, for each P rank this
 rank mirrors a KV head of (as a pull would read them: tp_mapping), link it (PeerRegistry),
 grant its cluster those heads of the request's blocks in every registered KV cache (where
 P's blocks are smaller: their slices, with where each slice of P's blocks lands) and one push
@@ -14,30 +14,17 @@ reported received; an idle step sleeps until a write lands in D's engine
 (``wait_for_writes``) rather than polling the words. A P rank nobody reads (a replica) hears
 from one D rank that it has nothing to write.
 
-The safety argument, for the native engine (push mode refuses other back-ends at start):
-- D decodes a block only after the last write of every P rank of the request, its word,
-  landed; a P rank writes its word only after every block write returned, and each write
-  returns only once it landed.
-- Every write names its grant, and D's engine refuses one into a block that grant does not
-  hold, so a write meant for another request (an earlier one that used these blocks, or a P
-  that restarted since) never lands here; grant ids start at random, so a new start of
-  either side reissues none.
-- D revokes a request's grants before it reports the request, ok or failed; a revoke returns
-  only once no write under the grant is in flight and refuses every later one. So once vLLM
-  may free or reuse a block (after the report), nothing writes it. A same-host write is
-  copied in by D's engine over its transfer threads, and stays in flight (holding its grant)
-  until every one of them is done with it, so this holds for each thread's bytes alike.
-- D gives up on its own after ``pull_timeout_s`` (the router never aborts D): it revokes and
-  reports a failed receive, and vLLM's kv_load_failure_policy decides; it drops its link to
-  the P ranks, as after a read that timed out, so the next request links again.
-- D gives up sooner where it learns that no word will come: every ``PUSH_CHECK_S`` while a
-  request has waited that long, it asks the P rank (``peers.push_status``). P names the
-  pushes it gave up on (D fails them, and links again first where P lost the link it writes
-  over); a P rank that does not answer within ``handshake_timeout_s``, refuses (it
-  restarted), or whose host refuses the side channel's connection (its process died), is
-  gone: every request waiting on it fails at once, its link is dropped, and
-  so is every request that reached this rank before and still waits to register with it
-  (push_contact). Giving up is revoking first, as above, so nothing P writes later lands.
+Why D never decodes a block written for another request, nor lets one be written after it
+reported the request: ``guarded_write`` (grants, layers, word, revoke). D gives up on its own
+after ``pull_timeout_s`` (the router never aborts D), and sooner where it learns that no word
+will come: every ``PUSH_CHECK_S`` while a request has waited that long, it asks the P rank
+(``push.status``). P names the pushes it gave up on (D fails them, and links again first
+where P lost the link it writes over); a P rank that does not answer within
+``handshake_timeout_s``, refuses (it restarted), or whose host refuses the side channel's
+connection (its process died), is gone: every request waiting on it fails at once, its link
+is dropped, and so is every request that reached this rank before and still waits to
+register with it (push.contact). A request that timed out drops its link to the P ranks, as
+after a read that timed out, so the next request links again.
 """
 
 from __future__ import annotations
@@ -45,41 +32,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import RemoteEndpoint
+from hixl_connector.connector.kv.layout import KVLayout
+from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
 from hixl_connector.connector.mapping.read_plans import ReadPlans
-from hixl_connector.connector.metadata import PushRecvSpec, RemoteEndpoint
-from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
-from hixl_connector.connector.peers.push_status import PUSH_CHECK_S, PushStatusQuery, gave_up_in
+from hixl_connector.connector.metadata import PushRecvSpec
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
 from hixl_connector.connector.peers.side_channel import SideChannelTimeout
-from hixl_connector.connector.worker.kv_layout import KVLayout
-from hixl_connector.connector.worker.push_contact import PeerLost, PrefillEndpoints, PushRefused
-from hixl_connector.connector.worker.registered_kv import RegisteredCache, RegisteredKV
+from hixl_connector.connector.push.contact import PeerLost, PrefillEndpoints, PushRefused
+from hixl_connector.connector.push.guarded_write import (
+    PushWords,
+    Writer,
+    grant_writer,
+    revoke_writer,
+)
+from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.push.status import PUSH_CHECK_S, PushStatusQuery, gave_up_in
 
 logger = logging.getLogger(__name__)
-
-# How long a revoke waits for a write under way before it tries again.
-REVOKE_WAIT_S = 1.0
-
-
-@dataclass
-class _Writer:
-    """One P rank registered with for a request: what it may write here, and its word."""
-
-    peer: Peer
-    grants: list[int] = field(default_factory=list)
-    slot: int | None = None  # None: it writes nothing here (a replica nobody reads)
 
 
 @dataclass
 class _Awaited:
     spec: PushRecvSpec
-    writers: list[_Writer] = field(default_factory=list)
+    writers: list[Writer] = field(default_factory=list)
     registered_at: float = 0.0
     fresh: bool = False  # P's start was learned for this request (first contact)
     slices: Slices | None = None  # P's blocks are smaller: it writes slices of D's
@@ -118,8 +100,7 @@ class PushReceiver:
         self._record_pull = record_pull
         self._finish = finish
         self._plans = plans
-        self._words = kv.push_word_memory
-        self._free_slots = list(range(len(self._words) - 1, -1, -1))
+        self._words = PushWords(kv.push_word_memory)
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-push")
         self._lock = threading.Lock()
         self._awaited: dict[str, _Awaited] = {}  # registered with P, word not set yet
@@ -162,7 +143,7 @@ class PushReceiver:
         # wait below returns at once instead of sleeping past it.
         deadline = time.monotonic() + timeout_s
         landed = self._kv.writes_landed()
-        while not woken.is_set() and not any(self._set(slot) for slot in slots):
+        while not woken.is_set() and not any(self._words.is_set(slot) for slot in slots):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -177,7 +158,7 @@ class PushReceiver:
         with self._lock:
             for awaited in self._awaited.values():
                 slots = awaited.slots()
-                if slots and all(self._set(slot) for slot in slots):
+                if slots and all(self._words.is_set(slot) for slot in slots):
                     landed.append(awaited)
                 elif now - awaited.registered_at > self._config.pull_timeout_s:
                     late.append(awaited)
@@ -260,7 +241,7 @@ class PushReceiver:
 
     def _lose(self, peer: Peer, remote: RemoteEndpoint, reason: str) -> None:
         """``peer`` is gone: every request waiting on it, for its word or to register with
-        it (push_contact's verdict), fails now."""
+        it (push.contact's verdict), fails now."""
         self._endpoints.lost(remote, reason)
         peer.client.close()  # registrations queued on it end now, and see the verdict
         self._drop(peer, f"P is gone: {reason}", "push_peers_lost")
@@ -328,14 +309,15 @@ class PushReceiver:
         except ValueError as e:
             raise PushRefused(f"prefill engine {endpoint.engine_id}: {e}") from None
         for p_rank in plan.notify:
-            writer = _Writer(self._peers.get(endpoint.rank(p_rank)))
+            writer = Writer(self._peers.get(endpoint.rank(p_rank)))
             awaited.writers.append(writer)
             heads = tuple(HeadRun(r.src_head, r.dst_head, r.count) for r in plan.reads_from(p_rank))
             takes = bool(spec.local_block_ids and heads)
             if takes:
                 if awaited.slices is None:
                     awaited.slices = self._slices(writer.peer)
-                self._grant(awaited, writer, heads)
+                sliced = awaited.slices is not None
+                grant_writer(self._kv, self._words, writer, spec.local_block_ids, heads, sliced)
             message = PushRegistration(
                 request=spec.base_request_id,
                 cluster_id=self._cluster_id,
@@ -374,27 +356,6 @@ class PushReceiver:
             return Slices(ratio, self._plans.slice_runs(peer.payload.block_sizes[0]))
         except ValueError as e:
             raise PushRefused(f"prefill engine {peer.engine_id}: {e}") from None
-
-    def _grant(self, awaited: _Awaited, writer: _Writer, heads: tuple[HeadRun, ...]) -> None:
-        """Grants the writer the KV heads ``heads`` of the blocks in every KV cache (their
-        slices, where P's blocks are smaller), then a cleared push word (last)."""
-        blocks = awaited.spec.local_block_ids
-        cluster_id = writer.peer.cluster_id
-        sliced = self._kv.slices if awaited.slices is not None else None
-        for part in (sliced,) if sliced is not None else self._kv.caches:
-            units = granted_units(blocks, heads, self._kv.caches[0].units_per_block, part)
-            writer.grants.append(self._kv.grant(cluster_id, part, units))
-        with self._lock:
-            if not self._free_slots:
-                raise RuntimeError(f"all {len(self._words)} push words are taken")
-            writer.slot = self._free_slots.pop()
-        self._words.zero(writer.slot, 1)
-        assert self._kv.push_words is not None
-        writer.grants.append(self._kv.grant(cluster_id, self._kv.push_words, [writer.slot]))
-
-    def _set(self, slot: int) -> bool:
-        """Whether P wrote push word ``slot``."""
-        return bool(self._words.read(slot, 1)[0])
 
     def _landed(self, awaited: _Awaited, now: float) -> None:
         """P set the word: every block landed. Revoked before the report (a write under
@@ -438,36 +399,7 @@ class PushReceiver:
         self._finish(spec.request_id, False, spec.local_block_ids)
 
     def _revoke(self, awaited: _Awaited) -> None:
-        """Revokes every grant still held (each only once), then frees the words."""
-        timeout = self._kv.api.LLMStatusCode.LLM_TIMEOUT
+        """Revokes every writer's grants (guarded_write), then forgets the writers."""
         for writer in awaited.writers:
-            while writer.grants:
-                try:
-                    self._kv.revoke(writer.grants[-1], REVOKE_WAIT_S)
-                except Exception as e:
-                    if getattr(e, "status_code", None) == timeout:
-                        raise
-                    # Not a grant any more (the engine closed): nothing can write under it.
-                    logger.warning("hixl: grant %d: %s", writer.grants[-1], e)
-                writer.grants.pop()
-            if writer.slot is not None:
-                with self._lock:
-                    self._free_slots.append(writer.slot)
-                writer.slot = None
+            revoke_writer(self._kv, self._words, writer)
         awaited.writers.clear()
-
-
-def granted_units(
-    blocks: Sequence[int], heads: Sequence[HeadRun], units_per_block: int, part: RegisteredCache
-) -> list[int]:
-    """The units of ``part`` that hold KV heads ``heads`` (their ``dst``) of ``blocks``, in
-    blocks of ``units_per_block`` heads: the heads themselves, or every slice of them where
-    ``part`` registers the KV in slices (``part.units_per_block`` slices a block)."""
-    per_head = part.units_per_block // units_per_block
-    return [
-        (block * units_per_block + head) * per_head + piece
-        for block in blocks
-        for run in heads
-        for head in range(run.dst, run.dst + run.count)
-        for piece in range(per_head)
-    ]

@@ -18,6 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.endpoints import RankAddress
+from hixl_connector.connector.kv.layout import KVLayout
+from hixl_connector.connector.kv.word_memory import WordMemory
 from hixl_connector.connector.leases.guarded_read import (
     SCRATCH_WORDS,
     WORD_BYTES,
@@ -26,9 +29,6 @@ from hixl_connector.connector.leases.guarded_read import (
     words_read,
 )
 from hixl_connector.connector.mapping.blocks import chunk_pairs
-from hixl_connector.connector.peers.rank_addresses import RankAddress
-from hixl_connector.connector.worker.kv_layout import KVLayout
-from hixl_connector.connector.worker.word_memory import WordMemory
 from hixl_connector.datadist import (
     Backend,
     BlocksPull,

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from hixl_connector.connector.metadata import RemoteEndpoint
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.peers.handshake import SCHEMA_VERSION, HandshakePayload
 from hixl_connector.connector.peers.registry import PeerRegistry
 from hixl_connector.connector.peers.side_channel import SideChannelTimeout

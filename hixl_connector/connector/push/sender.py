@@ -19,7 +19,7 @@ writes in order. A D that does not answer holds a thread for up to ``pull_timeou
 write (the engine's bound on one write). A push P gives up on (a failed write, a lease that
 ended first, a prompt that finished without a lease: aborted, not deliverable) is logged,
 counted and kept for as long as its D waits, to answer D's ``push_status`` question
-(``peers.push_status``): D then fails the request at once. A D that registers for a prompt
+(``push.status``): D then fails the request at once. A D that registers for a prompt
 that already finished without a lease is refused at once.
 """
 
@@ -32,17 +32,17 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.metadata import PromptBlocks, SendSpec
-from hixl_connector.connector.peers.push_registration import PushRegistration
-from hixl_connector.connector.peers.push_status import GaveUp, PushStatusQuery, answer
-from hixl_connector.connector.transfer_params import base_request_id
-from hixl_connector.connector.worker.registered_kv import RegisteredKV
-from hixl_connector.connector.worker.request_push import (
+from hixl_connector.connector.push.registration import PushRegistration
+from hixl_connector.connector.push.request_push import (
     RequestPush,
     layer_ranges,
     source_blocks,
 )
+from hixl_connector.connector.push.status import GaveUp, PushStatusQuery, answer
+from hixl_connector.connector.transfer_params import base_request_id
 
 logger = logging.getLogger(__name__)
 

@@ -4,16 +4,12 @@ that vouches for them.
 Layers P's forward computes while D's registration is here are written as they are
 computed (``write_layers``, from ``save_kv_layer``); once the prefill finished
 (``finish``), the layers not yet written follow, then P's lease word into D's push word.
-D decodes only once it sees that word, so what keeps D from decoding wrong KV is the order:
-- every write of a request runs in order (SerialJobs), the word last, and only when every
-  write before it succeeded;
-- the word is written while P's lease is pinned, so the blocks cannot be freed under it;
-- a layer written before the lease existed came from blocks the running request owned. Had
-  the request ended otherwise (aborted: its blocks freed and reused), it gets no lease, so
-  no word: D times out, and what was written is never decoded;
-- every write names D's grant: once D revoked (timeout, abort), nothing lands.
+D decodes only once it sees that word; why that order keeps D from decoding wrong KV (the
+word last, written while the lease is pinned, every write under D's grant) is argued in
+``guarded_write``.
+
 A push P gives up on (a write failed, the lease ended first) is reported to ``gave_up``,
-which D hears of when it next asks (``peers.push_status``), so it fails the request without
+which D hears of when it next asks (``push.status``), so it fails the request without
 waiting out its own timeout.
 """
 
@@ -24,15 +20,15 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 
+from hixl_connector.connector.kv.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.mapping.block_slices import slice_ids
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.mapping.tp_mapping import unit_ids
 from hixl_connector.connector.metadata import SendSpec
-from hixl_connector.connector.peers.push_registration import HeadRun, PushRegistration, Slices
-from hixl_connector.connector.peers.push_status import GaveUp
-from hixl_connector.connector.worker.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
-from hixl_connector.connector.worker.serial_jobs import SerialJobs
+from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.push.serial_jobs import SerialJobs
+from hixl_connector.connector.push.status import GaveUp
 
 logger = logging.getLogger(__name__)
 

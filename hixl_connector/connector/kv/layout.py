@@ -35,8 +35,8 @@ class KVLayout:
     num_layers: int
     dtype: str
     block_shape: tuple[int, ...]
-    # Block-major views ([num_blocks, ...]) in registration order, for the test-only
-    # corruption control; never serialised.
+    # Block-major views ([num_blocks, ...]) in registration order: where the KV lives (its
+    # device and dtype, for the engine's options and the handshake); never serialised.
     views: tuple[Any, ...]
     # Layers of unlike parts (MLA: latent and rope): bytes per block of each part, in layer
     # order; empty when every tensor has the same block shape.

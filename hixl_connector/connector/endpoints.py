@@ -1,4 +1,6 @@
-"""Where one TP rank of an engine is reached: its ports and its LLM-DataDist cluster id.
+"""The engine identity, at the bottom of the connector: a prefill engine as its
+kv_transfer_params name it (``RemoteEndpoint``), one TP rank of it (``PeerRank``), and where
+each rank of an engine is reached: its ports and its LLM-DataDist cluster id.
 
 An engine (one engine id: a vLLM server with all its DP ranks) lays its ranks out at
 consecutive positions of three windows, each starting at a configured base: side-channel
@@ -106,3 +108,68 @@ def _check_position(position: int) -> None:
         raise ValueError(
             f"rank position must be an int in [0, {CLUSTER_ID_STEP}), got {position!r}"
         )
+
+
+# A prefill engine's ranks share one window of ports and cluster ids.
+MAX_TP_SIZE = CLUSTER_ID_STEP
+
+
+@dataclass(frozen=True)
+class RemoteEndpoint:
+    """A prefill engine as its kv_transfer_params name it: rank 0's side channel and cluster id."""
+
+    engine_id: str
+    host: str
+    port: int  # side channel port of P's tp rank 0; rank r listens on port + r
+    tp_size: int
+    cluster_id: int  # cluster id of P's tp rank 0; rank r's handshake must announce + r
+    # P's start nonce (peers.incarnation): a P restarted at the same address, even under the same
+    # engine id, is another endpoint, and its handshake must announce the same nonce.
+    incarnation: int = 0
+
+    def rank(self, p_rank: int) -> PeerRank:
+        """One TP rank of this engine; raises ValueError when it has no such rank, or when
+        that rank's port or cluster id would be out of range."""
+        if not is_int(p_rank) or not 0 <= p_rank < self.tp_size:
+            raise ValueError(
+                f"prefill engine {self.engine_id} has tp_size {self.tp_size}, no rank {p_rank!r}"
+            )
+        try:
+            port_at("remote_port", self.port, p_rank)
+            cluster_id_at("remote_cluster_id", self.cluster_id, p_rank)
+        except ValueError as e:
+            raise ValueError(f"prefill engine {self.engine_id}: {e}") from None
+        return PeerRank(self, p_rank)
+
+
+@dataclass(frozen=True)
+class PeerRank:
+    """One TP rank of a prefill engine: what D handshakes, links, pulls from and notifies."""
+
+    remote: RemoteEndpoint
+    rank: int
+
+    @property
+    def port(self) -> int:
+        """Its side-channel port."""
+        return port_at("remote_port", self.remote.port, self.rank)
+
+    @property
+    def cluster_id(self) -> int:
+        """The cluster id its handshake must announce."""
+        return cluster_id_at("remote_cluster_id", self.remote.cluster_id, self.rank)
+
+    @property
+    def key(self) -> tuple[str, int, str, int]:
+        """(engine id, incarnation, side-channel host, port): a restarted engine gets a new
+        key, whatever its engine id."""
+        return (self.remote.engine_id, self.remote.incarnation, self.remote.host, self.port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(side-channel host, port): where whichever engine serves this rank now answers."""
+        return (self.remote.host, self.port)
+
+
+# Stands in for the peer when kv_transfer_params were unusable: such a spec carries an error.
+UNKNOWN_ENDPOINT = RemoteEndpoint(engine_id="", host="", port=0, tp_size=1, cluster_id=0)

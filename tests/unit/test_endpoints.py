@@ -8,15 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT
-from hixl_connector.connector.metadata import RemoteEndpoint
-from hixl_connector.connector.peers.rank_addresses import (
+from hixl_connector.connector.endpoints import (
     CLUSTER_ID_STEP,
+    RemoteEndpoint,
     cluster_id_at,
     port_at,
     rank_address,
     rank_position,
 )
+from hixl_connector.connector.limits import MAX_CLUSTER_ID, MAX_PORT
 
 
 @dataclass(frozen=True)
