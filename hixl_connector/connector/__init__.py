@@ -8,6 +8,7 @@ holds the order):
 - ``mapping/``: pure planning of which blocks, heads and slices go where.
 - ``metadata`` (the per-step metadata), ``link_reports`` (what workers tell the scheduler
   about links), ``config`` (``kv_connector_extra_config``, validated), ``stats``,
+  ``outcomes`` (where D's receivers report what ended, for the step thread),
   ``vllm_interface`` (what differs between the vLLM versions it supports).
 - ``peers/``: the side channel and its envelope, the handshake, the registry of links.
 - ``leases/``: the lease server (P), client (D), their messages, and the guarded read.
@@ -16,7 +17,7 @@ holds the order):
 - ``push/``: both halves of push mode and its guarded write.
 - ``scheduler/``: the scheduler half (EngineCore, pure bookkeeping; imports no torch, zmq,
   vLLM runtime, engine or ``datadist``).
-- ``worker/``: the worker half (registration, D's reads, P's serving side).
+- ``worker/``: the worker half, a composition root of D's role and P's role.
 - ``facade``: ``HixlConnector``, the class vLLM instantiates; it forwards to one half.
 
 The connector talks to transfer engines only through ``hixl_connector.datadist``.

@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from hixl_connector.connector.endpoints import CLUSTER_ID_STEP
@@ -44,7 +45,6 @@ TOKEN_RECIPE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 BACKENDS = ("auto", "native", "ascend")
 TRANSPORTS = ("auto", "cma", "tcp")
 # pull: D reads P's leased blocks once P finished; push: P writes into blocks D granted it.
-TRANSFER_MODES = ("pull", "push")
 CLUSTER_ID_SPACE = 2**31
 MAX_TIMEOUT_S = (2**31 - 1) // 1000
 # A DNS host name (RFC 1123): dot-separated labels of letters, digits and inner hyphens.
@@ -62,6 +62,13 @@ RENAMED_KEYS = {"load_in_step_bytes": "sync_load_bytes"}
 DEFAULT_LINK_IDLE_S = 300.0
 
 
+class TransferMode(str, Enum):
+    """How KV reaches D: D reads P's blocks (pull), or P writes them into D's (push)."""
+
+    PULL = "pull"
+    PUSH = "push"
+
+
 @dataclass(frozen=True)
 class HixlConfig:
     side_channel_host: str = "127.0.0.1"
@@ -70,7 +77,7 @@ class HixlConfig:
     engine_port: int = 0
     backend: str = "auto"
     transport: str = "auto"
-    transfer_mode: str = "pull"
+    transfer_mode: TransferMode = TransferMode.PULL
     pull_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
     link_idle_s: float = DEFAULT_LINK_IDLE_S
@@ -120,7 +127,9 @@ class HixlConfig:
             engine_port=_int(extra, "engine_port", 0, low=0, high=MAX_PORT),
             backend=_choice(extra, "backend", "auto", BACKENDS),
             transport=_choice(extra, "transport", "auto", TRANSPORTS),
-            transfer_mode=_choice(extra, "transfer_mode", "pull", TRANSFER_MODES),
+            transfer_mode=TransferMode(
+                _choice(extra, "transfer_mode", "pull", tuple(mode.value for mode in TransferMode))
+            ),
             pull_timeout_s=pull_timeout_s,
             handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
             link_idle_s=_link_idle_s(extra, pull_timeout_s),
@@ -177,6 +186,11 @@ class HixlConfig:
             raise ValueError("kv_transfer_config.engine_id is not set")
         check_parallelism(vllm_config.parallel_config)
         return cls.from_dict(kv_transfer_config.kv_connector_extra_config, engine_id)
+
+    @property
+    def pushes(self) -> bool:
+        """Push mode: P writes the KV into D (``transfer_mode: "push"``)."""
+        return self.transfer_mode is TransferMode.PUSH
 
 
 # Parallel layouts whose ranks hold a part of the layers or of the tokens: a rank's blocks

@@ -67,9 +67,8 @@ def worker(tiny_model_dir: Path) -> Iterator[Any]:
 
 def per_peer_state_sizes(worker: Any) -> tuple[int, int, int]:
     """(linked peers, address locks, heartbeat peers): client-named, so kept bounded."""
-    peers, notices = worker._peers, worker._lease_client
-    linked, locks = (len(peers._peers), len(peers._locks)) if peers else (0, 0)
-    return linked, locks, notices._heartbeats.tracked_peers() if notices else 0
+    peers, notices = worker._decode.peers, worker._decode.lease_client
+    return len(peers._peers), len(peers._locks), notices._heartbeats.tracked_peers()
 
 
 def _specs(round_: int, ports: list[int]) -> tuple[list[Any], list[Any]]:

@@ -15,6 +15,7 @@ from hixl_connector.connector.config import (
     MIN_AUTH_TOKEN_CHARS,
     RENAMED_KEYS,
     HixlConfig,
+    TransferMode,
     derived_cluster_id_base,
 )
 from hixl_connector.connector.endpoints import CLUSTER_ID_STEP, rank_address
@@ -70,7 +71,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (config.side_channel_host, config.side_channel_port) == ("127.0.0.1", 5701)
     assert (config.engine_host, config.engine_port) == ("127.0.0.1", 0)
     assert (config.backend, config.transport) == ("auto", "auto")
-    assert config.transfer_mode == "pull"
+    assert config.transfer_mode is TransferMode.PULL
     assert (config.pull_timeout_s, config.handshake_timeout_s) == (30.0, 5.0)
     assert (config.transfer_threads, config.tcp_connections) == (2, 2)
     assert (config.lease_s, config.heartbeat_s) == (30.0, 5.0)

@@ -284,3 +284,34 @@ def test_abort_while_pulling_keeps_blocks_until_the_pull_ends(tiny_model_dir: Pa
     step(scheduler, finished_recving={"d9"})
     assert free_blocks(scheduler) == idle
     assert scheduler.requests == {}
+
+
+@pytest.mark.parametrize("mode", ["pull", "abort"])
+def test_a_requests_params_are_parsed_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Every hook after the first reads the one parsed record (its first hook parses)."""
+    from hixl_connector.connector.scheduler import decode_side as module
+
+    parses: list[str] = []
+    real = module.parse_remote_prefill
+
+    def counted(params: dict) -> object:
+        parses.append(params["remote_request_id"])
+        return real(params)
+
+    monkeypatch.setattr(module, "parse_remote_prefill", counted)
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
+    request = make_request("d1", prompt(40), params=prefill_params(3))
+    scheduler.add_request(request)
+    if mode == "abort":  # finished before its blocks were allocated: P is told to free
+        scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+        output, _ = step(scheduler)
+        assert [spec.request_id for spec in metadata(output).to_release] == ["d1"]
+    else:
+        output, _ = step(scheduler)
+        assert [spec.request_id for spec in metadata(output).to_recv] == ["d1"]
+        step(scheduler, finished_recving={"d1"})
+        run_until_finished(scheduler, "d1")
+    assert parses == ["p-req"]
+    assert decode_side(scheduler)._asked == {}

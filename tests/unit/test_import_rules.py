@@ -43,6 +43,7 @@ ROOMS = (
     "link_reports",
     "config",
     "stats",
+    "outcomes",
     "vllm_interface",
     "peers",
     "leases",

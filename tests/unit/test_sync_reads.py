@@ -176,13 +176,13 @@ def test_a_synchronous_read_from_a_link_just_dropped_reads_and_the_step_never_ha
     worker = decode["worker"]
     spec = recv_spec(prefill, SHARED + 2, local_block=SHARED + 3, synchronous=True)
     target = spec.remote.rank(0)
-    peer = worker._peers.in_place(target)
+    peer = worker._decode.peers.in_place(target)
     assert peer is not None, "linked by the test before"
-    worker._peers.drop(peer)
+    worker._decode.peers.drop(peer)
     began = time.monotonic()
     worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
     took = time.monotonic() - began
     assert worker.take_load_errors() == set()
     assert holds_block(decode["caches"], spec.local_block_ids[0], spec.remote_block_ids[0])
-    assert worker._peers.in_place(target) is peer, "the step thread handshook again"
+    assert worker._decode.peers.in_place(target) is peer, "the step thread handshook again"
     assert took < 0.5, f"the step waited {took:.2f} s"

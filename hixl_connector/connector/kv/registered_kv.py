@@ -259,7 +259,7 @@ def _configure(api: Backend, config: HixlConfig, layout: KVLayout) -> Any:
         llm_config.hixl_auth_token = config.auth_token
         # Pull mode: D reads, P never reaches back, so D opens no return listener. Push
         # mode: P writes into D over the link D opened, and only where D granted it.
-        push = config.transfer_mode == "push"
+        push = config.pushes
         llm_config.hixl_links_both_ways = push
         llm_config.hixl_writes_by_grant = push
     return llm_config
@@ -279,7 +279,7 @@ def register_kv(
     device = _kv_device(layout)
     api = load_backend(config.backend, getattr(device, "type", None))
     profile = api.PROFILE
-    if config.transfer_mode == "push" and not profile.native_options:
+    if config.pushes and not profile.native_options:
         raise ValueError(
             f"kv_connector_extra_config 'transfer_mode': 'push' needs the native engine's "
             f"write grants, which the {profile.name!r} back-end lacks: use 'transfer_mode': "
@@ -310,7 +310,7 @@ def register_kv(
     word_device = device if device is not None else "cpu"
     lease_word_memory = WordMemory(layout.num_blocks, word_device) if producer else None
     scratch_words = WordMemory(SCRATCH_WORDS, word_device) if consumer else None
-    pushed = consumer and config.transfer_mode == "push"
+    pushed = consumer and config.pushes
     push_word_count = layout.num_blocks * PUSH_WORDS_PER_BLOCK
     push_word_memory = WordMemory(push_word_count, word_device) if pushed else None
     try:

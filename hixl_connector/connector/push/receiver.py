@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,6 +42,7 @@ from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
 from hixl_connector.connector.mapping.read_plans import ReadPlans
 from hixl_connector.connector.metadata import PushRecvSpec
+from hixl_connector.connector.outcomes import Outcomes
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
 from hixl_connector.connector.peers.side_channel import SideChannelTimeout
 from hixl_connector.connector.push.contact import PeerLost, PrefillEndpoints, PushRefused
@@ -80,10 +80,8 @@ class PushReceiver:
         peers: PeerRegistry,
         rank: int,
         cluster_id: int,
-        record: Callable[[str], None],
-        record_pull: Callable[[float, float, int, int], None],
-        finish: Callable[[str, bool, tuple[int, ...]], None],
         plans: ReadPlans,
+        outcomes: Outcomes,
     ) -> None:
         """``plans``: which P ranks write which of this rank's KV heads (by P's TP size), and
         where the slices of P's blocks land (by P's block size), as a pull would read them."""
@@ -96,9 +94,7 @@ class PushReceiver:
         self._peers = peers
         self._tp_rank = rank
         self._cluster_id = cluster_id
-        self._record = record
-        self._record_pull = record_pull
-        self._finish = finish
+        self._outcomes = outcomes
         self._plans = plans
         self._words = PushWords(kv.push_word_memory)
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-push")
@@ -167,7 +163,7 @@ class PushReceiver:
         for awaited in landed:
             self._landed(awaited, now)
         for awaited in late:
-            self._record("push_timeouts")
+            self._outcomes.record("push_timeouts")
             reason = f"no push from P within pull_timeout_s ({self._config.pull_timeout_s:g} s)"
             self._pool.submit(self._give_up, awaited, reason)
         for awaited in late:
@@ -233,7 +229,7 @@ class PushReceiver:
             for awaited in failed:
                 del self._awaited[awaited.spec.request_id]
         for awaited in failed:
-            self._record("push_failures_heard")
+            self._outcomes.record("push_failures_heard")
             self._give_up(awaited, f"P gave up: {gave_up[awaited.spec.base_request_id].reason}")
         if any(g.relink for g in gave_up.values()):
             # P cannot write over this link again: the next request links anew.
@@ -260,7 +256,7 @@ class PushReceiver:
                 del self._awaited[awaited.spec.request_id]
         for awaited in failed:
             if counter is not None:
-                self._record(counter)
+                self._outcomes.record(counter)
             self._pool.submit(self._give_up, awaited, reason)
 
     def shutdown(self) -> None:
@@ -284,7 +280,7 @@ class PushReceiver:
                 self._offer(awaited, fresh=True)
         except Exception as e:
             if isinstance(e, PeerLost):
-                self._record("push_peers_lost")
+                self._outcomes.record("push_peers_lost")
             elif not isinstance(e, PushRefused):
                 self._endpoints.forget(spec.remote)
             self._give_up(awaited, str(e))
@@ -339,7 +335,7 @@ class PushReceiver:
                 reason = f"prefill rank {p_rank} of {endpoint.engine_id}: {e}"
                 self._lose(writer.peer, spec.remote, reason)
                 raise PeerLost(reason) from e
-        self._record("push_registrations")
+        self._outcomes.record("push_registrations")
 
     def _slices(self, peer: Peer) -> Slices | None:
         """Where P's blocks are smaller, the slices of its blocks that make up one of this
@@ -373,9 +369,9 @@ class PushReceiver:
         """The blocks of ``spec`` hold P's KV for it: reports them."""
         with self._lock:
             self._started.discard(spec.request_id)
-        self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
-        self._record("push_receives")
-        self._finish(spec.request_id, True, spec.local_block_ids)
+        self._outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
+        self._outcomes.record("push_receives")
+        self._outcomes.finish(spec.request_id, True, spec.local_block_ids)
 
     def _give_up(self, awaited: _Awaited, reason: str) -> None:
         """Revokes (waiting for any write under way), then reports a failed receive."""
@@ -395,8 +391,8 @@ class PushReceiver:
             return
         if reason != "aborted":
             logger.error("hixl: KV push for request %s failed: %s", spec.request_id, reason)
-        self._record("failed_push_receives")
-        self._finish(spec.request_id, False, spec.local_block_ids)
+        self._outcomes.record("failed_push_receives")
+        self._outcomes.finish(spec.request_id, False, spec.local_block_ids)
 
     def _revoke(self, awaited: _Awaited) -> None:
         """Revokes every writer's grants (guarded_write), then forgets the writers."""

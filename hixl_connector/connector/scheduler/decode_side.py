@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hixl_connector.connector.endpoints import UNKNOWN_ENDPOINT
+from hixl_connector.connector.endpoints import UNKNOWN_ENDPOINT, RemoteEndpoint
 from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.mapping.kv_groups import (
@@ -45,6 +45,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """A request's kv_transfer_params as D reads them: parsed once, read by every later hook."""
+
+    pushed: bool  # push mode: the params name P only, and P writes the KV here
+    prefill: RemotePrefill | None = None  # pull: what to read, under which lease
+    writer: RemoteEndpoint | None = None  # push: the prefill engine that writes
+    error: str = ""  # the params cannot drive a transfer: why
+
+
 @dataclass
 class DecodeStep:
     """What D's side hands the workers for one step."""
@@ -68,7 +78,6 @@ class DecodeSide:
         self.loads = loads  # which reads go in the step that computes the first token
         self._group_block_sizes = tuple(group_block_sizes)
         self._misconfigured = misconfigured
-        # Push mode: params that name P only (a concurrent leg) make P write the KV here.
         self._push = push
         # Requests whose RecvSpec went out and whose KV has not been reported yet.
         self.receiving: set[str] = set()
@@ -81,17 +90,19 @@ class DecodeSide:
         self._to_push_recv: list[PushRecvSpec] = []
         self._to_release: list[ReleaseSpec] = []
         self._to_cancel: list[str] = []
+        # Each request's parsed params, from its first hook until request_finished.
+        self._asked: dict[str, _Asked] = {}
 
     def on_new_request(self, request_id: str, params: dict[str, Any]) -> None:
         """A request that asks for remote prefill: its lease is renewed while it waits."""
-        if self._pushed(params):
+        asked = self._ask(request_id, params)
+        if asked.pushed:
             return  # no lease to renew: P holds its blocks until it wrote them here
-        try:
-            prefill = parse_remote_prefill(params)
-        except InvalidTransferParams as exc:
+        prefill = asked.prefill
+        if prefill is None:
             # The request fails when it is allocated (RecvSpec with an error), not here:
             # the scheduler cannot fail a request on its own.
-            logger.error("request %s: %s", request_id, exc)
+            logger.error("request %s: %s", request_id, asked.error)
             if not any(key in params for key in OWN_PARAMS):
                 self._misconfigured.note("foreign_params", request_id, ", ".join(OWN_PARAMS))
             return
@@ -125,18 +136,20 @@ class DecodeSide:
         unfilled = blocks_to_fill(
             blocks.blocks, local_hit, self._group_block_sizes, request.num_prompt_tokens
         )
-        if self._pushed(params):
-            self._push_recv(request_id, params, unfilled, external)
+        asked = self._ask(request_id, params)
+        if asked.pushed:
+            self._push_recv(request_id, asked, unfilled, external)
             return
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
-        try:
-            prefill = parse_remote_prefill(params)
-        except InvalidTransferParams as exc:
+        prefill = asked.prefill
+        if prefill is None:
             self._stop_waiting(request_id)
             if external > 0:
-                self._fail_later(request_id, None, local, str(exc), synchronous)
+                self._fail_later(request_id, None, local, asked.error, synchronous)
             else:
-                logger.error("request %s: nothing to pull, P not notified: %s", request_id, exc)
+                logger.error(
+                    "request %s: nothing to pull, P not notified: %s", request_id, asked.error
+                )
             return
         if external <= 0:
             self._release(request_id, prefill)
@@ -184,6 +197,7 @@ class DecodeSide:
         request_id = request.request_id
         self._stop_waiting(request_id)
         self.loads.forget(request_id)
+        asked = self._asked.pop(request_id, None)
         if request_id in self.receiving:
             # Aborted while its KV is on the way: the worker skips the read if it has not
             # started and tells P now. vLLM keeps the blocks until the worker reports it.
@@ -194,13 +208,15 @@ class DecodeSide:
         # Finished before its blocks were allocated (e.g. aborted): P still leases the
         # blocks, so tell it to free them now rather than at lease expiry.
         params["do_remote_prefill"] = False
-        if self._pushed(params):
-            self._push_recv(request_id, params, [], 0)
-            return True
-        try:
-            self._release(request_id, parse_remote_prefill(params))
-        except InvalidTransferParams as exc:
-            logger.error("request %s: cannot release its remote blocks: %s", request_id, exc)
+        asked = asked or self._parse(params)
+        if asked.pushed:
+            self._push_recv(request_id, asked, [], 0)
+        elif asked.prefill is not None:
+            self._release(request_id, asked.prefill)
+        else:
+            logger.error(
+                "request %s: cannot release its remote blocks: %s", request_id, asked.error
+            )
         return True
 
     def take_step(self) -> DecodeStep:
@@ -217,23 +233,38 @@ class DecodeSide:
         self._began_waiting, self._done_waiting = {}, []
         return step
 
-    def _pushed(self, params: dict[str, Any]) -> bool:
-        return self._push and is_push_identity(params)
+    def _ask(self, request_id: str, params: dict[str, Any]) -> _Asked:
+        """The request's params, parsed at its first hook."""
+        asked = self._asked.get(request_id)
+        if asked is None:
+            asked = self._asked[request_id] = self._parse(params)
+        return asked
+
+    def _parse(self, params: dict[str, Any]) -> _Asked:
+        # Push mode: params that name P only (a concurrent leg) make P write the KV here.
+        pushed = self._push and is_push_identity(params)
+        try:
+            if pushed:
+                return _Asked(True, writer=parse_push_identity(params))
+            return _Asked(False, prefill=parse_remote_prefill(params))
+        except InvalidTransferParams as exc:
+            return _Asked(pushed, error=str(exc))
 
     def _push_recv(
-        self, request_id: str, params: dict[str, Any], unfilled: Sequence[Unfilled], external: int
+        self, request_id: str, asked: _Asked, unfilled: Sequence[Unfilled], external: int
     ) -> None:
         """P writes the unfilled blocks (none: P frees its own at once)."""
         if external <= 0:
             unfilled = ()
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
-        try:
-            remote = parse_push_identity(params)
-        except InvalidTransferParams as exc:
+        remote = asked.writer
+        if remote is None:
             if external > 0:
-                self._fail_later(request_id, None, local, str(exc), False)
+                self._fail_later(request_id, None, local, asked.error, False)
             else:
-                logger.error("request %s: nothing to receive, P not told: %s", request_id, exc)
+                logger.error(
+                    "request %s: nothing to receive, P not told: %s", request_id, asked.error
+                )
             return
         positions = tuple(p for group_positions, _ in unfilled for p in group_positions)
         groups = tuple(len(group_positions) for group_positions, _ in unfilled)

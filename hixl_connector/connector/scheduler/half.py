@@ -53,7 +53,7 @@ class HixlScheduler:
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         self._group_block_sizes = group_block_sizes(vllm_config, kv_cache_config)
-        push = config.transfer_mode == "push"
+        push = config.pushes
         self.misconfigured = Misconfigurations()
         self.decode: DecodeSide | None = None
         self.prefill: PrefillSide | None = None

@@ -58,7 +58,8 @@ class PrefillSide:
     ) -> None:
         self._group_block_sizes = tuple(group_block_sizes)
         self._group_windows = tuple(group_windows) or (0,) * len(self._group_block_sizes)
-        self._push = config.transfer_mode == "push"
+        self._mode = config.transfer_mode
+        self._push = config.pushes
         # P announces rank 0's port and cluster id; D finds rank r at position r from there.
         rank_zero = rank_address(config, dp_rank, 0, tp_size)
         # This start of the engine: in every lease word, in the params and (through the lease
@@ -161,7 +162,7 @@ class PrefillSide:
             request.num_prompt_tokens,
             (lease_id, slot),
             self._group_block_sizes,
-            "push" if self._push else "pull",
+            self._mode.value,
         )
 
     def drop(self, request_id: str) -> None:

@@ -43,6 +43,7 @@ from hixl_connector.connector.leases.client import LeaseClient
 from hixl_connector.connector.leases.guarded_read import GuardedPull, ScratchRows, verdict
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
 from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec
+from hixl_connector.connector.outcomes import Outcomes
 from hixl_connector.connector.peers.registry import Peer, PeerRegistry
 from hixl_connector.connector.worker.read_failures import (
     HandshakeFailed,
@@ -89,10 +90,7 @@ class Receiver:
         peers: PeerRegistry,
         lease_client: LeaseClient,
         tp_rank: int,
-        record: Callable[[str], None],
-        record_pull: Callable[[float, float, int, int], None],
-        finish: Callable[[str, bool, tuple[int, ...]], None],
-        invalidate: Callable[[tuple[int, ...]], None],
+        outcomes: Outcomes,
     ) -> None:
         self._config = config
         self._kv = kv
@@ -102,10 +100,7 @@ class Receiver:
         self._peers = peers
         self._lease_client = lease_client
         self._tp_rank = tp_rank
-        self._record = record
-        self._record_pull = record_pull
-        self._finish = finish  # an asynchronous read ended (ok or not)
-        self._invalidate = invalidate  # a synchronous read failed: its blocks hold no KV
+        self._outcomes = outcomes
         # Handshakes and links with P ranks not linked yet, off the step thread.
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
         self._pooled: set[Future[None]] = set()  # work given to the pool, until it ends
@@ -145,7 +140,7 @@ class Receiver:
         try:
             peers = self._peers_now(spec, self._peers.in_place)
             if peers is None:
-                self._record("sync_load_peer_gone")
+                self._outcomes.record("sync_load_peer_gone")
                 raise PeerGone(
                     f"prefill engine {spec.remote.engine_id} has a rank with no same-host link "
                     "on this rank (restarted or gone since it was linked)"
@@ -275,7 +270,7 @@ class Receiver:
             try:
                 check_block_ids(readers, spec)
             except LeaseError:
-                self._record("refused_pulls")
+                self._outcomes.record("refused_pulls")
                 raise
             reads = [
                 peer_units(peers[read.p_rank], read, spec, self._layout, self._plans)
@@ -318,7 +313,7 @@ class Receiver:
         self._peers.read_through(flight.spec.remote, flight.peers.values())
         small = flight.nbytes <= self._config.sync_load_bytes
         if not in_place and not flight.spec.synchronous and small:
-            self._record("network_reads_async")
+            self._outcomes.record("network_reads_async")
 
     def _vouch(self, flight: _InFlight) -> None:
         """Raises LeaseError unless P's words vouched for the blocks before and after (the
@@ -327,14 +322,14 @@ class Receiver:
         outcome, reader = verdict(spec.lease_word, *self._kv.words_read(flight.pull))
         if outcome == "refused":
             peer = flight.readers[reader]
-            self._record("refused_pulls")
+            self._outcomes.record("refused_pulls")
             raise LeaseError(
                 f"prefill engine {peer.engine_id} rank {peer.payload.tp_rank} does not lease "
                 f"these blocks to request {spec.remote_request_id} under lease "
                 f"{spec.lease_id}: unknown or ended lease, or blocks outside it"
             )
         if outcome == "stale":
-            self._record("stale_pulls")
+            self._outcomes.record("stale_pulls")
             raise LeaseError(
                 f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
                 "ended during the pull; its blocks may have been reused"
@@ -352,17 +347,17 @@ class Receiver:
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` are in place, vouched for by P: reports them."""
-        self._record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
+        self._outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
         if spec.synchronous:
-            self._record("sync_loads")
+            self._outcomes.record("sync_loads")
         else:
-            self._finish(spec.request_id, True, spec.local_block_ids)
+            self._outcomes.finish(spec.request_id, True, spec.local_block_ids)
         self._lease_client.notify("done", self._release(spec))
 
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
         counter = counter_for(spec, error)
         if counter is not None:
-            self._record(counter)
+            self._outcomes.record(counter)
         if isinstance(error, PullCancelled):  # P was told when it was cancelled
             logger.info("hixl: %s", error)
             self._failed(spec)
@@ -381,9 +376,9 @@ class Receiver:
         """Tells vLLM: a failed receive, or for a synchronous read its blocks (vLLM's
         kv_load_failure_policy decides either way)."""
         if spec.synchronous:
-            self._invalidate(spec.local_block_ids)
+            self._outcomes.invalidate(spec.local_block_ids)
         else:
-            self._finish(spec.request_id, False, spec.local_block_ids)
+            self._outcomes.finish(spec.request_id, False, spec.local_block_ids)
 
     @staticmethod
     def _release(spec: RecvSpec) -> ReleaseSpec:
