@@ -32,7 +32,7 @@ HOW_TO = (
     "128 KiB-per-request leak fails the short form. Longer runs: "
     "`--fuzz-examples N` (hostile inputs per target, default 2000) and `--long-faults` "
     "(2000-request soak). Regenerate with `python -m hixl_connector reliability --from "
-    f"{DEFAULT_REPORT} --update README.md`."
+    f"{DEFAULT_REPORT} --update docs/reliability.md`."
 )
 EXPOSURE = (
     "| listener | default address | exposure |\n"
@@ -86,7 +86,7 @@ def update(readme: Path, table: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hixl_connector reliability")
     parser.add_argument("--from", dest="source", default=DEFAULT_REPORT, help="the tests' JSON")
-    parser.add_argument("--update", default="", help="README to rewrite between the markers")
+    parser.add_argument("--update", default="", help="markdown file to rewrite between the markers (docs/reliability.md)")
     args = parser.parse_args(argv)
     try:
         rows = json.loads(Path(args.source).read_text())["cases"]

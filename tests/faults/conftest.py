@@ -5,7 +5,7 @@ Options:
 - ``--long-faults``: the longer variants (a 500-request soak at 64 output tokens, more rounds);
 - ``--fault-report PATH``: where the measured rows of the reliability table go (JSON;
   default ``artifacts/faults/reliability.json``). Render them with
-  ``python -m hixl_connector reliability --from PATH --update README.md``.
+  ``python -m hixl_connector reliability --from PATH --update docs/reliability.md``.
 """
 
 from __future__ import annotations

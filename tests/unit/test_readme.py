@@ -76,3 +76,33 @@ def test_the_layout_lists_every_module_of_the_connector() -> None:
         if path.name != "__init__.py"
     )
     assert sorted(listed) == modules
+
+
+def test_every_relative_link_of_the_documents_names_a_file_that_exists() -> None:
+    root = README.parent
+    broken = []
+    for document in [README, root / "CHANGELOG.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", document.read_text()):
+            if "://" not in target and not (document.parent / target).exists():
+                broken.append(f"{document.relative_to(root)} -> {target}")
+    assert broken == []
+
+
+def test_every_module_path_the_protocol_page_names_exists() -> None:
+    """docs/protocol.md names modules relative to hixl_connector/connector/ (or the repo)."""
+    root = README.parent
+    text = (root / "docs" / "protocol.md").read_text()
+    missing = [
+        path
+        for path in sorted(set(re.findall(r"`([\w/]+\.(?:py|cpp|h|md))", text)))
+        if not any(
+            (base / path).exists()
+            for base in (
+                root,
+                root / "docs",
+                root / "hixl_connector" / "connector",
+                root / "hixl_connector",
+            )
+        )
+    ]
+    assert missing == []
