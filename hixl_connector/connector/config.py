@@ -31,13 +31,13 @@ logger = logging.getLogger(__name__)
 # A short token lets anyone who sniffs one HMAC challenge and its answer guess it offline;
 # 32 characters of secrets.token_hex carry 128 bits. The native engine applies the same rule.
 MIN_AUTH_TOKEN_CHARS = 32
-# Read by the native engine too (hixl_connector.datadist.native.AUTH_TOKEN_ENV), repeated here
-# because the scheduler half must not import the engine's package.
+# Read by the native engine too (datadist.native.llm_datadist.AUTH_TOKEN_ENV), repeated
+# here because the scheduler half must not import the engine's package.
 AUTH_TOKEN_ENV = "HIXL_AUTH_TOKEN"
-# The native engine's limit (hixl_connector.datadist.config.MAX_TCP_CONNECTIONS), repeated
+# The native engine's limit (hixl_connector.datadist.api.config.MAX_TCP_CONNECTIONS), repeated
 # here because the scheduler half must not import the engine's package.
 MAX_TCP_CONNECTIONS = 16
-# So are the native engine's listener caps (hixl_connector.datadist.config).
+# So are the native engine's listener caps (hixl_connector.datadist.api.config).
 DEFAULT_SERVER_HANDSHAKES = 1024
 DEFAULT_SERVER_CONNECTIONS = 4096
 MAX_SERVER_CONNECTIONS = 1 << 20

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hixl_connector.datadist.llm_types import BlocksPull
-from hixl_connector.datadist.pull_handle import PullHandle, ThreadPullHandle
+from hixl_connector.datadist.api.llm_types import BlocksPull
+from hixl_connector.datadist.api.pull_handle import PullHandle, ThreadPullHandle
 
 
 def _host_memory_only(device: Any) -> bool:

@@ -113,7 +113,8 @@ def _guarded_read(
     """One guarded read as the connector's receiver makes it (word, blocks, word, then the
     words read back and judged); its seconds from submit to the verdict."""
     reads = [(PREFILL_CLUSTER_ID, pairs[0], pairs[1])] if pairs[0] else []
-    pull = registered.lease_guarded_pull([(PREFILL_CLUSTER_ID, slot)], reads, False, 0)
+    guarded = registered.guarded_reads()
+    pull = guarded.batch([(PREFILL_CLUSTER_ID, slot)], registered.block_pulls(reads, False), 0)
     started = time.perf_counter()
     try:
         handle = registered.submit(pull.pulls)
@@ -121,7 +122,7 @@ def _guarded_read(
             raise TimeoutError(f"the read did not finish within {timeout_s} s")
     except Exception as e:
         raise CheckFailure("read", e) from e
-    before, after = registered.words_read(pull)
+    before, after = guarded.words(pull)
     elapsed = time.perf_counter() - started
     outcome, _ = verdict(word, before, after)
     if outcome != "vouched":

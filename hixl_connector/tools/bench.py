@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hixl_connector.datadist.config import MAX_TCP_CONNECTIONS
+from hixl_connector.datadist.api.config import MAX_TCP_CONNECTIONS
 from hixl_connector.tools.bench_common import (
     LAYERS,
     NUM_TENSORS,

@@ -43,6 +43,7 @@ from hixl_connector.tools.demo.client import (
     read_metrics,
 )
 from hixl_connector.tools.demo.pd_demo import connector_config
+from hixl_connector.tools.demo.processes import visit_process_group
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
@@ -58,19 +59,13 @@ MODES = ("push", "pull")
 
 def group_cpu_s(group: int) -> float:
     """User plus system seconds of every live process in process group ``group``."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        # After the command: state, ppid, pgrp (index 2), ..., utime (11), stime (12).
-        if int(fields[2]) == group:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+
+    def cpu_ticks(proc: Path) -> int:
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        # After the command: state, ppid, pgrp, ..., utime (index 11), stime (12).
+        return int(fields[11]) + int(fields[12])
+
+    return sum(visit_process_group(group, cpu_ticks).values()) / os.sysconf("SC_CLK_TCK")
 
 
 def cores_used(server: VllmServer, window_s: float) -> float:

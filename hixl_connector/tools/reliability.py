@@ -86,7 +86,11 @@ def update(readme: Path, table: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hixl_connector reliability")
     parser.add_argument("--from", dest="source", default=DEFAULT_REPORT, help="the tests' JSON")
-    parser.add_argument("--update", default="", help="markdown file to rewrite between the markers (docs/reliability.md)")
+    parser.add_argument(
+        "--update",
+        default="",
+        help="the page to rewrite between the markers",
+    )
     args = parser.parse_args(argv)
     try:
         rows = json.loads(Path(args.source).read_text())["cases"]

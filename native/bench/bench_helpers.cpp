@@ -18,10 +18,10 @@
 #include <string>
 #include <thread>
 
-#include "planner.h"
-#include "thread_pool.h"
-#include "transport.h"
-#include "wire.h"
+#include "common/planner.h"
+#include "common/thread_pool.h"
+#include "transports/transport.h"
+#include "common/wire.h"
 
 namespace hixl {
 

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "../bench/bench_helpers.h"
-#include "../src/crypto.h"
-#include "../src/planner.h"
+#include "common/crypto.h"
+#include "common/planner.h"
 #include "convert.h"
 
 namespace nb = nanobind;

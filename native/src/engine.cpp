@@ -6,18 +6,18 @@
 #include <stdexcept>
 #include <system_error>
 
-#include "async_pulls.h"
-#include "auth.h"
-#include "cache_table.h"
-#include "handshake.h"
-#include "links.h"
-#include "listeners.h"
-#include "planner.h"
-#include "server.h"
-#include "stats.h"
-#include "thread_pool.h"
-#include "landed_writes.h"
-#include "write_grants.h"
+#include "client/async_pulls.h"
+#include "common/auth.h"
+#include "common/cache_table.h"
+#include "common/handshake.h"
+#include "client/links.h"
+#include "server/listeners.h"
+#include "common/planner.h"
+#include "server/server.h"
+#include "common/stats.h"
+#include "common/thread_pool.h"
+#include "server/landed_writes.h"
+#include "server/write_grants.h"
 
 namespace hixl {
 namespace {
@@ -248,61 +248,54 @@ class Engine::Impl {
                    });
   }
 
-  // Plans from the link's copy of the peer's table and writes; when the peer's server says
-  // the destination is gone, the copy drops what the peer unregistered and the push is
-  // planned again (a bounded number of times).
+  // A push: `push` writes from `src` into the peer's cache its table names, under `grant`.
   Status push_over(Link& link, const PullRequest& planned, const CacheInfo& src,
                    const ResolvedRange& src_range, uint64_t grant, Deadline deadline) {
-    constexpr int kMaxPlans = 4;
-    for (int attempt = 1;; ++attempt) {
-      std::shared_ptr<const RemoteTable> remote = link.table();
-      const CacheInfo* dst = find_remote(*remote, planned);
-      if (dst == nullptr) return remote_missing(planned);
-      std::vector<Op> ops;
-      uint64_t runs = 0;
-      Status s = build_ops(planned, src, src_range, *dst, &ops, &runs, Direction::kPush);
-      if (!s.ok()) return s;
-      MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
-      s = link.transport().push(ops, dst->serial, grant, deadline);
-      if (s.code == plan::kStale) {
-        Status checked = link.drop_unregistered(remote.get(), 0, deadline);
-        if (!checked.ok()) return checked;
-        if (attempt < kMaxPlans) continue;
-        return Status::Error(status::kKvCacheNotExist,
-                             "the peer unregistered caches during each of " +
-                                 std::to_string(kMaxPlans) + " attempts");
-      }
-      if (!s.ok()) return s;
-      stats.pushed_bytes += static_cast<int64_t>(total_bytes(ops));
-      stats.ops += static_cast<int64_t>(ops.size());
-      stats.runs += static_cast<int64_t>(runs);
-      return Status::Ok();
-    }
+    return replanned(link, planned, src, src_range, Direction::kPush, deadline, stats.pushed_bytes,
+                     [&](const std::vector<Op>& ops, const RemoteTable&, const CacheInfo& dst,
+                         PeerView*) {
+                       return link.transport().push(ops, dst.serial, grant, deadline);
+                     });
   }
 
-  // Plans from the link's copy of the peer's table and pulls. When the peer unregistered
-  // caches since the copy was checked, the copy drops what is gone and the pull is planned
-  // again, a bounded number of times.
+  // A pull: the peer's cache its table names into `dst`.
   Status pull_over(Link& link, const PullRequest& r, const CacheInfo& dst,
                    const ResolvedRange& dst_range, Deadline deadline) {
+    return replanned(link, r, dst, dst_range, Direction::kPull, deadline, stats.bytes,
+                     [&](const std::vector<Op>& ops, const RemoteTable& remote,
+                         const CacheInfo& src, PeerView* seen) {
+                       return link.transport().pull(
+                           ops, {remote.unregistrations(), src.serial}, deadline, seen);
+                     });
+  }
+
+  // Plans from the link's copy of the peer's table and runs `transfer` (a pull or a push).
+  // When the peer unregistered caches since the copy was checked, the copy drops what is
+  // gone and the transfer is planned again, a bounded number of times. A read that saw the
+  // peer's table move but took every byte from a registration that outlived it stands.
+  template <class Transfer>
+  Status replanned(Link& link, const PullRequest& r, const CacheInfo& local,
+                   const ResolvedRange& local_range, Direction direction, Deadline deadline,
+                   std::atomic<int64_t>& moved_bytes, Transfer&& transfer) {
     constexpr int kMaxPlans = 4;
     for (int attempt = 1;; ++attempt) {
       std::shared_ptr<const RemoteTable> remote = link.table();
-      const CacheInfo* src = find_remote(*remote, r);
-      if (src == nullptr) return remote_missing(r);
+      const CacheInfo* peer = find_remote(*remote, r);
+      if (peer == nullptr) return remote_missing(r);
       std::vector<Op> ops;
       uint64_t runs = 0;
-      Status s = build_ops(r, dst, dst_range, *src, &ops, &runs);
+      Status s = build_ops(r, local, local_range, *peer, &ops, &runs, direction);
       if (!s.ok()) return s;
       MemoryCharge charge(meter, static_cast<int64_t>(ops.capacity() * sizeof(Op)));
       PeerView seen;
-      s = link.transport().pull(ops, {remote->unregistrations(), src->serial}, deadline, &seen);
+      s = transfer(ops, *remote, *peer, &seen);
       if (s.code == plan::kStale || s.code == plan::kTableMoved) {
         Status checked = link.drop_unregistered(remote.get(), seen.unregistrations, deadline);
         if (!checked.ok()) return checked;
-        // `src` lives in `remote`, which this pull still holds after the link's copy changed.
-        if (s.code == plan::kTableMoved && link.table()->has_serial(src->serial)) {
-          s = Status::Ok();  // every byte came from a registration that outlived the read
+        // `peer` lives in `remote`, which this transfer still holds after the link's copy
+        // changed.
+        if (s.code == plan::kTableMoved && link.table()->has_serial(peer->serial)) {
+          s = Status::Ok();
         } else if (attempt < kMaxPlans) {
           continue;
         } else {
@@ -312,7 +305,7 @@ class Engine::Impl {
         }
       }
       if (!s.ok()) return s;
-      stats.bytes += static_cast<int64_t>(total_bytes(ops));
+      moved_bytes += static_cast<int64_t>(total_bytes(ops));
       stats.ops += static_cast<int64_t>(ops.size());
       stats.runs += static_cast<int64_t>(runs);
       return Status::Ok();

@@ -86,3 +86,20 @@ def launch_prefill_worker(spec: dict[str, Any], directory: Path) -> subprocess.P
     spec_file.write_text(json.dumps(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return launch([sys.executable, str(HERE / "prefill_worker.py"), str(spec_file)], env)
+
+
+def launch_prefill(
+    model_dir: Path, engine_id: str, extra: dict[str, Any], leases: Any, directory: Path
+) -> subprocess.Popen[str]:
+    """launch_prefill_worker for P engine ``engine_id`` of ``model_dir`` with the connector's
+    ``extra`` config, leasing ``leases`` (its TP group on a free port)."""
+    from hixl_connector.tools.demo.processes import free_port
+
+    spec = {
+        "model_dir": str(model_dir),
+        "engine_id": engine_id,
+        "extra": extra,
+        "tp_port": free_port(),
+        "leases": leases,
+    }
+    return launch_prefill_worker(spec, directory)

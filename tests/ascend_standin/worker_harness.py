@@ -96,3 +96,15 @@ def kv_caches(fill: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def expected_block(tensor: int, block: Any) -> Any:
     """The value every element of block ``block`` of KV tensor ``tensor`` holds on P."""
     return 1000.0 * (tensor + 1) + block
+
+
+def decode_worker(config: Any, engine_id: str) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+    """A real HixlWorker of ``config`` (inside its TP group) with empty KV caches registered:
+    (the worker, its caches)."""
+    from hixl_connector.connector.config import HixlConfig
+    from hixl_connector.connector.worker.half import HixlWorker
+
+    worker = HixlWorker(config, HixlConfig.from_vllm_config(config), engine_id)
+    caches = kv_caches(fill=False)
+    worker.register_kv_caches(dict(caches))
+    return worker, caches

@@ -13,7 +13,6 @@ When a test fails, the tails of all process logs are attached to its report.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ import pytest
 
 from hixl_connector.tools.demo.client import Generation, chat, complete
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer, start_vllm_server
-from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 from .harness import (
     CHAT_MESSAGES,
@@ -31,6 +29,7 @@ from .harness import (
     PDLauncher,
     ProcessRegistry,
     e2e_prompts,
+    tiny_model_or_skip,
 )
 
 _REGISTRY = pytest.StashKey[ProcessRegistry]()
@@ -56,10 +55,7 @@ def process_registry(request: pytest.FixtureRequest) -> ProcessRegistry:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for module in ("vllm", "transformers", "vllm_router"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"end-to-end tests need {module!r} (install the cpu and dev extras)")
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model") / "model")
+    return tiny_model_or_skip(tmp_path_factory, "end-to-end", "tiny_model")
 
 
 @pytest.fixture(scope="session")

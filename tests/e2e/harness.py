@@ -6,10 +6,12 @@ The fixtures in ``conftest.py`` wrap these; tests may also call them directly.
   given ``kv_transfer_config`` dicts, plus the router in PD mode, and stops them all.
 - ``e2e_prompts``/``CHAT_MESSAGES``: deterministic prompts spanning several 32-token blocks.
 - ``example_connector_config``/``hixl_connector_config``: ready ``kv_transfer_config`` dicts.
+- ``tiny_model_or_skip``: the tiny model for a session, or a skip without vLLM and the router.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 from hixl_test_connector import with_controls
 
 from hixl_connector.tools.demo.client import (
@@ -38,7 +41,7 @@ from hixl_connector.tools.demo.servers import (
     start_router,
     start_vllm_server,
 )
-from hixl_connector.tools.demo.tiny_model import WORDS
+from hixl_connector.tools.demo.tiny_model import WORDS, build_tiny_model
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +61,21 @@ PROMPT_LENGTHS = (5, 32, 33, 64, 65, 97, 129, 160, 230, 300)
 # fp32 tiny model: per block and layer, 2 KV heads x 32 tokens x (2 x 32 head dims) x 4 bytes.
 BLOCK_BYTES_PER_LAYER = 2 * BLOCK_SIZE * 64 * 4
 NUM_LAYERS = 2
+
+
+# What serving the tiny model takes besides this package: without any of them, no suite that
+# starts servers can run.
+SERVING_STACK = ("vllm", "transformers", "vllm_router")
+
+
+def tiny_model_or_skip(tmp_path_factory: pytest.TempPathFactory, suite: str, folder: str) -> Path:
+    """The tiny random Llama, built into a fresh temporary ``folder``; skips the ``suite``'s
+    tests where the serving stack is not installed. Session fixtures of the end-to-end and the
+    fault suites (tests/faults/conftest.py) build their model with it."""
+    for module in SERVING_STACK:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{suite} tests need {module!r} (install the cpu and dev extras)")
+    return build_tiny_model(tmp_path_factory.mktemp(folder) / "model")
 
 
 def token_prompt(length: int, seed: int) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .datadist_harness import Client, Peer, start_peer
+from .datadist_harness import PEER, Client, NativePeer, Peer, Pusher, start_peer
 
 BACKEND_OF_OPTION = {"native": "native", "llm_datadist": "ascend"}
 
@@ -80,3 +80,13 @@ def client_factory(api: Any) -> Iterator[Callable[..., Client]]:
     yield make
     for client in made:
         client.dd.finalize()
+
+
+@pytest.fixture(params=["cma", "tcp"])
+def pusher(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]:
+    """A Pusher (cluster 80) linked over each transport to the module's ``peer`` (PEER)."""
+    client = Pusher(80, request.param)
+    client.link(peer)
+    assert client.engine.peer_transport(PEER) == request.param
+    yield client
+    client.engine.close()

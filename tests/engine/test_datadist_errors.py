@@ -238,7 +238,7 @@ def test_push_blocks_needs_remote_accessible_mode(env: Env, datadist_backend: st
     """Checked before anything else (reference section 6.5), so no engine is involved."""
     if datadist_backend != "native":
         pytest.skip("builds the native CacheManager directly")
-    from hixl_connector.datadist.cache_manager import CacheManager
+    from hixl_connector.datadist.native.cache_manager import CacheManager
 
     manager = CacheManager(engine=None, options={}, sync_kv_timeout_ms=1000)
     with pytest.raises(env.api.LLMException, match="enable_remote_cache_accessible") as info:

@@ -12,12 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from hixl_connector.datadist import BlocksPull
 
 from . import datadist_peer as layout
-from .datadist_harness import Client, Peer
+from .datadist_harness import Client, Peer, block_pairs
 
 NB = layout.NUM_BLOCKS
 KV = layout.make_tensors("kv", layout.NUM_TENSORS, NB * layout.BLOCK_BYTES)
@@ -67,31 +66,15 @@ def peer(peer_factory: Any) -> Peer:
 def setup(request: pytest.FixtureRequest, peer: Peer, client_factory: Any) -> Iterator[Setup]:
     client = client_factory(hixl_transport=request.param)
     s = Setup(client, peer, request.param)
-    assert client.link(peer) == (s.api.LLMStatusCode.LLM_SUCCESS, [s.api.LLMStatusCode.LLM_SUCCESS])
-    if hasattr(client.dd, "peer_transport"):
-        assert client.dd.peer_transport(peer.cluster_id) == request.param
+    client.link_over(peer, request.param)
     yield s
     client.unlink(peer)
-
-
-@st.composite
-def block_pairs(draw: st.DrawFn) -> list[tuple[int, int]]:
-    count = draw(st.integers(1, 24))
-    dst = draw(st.permutations(range(NB)))[:count]
-    if draw(st.booleans()):
-        src = draw(st.lists(st.integers(0, NB - 1), min_size=count, max_size=count))
-    else:  # runs that are contiguous on both sides, so the planner merges them
-        start = draw(st.integers(0, NB - count))
-        src = list(range(start, start + count))
-        dst_start = draw(st.integers(0, NB - count))
-        dst = list(range(dst_start, dst_start + count))
-    return list(zip(src, dst, strict=True))
 
 
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(pairs=block_pairs())
+@given(pairs=block_pairs(NB))
 def test_random_block_lists_byte_for_byte(setup: Setup, pairs: list[tuple[int, int]]) -> None:
     src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
     setup.pull(src, tuple(dst))

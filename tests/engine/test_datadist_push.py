@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from . import datadist_peer as layout
-from .datadist_harness import Client, Peer
+from .datadist_harness import Client, Peer, block_pairs
 
 NB = layout.NUM_BLOCKS
 NT = layout.NUM_TENSORS
@@ -66,32 +65,15 @@ def setup(
     peer = peer_factory(21 if request.param == "cma" else 22)
     client = client_factory(hixl_transport=request.param)
     s = PushSetup(client, peer, request.param)
-    ok = s.api.LLMStatusCode.LLM_SUCCESS
-    assert client.link(peer) == (ok, [ok])
-    if hasattr(client.dd, "peer_transport"):
-        assert client.dd.peer_transport(peer.cluster_id) == request.param
+    client.link_over(peer, request.param)
     yield s
     client.unlink(peer)
-
-
-@st.composite
-def block_pairs(draw: st.DrawFn) -> list[tuple[int, int]]:
-    count = draw(st.integers(1, 24))
-    dst = draw(st.permutations(range(NB)))[:count]
-    if draw(st.booleans()):
-        src = draw(st.lists(st.integers(0, NB - 1), min_size=count, max_size=count))
-    else:  # runs contiguous on both sides, merged by the planner
-        start = draw(st.integers(0, NB - count))
-        src = list(range(start, start + count))
-        dst_start = draw(st.integers(0, NB - count))
-        dst = list(range(dst_start, dst_start + count))
-    return list(zip(src, dst, strict=True))
 
 
 @settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(pairs=block_pairs())
+@given(pairs=block_pairs(NB))
 def test_random_block_lists_land_byte_for_byte(
     setup: PushSetup, pairs: list[tuple[int, int]]
 ) -> None:

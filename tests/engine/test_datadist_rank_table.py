@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hixl_connector.datadist import LLMException, LLMStatusCode, RegisterMemStatus, rank_table
+from hixl_connector.datadist import LLMException, LLMStatusCode, RegisterMemStatus
+from hixl_connector.datadist.native.parity import rank_table
 
 from . import datadist_peer as layout
 from . import rank_table_peer as member

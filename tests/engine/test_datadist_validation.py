@@ -25,14 +25,14 @@ from hixl_connector.datadist import (
     Placement,
     load_backend,
 )
-from hixl_connector.datadist.backend import BackendUnavailableError
-from hixl_connector.datadist.validation import (
+from hixl_connector.datadist.api.validation import (
     KIND_BLOCKS,
     KIND_CACHE_ID,
     KIND_CACHE_KEY,
     PullArgs,
     validate_pull_blocks,
 )
+from hixl_connector.datadist.backend import BackendUnavailableError
 
 PARAM = LLMStatusCode.LLM_PARAM_INVALID
 NUM_TENSORS, NUM_BLOCKS = 8, 16

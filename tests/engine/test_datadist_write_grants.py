@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from . import datadist_peer as layout
-from .datadist_harness import Client, start_prompt_side
+from .datadist_harness import Client, start_prompt_side, wait_blocked
 from .native_peer import NativePeer, stop_peer_process
 
 NB, NT, BB = layout.NUM_BLOCKS, layout.NUM_TENSORS, layout.BLOCK_BYTES
@@ -138,12 +138,14 @@ def test_a_waiter_sleeps_until_a_push_lands(sides: tuple[Client, NativePeer]) ->
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)
+    wait_blocked(waiter)  # asleep in wait_for_writes (or woke already)
     assert not woke
+    pushing = time.monotonic()
     assert push(prompt, [0, 1], [3, 4], grant) == "LLM_SUCCESS"
     answered = time.monotonic()
     waiter.join(timeout=10)
     assert woke and woke[0][0] == seen + 1
+    assert woke[0][1] >= pushing, "the waiter woke before the push"
     assert woke[0][1] - answered < 1.0, "the waiter slept on after the push landed"
     for bad in (-1, 2**64):
         with pytest.raises(ValueError):

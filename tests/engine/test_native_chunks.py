@@ -10,7 +10,8 @@ import pytest
 
 from hixl_connector import _native
 
-from .native_peer import BLOCKS_CACHE_ID, MODEL_ID, NativePeer, pattern, start_peer
+from .datadist_harness import register_and_link, serving
+from .native_peer import BLOCKS_CACHE_ID, MODEL_ID, NativePeer, pattern
 
 PEER_CLUSTER = 32
 TENSORS = 8
@@ -24,9 +25,7 @@ TIMEOUT_MS = 10000
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[NativePeer]:
-    p = start_peer(PEER_CLUSTER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
-    yield p
-    p.stop()
+    yield from serving(PEER_CLUSTER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
 
 
 @pytest.mark.parametrize("transport", ["cma", "tcp"])
@@ -34,11 +33,7 @@ def test_chunked_pull_is_byte_exact(peer: NativePeer, transport: str) -> None:
     engine = _native.Engine(201, transport=transport, transfer_threads=2)
     try:
         tensors = [np.full(BLOCKS * BLOCK_BYTES, SENTINEL, np.uint8) for _ in range(TENSORS)]
-        addrs = [t.ctypes.data for t in tensors]
-        assert engine.register_cache(
-            DST_CACHE, addrs, BLOCKS * BLOCK_BYTES, BLOCKS, True, True, -1, []
-        ) == (0, "")
-        assert engine.link(PEER_CLUSTER, "127.0.0.1", peer.port, TIMEOUT_MS) == (0, "")
+        register_and_link(engine, DST_CACHE, tensors, BLOCKS, peer, TIMEOUT_MS)
         rng = np.random.default_rng(8)
         src = rng.choice(BLOCKS, PULLED, replace=False).astype(np.int64)
         dst = rng.choice(BLOCKS, PULLED, replace=False).astype(np.int64)

@@ -15,6 +15,16 @@ import pytest
 
 from hixl_connector import _native
 
+from .datadist_harness import (
+    BLOCK_BYTES,
+    BLOCKS,
+    PEER,
+    TENSORS,
+    Pusher,
+    peer_answered,
+    peer_took_command,
+    serving,
+)
 from .native_peer import (
     GRANTED_CACHE_ID,
     GRANTED_MODEL_ID,
@@ -23,7 +33,6 @@ from .native_peer import (
     pattern,
     start_peer,
 )
-from .test_native_push import BLOCK_BYTES, BLOCKS, PEER, TENSORS, Pusher
 from .wire_client import (
     DATA,
     ERROR,
@@ -43,18 +52,7 @@ RAW_WRITER = 900  # the cluster wire_client's HELLO names
 
 @pytest.fixture()
 def peer() -> Iterator[NativePeer]:
-    p = start_peer(PEER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
-    yield p
-    p.stop()
-
-
-@pytest.fixture(params=["cma", "tcp"])
-def pusher(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]:
-    client = Pusher(80, request.param)
-    client.link(peer)
-    assert client.engine.peer_transport(PEER) == request.param
-    yield client
-    client.engine.close()
+    yield from serving(PEER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
 
 
 def push(pusher: Pusher, src: list[int], dst: list[int], grant_id: int) -> tuple[int, str]:
@@ -181,17 +179,22 @@ def test_revoke_waits_for_a_write_in_flight(peer: NativePeer) -> None:
             other.sendall(frame(WRITE, write_request(serial, (base + 64, 8), grant=grant_id)))
             kind, payload = recv_frame(other)
             assert kind == ERROR and refusal(0, grant_id, RAW_WRITER).encode() in payload
-        answers: list[object] = []
+        answers: list[tuple[object, float]] = []
         waiting = threading.Thread(
-            target=lambda: answers.append(peer.command(f"revoke {grant_id} 5000"))
+            target=lambda: answers.append(
+                (peer.command(f"revoke {grant_id} 5000"), time.monotonic())
+            )
         )
         waiting.start()
-        time.sleep(0.3)
-        assert not answers, "revoke returned while a write under the grant was in flight"
+        peer_took_command(peer)  # the peer is in the revoke (or already answered it)
+        unanswered = not answers and not peer_answered(peer)
+        assert unanswered, "revoke returned while a write under the grant was in flight"
+        released = time.monotonic()
         s.sendall(message[40:])
         assert recv_frame(s) == (WRITE_DONE, b"")
         waiting.join(timeout=5)
-        assert answers == [[0, ""]]
+        assert [answer for answer, _ in answers] == [[0, ""]]
+        assert answers[0][1] >= released, "revoke returned before the write in flight ended"
 
 
 def test_only_a_remote_accessible_blocks_cache_is_written_by_grant() -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from hixl_connector import _native
 
-from .native_peer import BLOCKS_CACHE_ID, MODEL_ID, NativePeer, pattern, start_peer
+from .datadist_harness import register_and_link, serving
+from .native_peer import BLOCKS_CACHE_ID, MODEL_ID, NativePeer, pattern
 
 PEER_CLUSTER = 31
 TENSORS = 64  # the Llama-8B layout: 32 layers, K and V apart
@@ -26,9 +27,7 @@ PEAK_LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[NativePeer]:
-    p = start_peer(PEER_CLUSTER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
-    yield p
-    p.stop()
+    yield from serving(PEER_CLUSTER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
 
 
 @pytest.mark.parametrize("transport", ["cma", "tcp"])
@@ -36,11 +35,7 @@ def test_scattered_pull_of_8192_ops_holds_little_memory(peer: NativePeer, transp
     engine = _native.Engine(200, transport=transport)
     try:
         tensors = [np.zeros(BLOCKS * BLOCK_BYTES, np.uint8) for _ in range(TENSORS)]
-        addrs = [t.ctypes.data for t in tensors]
-        assert engine.register_cache(
-            DST_CACHE, addrs, BLOCKS * BLOCK_BYTES, BLOCKS, True, True, -1, []
-        ) == (0, "")
-        assert engine.link(PEER_CLUSTER, "127.0.0.1", peer.port, TIMEOUT_MS) == (0, "")
+        register_and_link(engine, DST_CACHE, tensors, BLOCKS, peer, TIMEOUT_MS)
         assert engine.peer_transport(PEER_CLUSTER) == transport
         rng = np.random.default_rng(5)
         # Even ids only: no two pairs are adjacent on both sides, so every pair is its own run.

@@ -16,13 +16,23 @@ import pytest
 
 from hixl_connector import _native
 
+from .datadist_harness import (
+    BACK_CACHE,
+    BLOCK_BYTES,
+    BLOCKS,
+    PEER,
+    TENSORS,
+    TIMEOUT_MS,
+    Pusher,
+    peer_answered,
+    peer_took_command,
+    serving,
+)
 from .native_peer import (
     BLOCKS_CACHE_ID,
     CONTIGUOUS_CACHE_ID,
-    MODEL_ID,
     NativePeer,
     pattern,
-    start_peer,
     stop_process,
 )
 from .wire_client import (
@@ -44,52 +54,8 @@ from .wire_client import (
     write_request,
 )
 
-PEER = 41
-TENSORS, BLOCKS, BLOCK_BYTES = 4, 64, 4096
-SRC_CACHE, BACK_CACHE = 70, 71
-TIMEOUT_MS = 3000
 MARGIN_S = 0.3
 STALL_S = 10.0  # wire::kSendStallTimeoutMs
-
-
-class Pusher:
-    """A client engine with a source cache of its own pattern and a read-back cache."""
-
-    def __init__(self, cluster_id: int, transport: str) -> None:
-        self.cluster_id = cluster_id
-        self.engine = _native.Engine(cluster_id, transport=transport)
-        nbytes = BLOCKS * BLOCK_BYTES
-        self.src = [pattern(cluster_id, SRC_CACHE, t, nbytes).copy() for t in range(TENSORS)]
-        self.back = [np.zeros(nbytes, np.uint8) for _ in range(TENSORS)]
-        for cache_id, tensors in ((SRC_CACHE, self.src), (BACK_CACHE, self.back)):
-            addrs = [t.ctypes.data for t in tensors]
-            status, msg = self.engine.register_cache(
-                cache_id, addrs, nbytes, BLOCKS, True, True, -1, []
-            )
-            assert status == _native.SUCCESS, msg
-
-    def link(self, peer: NativePeer) -> None:
-        assert self.engine.link(PEER, "127.0.0.1", peer.port, 3000) == (0, "")
-
-    def push(
-        self,
-        src: list[int],
-        dst: list[int],
-        timeout_ms: int = TIMEOUT_MS,
-        model_id: int = MODEL_ID,
-        grant: int = 0,
-    ) -> tuple[int, str]:
-        return self.engine.push(
-            PEER, model_id, SRC_CACHE, src, dst, 0, -1, 0, -1, timeout_ms, grant=grant
-        )
-
-    def peer_blocks(self, model_id: int = MODEL_ID) -> list[np.ndarray]:
-        """The peer's whole blocks cache of `model_id`, read back with a pull."""
-        ids = list(range(BLOCKS))
-        status, msg = self.engine.pull(PEER, 0, model_id, -1, -1, -1, 0, BACK_CACHE, ids, ids,
-                                       0, -1, 0, -1, TIMEOUT_MS)  # fmt: skip
-        assert status == _native.SUCCESS, msg
-        return [t.reshape(BLOCKS, BLOCK_BYTES).copy() for t in self.back]
 
 
 def original(tensor: int) -> np.ndarray:
@@ -103,18 +69,7 @@ def assert_untouched(pusher: Pusher) -> None:
 
 @pytest.fixture()
 def peer() -> Iterator[NativePeer]:
-    p = start_peer(PEER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
-    yield p
-    p.stop()
-
-
-@pytest.fixture(params=["cma", "tcp"])
-def pusher(request: pytest.FixtureRequest, peer: NativePeer) -> Iterator[Pusher]:
-    client = Pusher(80, request.param)
-    client.link(peer)
-    assert client.engine.peer_transport(PEER) == request.param
-    yield client
-    client.engine.close()
+    yield from serving(PEER, tensors=TENSORS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
 
 
 def test_push_lands_and_the_peer_counts_it(peer: NativePeer, pusher: Pusher) -> None:
@@ -212,16 +167,22 @@ def test_a_stalled_writer_is_dropped_and_unregistration_waits_for_it(peer: Nativ
         s.sendall(frame(WRITE, write_request(serials[BLOCKS_CACHE_ID], (base, 4096))))
         assert recv_frame(s)[0] == WRITE_READY
         s.sendall(frame(DATA, bytes(4096))[:1016])  # the header and part of the bytes
-        answers: list[object] = []
+        answers: list[tuple[object, float]] = []
         start = time.monotonic()
-        dropping = threading.Thread(target=lambda: answers.append(peer.command("drop 1")))
+        dropping = threading.Thread(
+            target=lambda: answers.append((peer.command("drop 1"), time.monotonic()))
+        )
         dropping.start()
-        time.sleep(0.5)
-        assert not answers, "unregistration finished while a write held the cache"
+        peer_took_command(peer)  # the peer is in the unregistration (or already answered it)
+        unanswered = not answers and not peer_answered(peer)
+        assert unanswered, "unregistration finished while a write held the cache"
         assert closed_by_server(s, STALL_S + 3)
+        dropped_at = time.monotonic()
         dropping.join(timeout=5)
-        assert answers == [[0, ""]]
-        assert STALL_S - 1 < time.monotonic() - start < STALL_S + 3
+        assert [answer for answer, _ in answers] == [[0, ""]]
+        assert STALL_S - 1 < dropped_at - start < STALL_S + 3
+        answered_after = answers[0][1] - start
+        assert answered_after > STALL_S - 1, "unregistration did not wait for the stalled write"
     assert peer.stats()["received_writes"] == 0
 
 

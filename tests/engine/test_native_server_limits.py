@@ -44,7 +44,7 @@ TOKEN = "server-limits-token-0123456789abcdef"
 CLUSTER = 41
 
 # The server's caps, set small here (engine options; defaults 1024 and 4096), and its
-# timeouts (native/src/wire.h).
+# timeouts (native/src/common/wire.h).
 MAX_HANDSHAKING = 16
 MAX_AUTHENTICATED = 64
 HANDSHAKE_TIMEOUT_S = 5.0

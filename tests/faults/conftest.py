@@ -10,13 +10,12 @@ Options:
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e.harness import tiny_model_or_skip
 
-from hixl_connector.tools.demo.tiny_model import build_tiny_model
 from hixl_connector.tools.netns import NetnsBed, NetnsUnavailable, make_bed
 
 from .deployments import short_lease_pair
@@ -56,10 +55,7 @@ def fault_report(request: pytest.FixtureRequest) -> FaultReport:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    for module in ("vllm", "transformers", "vllm_router"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"fault tests need {module!r} (install the cpu and dev extras)")
-    return build_tiny_model(tmp_path_factory.mktemp("fault_model") / "model")
+    return tiny_model_or_skip(tmp_path_factory, "fault", "fault_model")
 
 
 @pytest.fixture(scope="session")

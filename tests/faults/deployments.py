@@ -17,6 +17,9 @@ LEASE_S = 3.0
 HEARTBEAT_S = 0.5
 PULL_TIMEOUT_S = 3.0
 HANDSHAKE_TIMEOUT_S = 2.0
+# How long P and D may take to hold no block and no request again after a fault: a lease's
+# expiry, the latest moment P frees blocks no one released, with room for a loaded host.
+IDLE_TIMEOUT_S = LEASE_S + 10.0
 
 
 def connector_config(role: str, policy: str = "fail", **extra: Any) -> dict[str, Any]:

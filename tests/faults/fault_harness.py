@@ -25,7 +25,7 @@ from hixl_connector.tools.demo.client import (
     metric_total,
     read_metrics,
 )
-from hixl_connector.tools.demo.processes import ProcessFailed, free_port
+from hixl_connector.tools.demo.processes import ProcessFailed, free_port, visit_process_group
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
@@ -262,20 +262,13 @@ class Servers:
         """Until no process of the server's group runs (SIGKILL is delivered asynchronously;
         a zombie has no memory left to read)."""
         pgid = self._servers[name].pid
+        assert pgid is not None
+
+        def state(proc: Path) -> str:
+            return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
         def running() -> bool:
-            for entry in Path("/proc").iterdir():
-                if not entry.name.isdigit():
-                    continue
-                try:
-                    if os.getpgid(int(entry.name)) != pgid:
-                        continue
-                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                except OSError:  # gone meanwhile
-                    continue
-                if state != "Z":
-                    return True
-            return False
+            return any(s != "Z" for s in visit_process_group(pgid, state).values())
 
         wait_for(lambda: not running(), timeout_s, f"{name}'s processes gone")
 

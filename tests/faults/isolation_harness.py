@@ -1,5 +1,6 @@
-"""What the isolation tests (test_netns_isolation.py) share: a bystander stream on D, requests
-through the router or leg by leg, and shutdown under a burst of reads."""
+"""What the isolation tests (test_netns_isolation.py, and push mode's in test_netns_push.py)
+share: a bystander stream on D, vllm-router in a namespace of its own, requests through it or
+leg by leg, and shutdown under a burst of reads."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from hixl_connector.tools.demo.client import RequestFailed, complete, post_sse
-from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
+from hixl_connector.tools.demo.servers import RouterProcess, VllmServer, start_router
+from hixl_connector.tools.netns import NetnsBed
 
 from .deployments import PULL_TIMEOUT_S
 from .fault_harness import (
@@ -32,6 +35,27 @@ from .fault_harness import (
 # few ms, but up to about 0.1 s while a restarting vLLM (its start-up saturates both cores
 # of a 2-core host) shares the machine: 0.107 s was seen once in CI.
 MAX_GAP_S = 0.25
+
+
+@contextmanager
+def router_in_namespace(
+    net: NetnsBed, prefill: VllmServer, decode: VllmServer, log_dir: Path
+) -> Iterator[RouterProcess]:
+    """vllm-router in the router's namespace of ``net``, sending each request to P, then D
+    over the management network (the data link's faults never reach it); healthy, and stopped
+    on the way out."""
+    router = start_router(
+        [prefill.url],
+        [decode.url],
+        log_dir,
+        host=net.router_http,
+        wrap=net.exec_prefix(net.ns_router),
+    )
+    try:
+        router.wait_healthy(60.0)
+        yield router
+    finally:
+        router.stop()
 
 
 def through_router(router: RouterProcess, prompt: list[int]) -> LegResult:
@@ -99,10 +123,16 @@ def stuck_request(pd: Servers, seed: int, fault: Callable[[], None]) -> tuple[Le
     return result, result.finished_at - began
 
 
-def timed_out_in_isolation(bystander: Bystander, result: LegResult, took: float) -> None:
-    """D kept decoding its own stream while the stuck read timed out asynchronously."""
+def kept_pace(bystander: Bystander) -> None:
+    """D kept decoding its own stream: no error, and no gap between two tokens over MAX_GAP_S
+    (a step that waited on the faulty peer would have stalled it)."""
     assert bystander.error is None, bystander.error
     assert bystander.largest_gap_s <= MAX_GAP_S, f"D stalled {bystander.largest_gap_s:.3f} s"
+
+
+def timed_out_in_isolation(bystander: Bystander, result: LegResult, took: float) -> None:
+    """D kept decoding its own stream while the stuck read timed out asynchronously."""
+    kept_pace(bystander)
     assert result.failed, "a read from a silent P must not succeed"
     assert took <= PULL_TIMEOUT_S + 1.0, f"the stuck request took {took:.2f} s"
 

@@ -175,3 +175,11 @@ def mid_push(pd: PushPair, net: NetnsBed, seed: int, d_timeout_s: float = 60.0) 
     prefilled_at = p_result.finished_at
     time.sleep(max(0.0, prefilled_at + INTO_THE_PUSH_S - time.monotonic()))
     return MidPush(d_leg, pushes, prefilled_at)
+
+
+def still_pushing(pd: PushPair, push: MidPush, until: str) -> None:
+    """P has not finished ``push`` yet: the fault (``until``, e.g. "P died") landed in the
+    middle of its writes, not after them."""
+    assert hixl_counter(pd["prefill"], "pushes") == push.pushes_before, (
+        f"the push ended before {until}"
+    )

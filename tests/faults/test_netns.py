@@ -26,7 +26,13 @@ import pytest
 from hixl_connector.tools.demo.client import metric_total, read_metrics
 from hixl_connector.tools.netns import NetnsBed
 
-from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S, short_lease_pair
+from .deployments import (
+    HANDSHAKE_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    LEASE_S,
+    PULL_TIMEOUT_S,
+    short_lease_pair,
+)
 from .fault_harness import (
     FaultReport,
     LegResult,
@@ -47,7 +53,6 @@ from .fault_harness import (
 # A failed receive reaches the client one engine step after the read gave up; a reset
 # from a killed P waits behind what P's slowed link still holds.
 MARGIN_S = 3.0
-IDLE_TIMEOUT_S = LEASE_S + 10.0
 # P's side of the link while a fault lands mid-read: a 160-token prompt's blocks (5 of
 # 32 KiB) take about 2 s, under PULL_TIMEOUT_S, so an unfaulted read would succeed.
 MID_READ_RATE = "640kbit"

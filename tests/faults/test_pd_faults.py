@@ -16,7 +16,7 @@ import pytest
 
 from hixl_connector.tools.demo.client import RequestFailed
 
-from .deployments import LEASE_S
+from .deployments import IDLE_TIMEOUT_S, LEASE_S
 from .fault_harness import (
     FaultReport,
     Servers,
@@ -31,7 +31,6 @@ from .fault_harness import (
     wait_idle,
 )
 
-IDLE_TIMEOUT_S = LEASE_S + 10.0
 # A failed receive reaches the client one engine step after the read was refused.
 MARGIN_S = 3.0
 # Forged params refused by P's lease word, which D reads in the same batch as the blocks.

@@ -18,6 +18,7 @@ import pytest
 from .deployments import (
     AUTH_TOKEN,
     HANDSHAKE_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
     LEASE_S,
     PULL_TIMEOUT_S,
     connector_config,
@@ -37,7 +38,6 @@ from .fault_harness import (
     wait_idle,
 )
 
-IDLE_TIMEOUT_S = LEASE_S + 10.0
 MARGIN_S = 3.0
 
 

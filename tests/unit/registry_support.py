@@ -21,8 +21,8 @@ from hixl_connector.connector.peers.handshake import (
 )
 from hixl_connector.connector.peers.registry import PeerRegistry
 from hixl_connector.connector.peers.side_channel import SideChannelServer
-from hixl_connector.datadist.cluster_info import LLMClusterInfo
-from hixl_connector.datadist.status import LLMStatusCode
+from hixl_connector.datadist.api.cluster_info import LLMClusterInfo
+from hixl_connector.datadist.api.status import LLMStatusCode
 
 FIELDS = {
     "model": "tiny",

@@ -12,7 +12,7 @@ from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.endpoints import rank_address
 from hixl_connector.connector.kv.layout import describe_kv_caches
 from hixl_connector.connector.kv.registered_kv import register_kv, registrations
-from hixl_connector.datadist import ascend
+from hixl_connector.datadist.ascend import cann as ascend
 
 NUM_BLOCKS = 8
 

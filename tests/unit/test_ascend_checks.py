@@ -1,4 +1,4 @@
-"""The "ascend" back-end's own checks (hixl_connector/datadist/ascend_checks.py), over the
+"""The "ascend" back-end's own checks (hixl_connector/datadist/ascend/checks.py), over the
 llm_datadist STAND-IN: each mistake CANN silently accepts (test_ascend_standin_rules.py shows
 the stand-in accepting it too) raises at the call instead, naming what is wrong."""
 

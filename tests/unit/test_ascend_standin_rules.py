@@ -29,7 +29,8 @@ from standin_client import (  # noqa: E402
 from standin_peer import NUM_TENSORS, block_value  # noqa: E402
 
 from hixl_connector.connector.mapping.blocks import chunk_pairs  # noqa: E402
-from hixl_connector.datadist import ascend, load_backend  # noqa: E402
+from hixl_connector.datadist import load_backend  # noqa: E402
+from hixl_connector.datadist.ascend import cann as ascend  # noqa: E402
 
 sys.path.remove(str(STANDIN_DIR))
 PEER_CLUSTER = 7001

@@ -28,15 +28,15 @@ from hixl_connector.tools.demo.processes import free_port
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
 from harness import (  # noqa: E402
-    launch_prefill_worker,
+    launch_prefill,
     ready,
     standin_on_path,
     stop,
 )
 from worker_harness import (  # noqa: E402
     P_INCARNATION,
+    decode_worker,
     expected_block,
-    kv_caches,
     tp_group,
     vllm_config,
 )
@@ -75,15 +75,10 @@ def prefill(
         "cluster_id_base": P_BASE,
         "ascend_local_comm_res": '{"version":"1.3"}',
     }
-    spec = {
-        "model_dir": str(tiny_model_dir),
-        "engine_id": "p-engine",
-        "extra": extra,
-        "tp_port": free_port(),
-        "leases": LEASES,
-    }
     # Not waited for here: P imports vLLM while D does the same in this process.
-    proc = launch_prefill_worker(spec, tmp_path_factory.mktemp("prefill"))
+    proc = launch_prefill(
+        tiny_model_dir, "p-engine", extra, LEASES, tmp_path_factory.mktemp("prefill")
+    )
     result: dict[str, Any] = {"proc": proc, "pid": proc.pid, "side_port": side_port}
     yield result
     if proc.poll() is None:
@@ -93,9 +88,6 @@ def prefill(
 
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.worker.half import HixlWorker
-
     extra = {
         "backend": "ascend",
         "cluster_id_base": D_BASE,
@@ -107,9 +99,7 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
     os.environ["HIXL_STANDIN_TRANSPORT"] = "tcp"  # a stopped peer then times a pull out
     try:
         with standin_on_path() as standin, tp_group(config, free_port()):
-            worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-engine")
-            caches = kv_caches(fill=False)
-            worker.register_kv_caches(dict(caches))
+            worker, caches = decode_worker(config, "d-engine")
             state = {"worker": worker, "caches": caches, "standin": standin}
             ready(prefill["proc"])  # P registered and leasing
             yield state
@@ -203,8 +193,12 @@ def _slowed_read(decode: Any, prefill: Any, lease: int, local: list[int], fault:
     )
     standin.set_pull_delay(0.4)
     try:
+        delayed = standin.delayed_pulls()
         thread.start()
-        time.sleep(0.2)  # the batch waits in its first pull
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        while standin.delayed_pulls() == delayed:  # until the batch waits in its first pull
+            assert time.monotonic() < deadline, "the read never reached pull_blocks"
+            time.sleep(0.005)
         fault()
         thread.join(RESULT_TIMEOUT_S)
     finally:

@@ -246,7 +246,7 @@ def test_from_vllm_config_reads_extra_config() -> None:
 def test_connection_limit_matches_the_engines() -> None:
     # The scheduler half repeats the engine's limit rather than import the engine's package.
     from hixl_connector.connector.config import MAX_TCP_CONNECTIONS
-    from hixl_connector.datadist.config import MAX_TCP_CONNECTIONS as ENGINE_LIMIT
+    from hixl_connector.datadist.api.config import MAX_TCP_CONNECTIONS as ENGINE_LIMIT
 
     assert MAX_TCP_CONNECTIONS == ENGINE_LIMIT
     HixlConfig.from_dict({"tcp_connections": ENGINE_LIMIT}, "e")
@@ -254,7 +254,7 @@ def test_connection_limit_matches_the_engines() -> None:
 
 def test_listener_caps_match_the_engines_and_are_checked() -> None:
     from hixl_connector.connector import config as connector
-    from hixl_connector.datadist import config as engine
+    from hixl_connector.datadist.api import config as engine
 
     for name in (
         "DEFAULT_SERVER_HANDSHAKES",
@@ -273,7 +273,7 @@ def test_listener_caps_match_the_engines_and_are_checked() -> None:
 
 def test_the_auth_token_variable_is_the_engines() -> None:
     from hixl_connector.connector.config import AUTH_TOKEN_ENV
-    from hixl_connector.datadist.native import AUTH_TOKEN_ENV as ENGINE_VARIABLE
+    from hixl_connector.datadist.native.llm_datadist import AUTH_TOKEN_ENV as ENGINE_VARIABLE
 
     assert AUTH_TOKEN_ENV == ENGINE_VARIABLE
 

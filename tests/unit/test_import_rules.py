@@ -233,6 +233,38 @@ def test_the_connector_and_datadist_never_import_the_bench_module() -> None:
                     breaches.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert breaches == []
     # The engine the datadist back-end loads does not pull it in either.
-    modules = loaded_after("from hixl_connector.datadist.native import load_native; load_native()")
+    modules = loaded_after(
+        "from hixl_connector.datadist.native.llm_datadist import load_native; load_native()"
+    )
     assert "hixl_connector._native" in modules
     assert BENCH_MODULE not in modules
+
+
+DATADIST_SEAM = (
+    "hixl_connector.datadist",
+    "hixl_connector.datadist.backend",
+    "hixl_connector.datadist.profile",
+)
+
+
+def test_the_connector_reaches_datadist_only_through_its_seam() -> None:
+    """The package, ``backend`` and ``profile``: never a back-end's module, never the part of
+    the native back-end that serves only HIXL's samples (``native.parity``)."""
+    breaches = []
+    for layer in ("connector", "fabric_check"):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            for module in imported_modules(path):
+                if layer_of(module) == "datadist" and module not in DATADIST_SEAM:
+                    breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert breaches == []
+
+
+def test_the_api_room_of_datadist_imports_no_back_end() -> None:
+    breaches = []
+    for path in sorted((PACKAGE / "datadist" / "api").rglob("*.py")):
+        for module in imported_modules(path):
+            if module.startswith(
+                ("hixl_connector.datadist.native", "hixl_connector.datadist.ascend")
+            ):
+                breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert breaches == []

@@ -8,7 +8,7 @@ import types
 import pytest
 
 import hixl_connector
-from hixl_connector.datadist.native import NATIVE_ABI_VERSION, load_native
+from hixl_connector.datadist.native.llm_datadist import NATIVE_ABI_VERSION, load_native
 
 
 def test_the_built_extension_has_the_expected_abi() -> None:

@@ -21,12 +21,12 @@ from hixl_connector.tools.demo.processes import free_port
 
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
-from harness import launch_prefill_worker, ready, stop  # noqa: E402
+from harness import launch_prefill, ready, stop  # noqa: E402
 from worker_harness import (  # noqa: E402
     NUM_BLOCKS,
     P_INCARNATION,
+    decode_worker,
     expected_block,
-    kv_caches,
     tp_group,
     vllm_config,
 )
@@ -53,14 +53,8 @@ def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "cluster_id_base": P_BASE,
         "transport": "auto",
     }
-    spec = {
-        "model_dir": str(tiny_model_dir),
-        "engine_id": "p-synchronous",
-        "extra": extra,
-        "tp_port": free_port(),
-        "leases": LEASES,
-    }
-    proc = launch_prefill_worker(spec, tmp_path_factory.mktemp("prefill"))
+    directory = tmp_path_factory.mktemp("prefill")
+    proc = launch_prefill(tiny_model_dir, "p-synchronous", extra, LEASES, directory)
     try:
         ready(proc)
         yield side_port
@@ -70,15 +64,10 @@ def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
-    from hixl_connector.connector.config import HixlConfig
-    from hixl_connector.connector.worker.half import HixlWorker
-
     extra = {"backend": "native", "cluster_id_base": D_BASE, "transport": "auto"}
     config = vllm_config(tiny_model_dir, "kv_consumer", "d-synchronous", extra)
     with tp_group(config, free_port()):
-        worker = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-synchronous")
-        caches = kv_caches(fill=False)
-        worker.register_kv_caches(dict(caches))
+        worker, caches = decode_worker(config, "d-synchronous")
         try:
             yield {"worker": worker, "caches": caches}
         finally:

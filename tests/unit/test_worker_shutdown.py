@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,7 +19,7 @@ from hixl_connector.tools.demo.processes import free_port
 
 STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
 sys.path.insert(0, str(STANDIN_DIR))
-from worker_harness import kv_caches, tp_group, vllm_config  # noqa: E402
+from worker_harness import decode_worker, tp_group, vllm_config  # noqa: E402
 
 sys.path.remove(str(STANDIN_DIR))
 
@@ -36,6 +35,15 @@ def open_fds() -> int:
 
 def hixl_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("hixl")]
+
+
+def connected_to(ports: list[int]) -> bool:
+    """Whether a TCP connection to one of ``ports`` on 127.0.0.1 is established (accepted or
+    in a listener's backlog)."""
+    wanted = {f"0100007F:{port:04X}" for port in ports}
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return any(row[2] in wanted and row[3] == "01" for row in rows)  # 01: ESTABLISHED
 
 
 @pytest.fixture
@@ -55,17 +63,14 @@ def silent_peers() -> Iterator[list[int]]:
 def test_shutdown_under_load_is_bounded_and_leaves_nothing(
     tiny_model_dir: Path, silent_peers: list[int]
 ) -> None:
-    from hixl_connector.connector.config import HixlConfig
     from hixl_connector.connector.endpoints import RemoteEndpoint
     from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, WaitingRead
-    from hixl_connector.connector.worker.half import HixlWorker
 
     extra = {"backend": "native", "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
     config = vllm_config(tiny_model_dir, "kv_consumer", "d-shutdown", extra)
     with tp_group(config, free_port()):
         fds, threads = open_fds(), hixl_threads()
-        worker: Any = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-shutdown")
-        worker.register_kv_caches(dict(kv_caches(fill=False)))
+        worker, _ = decode_worker(config, "d-shutdown")
         recvs = []
         for i in range(READS):
             port = silent_peers[i % SILENT_PEERS]
@@ -76,7 +81,12 @@ def test_shutdown_under_load_is_bounded_and_leaves_nothing(
             for spec in recvs
         ]
         worker.start_load_kv(HixlConnectorMetadata(to_recv=recvs, waiting=beats))
-        time.sleep(0.5)  # handshakes under way, the rest queued behind them
+        # Handshakes under way (a silent peer holds a connection of the worker), the rest
+        # queued behind them.
+        deadline = time.monotonic() + SHUTDOWN_BOUND_S
+        while not connected_to(silent_peers):
+            assert time.monotonic() < deadline, "no handshake with a silent peer began"
+            time.sleep(0.01)
         began = time.monotonic()
         worker.shutdown()
         took = time.monotonic() - began

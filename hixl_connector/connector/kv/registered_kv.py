@@ -24,9 +24,7 @@ from hixl_connector.connector.kv.word_memory import WordMemory
 from hixl_connector.connector.leases.guarded_read import (
     SCRATCH_WORDS,
     WORD_BYTES,
-    GuardedPull,
-    guarded_batch,
-    words_read,
+    GuardedReads,
 )
 from hixl_connector.connector.mapping.blocks import chunk_pairs
 from hixl_connector.datadist import (
@@ -89,28 +87,28 @@ class RegisteredKV:
     push_words: RegisteredCache | None = None  # D, push mode: where P's last writes land
     push_word_memory: WordMemory | None = None  # ... and the words themselves
 
-    def lease_guarded_pull(
-        self,
-        words: Sequence[tuple[int, int]],
-        reads: Sequence[tuple[int, Sequence[int], Sequence[int]]],
-        sliced: bool,
-        row: int,
-    ) -> GuardedPull[BlocksPull]:
-        """The guarded batch (leases.guarded_read) of this engine's pulls: for each
-        ``(remote_cluster_id, src, dst)`` of ``reads``, unit ``src[i]`` of that peer into unit
-        ``dst[i]`` here, for every registered cache (a unit: one KV head of a block where
-        heads split, else a whole block; with ``sliced``, a slice of one), between the lease
-        words of ``words``. Each pull stays under the back-end's request-size limit."""
+    def guarded_reads(self) -> GuardedReads[BlocksPull]:
+        """This decode engine's guarded reads (leases.guarded_read): its scratch rows, each
+        read's word-blocks-word batch of this engine's pulls, and their verdicts."""
         if self.scratch is None or self.scratch_words is None:
             raise ValueError("this engine registered no scratch words: it does not decode")
-        if sliced and self.slices is None:
-            raise ValueError("this engine registered no slices of its KV caches")
         scratch = self.scratch.cache
 
         def word_pull(remote_cluster_id: int, slot: int, index: int) -> BlocksPull:
             key = self.api.BlocksCacheKey(remote_cluster_id, LEASE_WORDS_MODEL_ID)
             return BlocksPull(key, scratch, [slot], [index], ONE_TENSOR)
 
+        return GuardedReads(self.scratch_words, word_pull)
+
+    def block_pulls(
+        self, reads: Sequence[tuple[int, Sequence[int], Sequence[int]]], sliced: bool
+    ) -> list[BlocksPull]:
+        """This engine's pulls of ``reads``: for each ``(remote_cluster_id, src, dst)``, unit
+        ``src[i]`` of that peer into unit ``dst[i]`` here, for every registered cache (a unit:
+        one KV head of a block where heads split, else a whole block; with ``sliced``, a
+        slice of one). Each pull stays under the back-end's request-size limit."""
+        if sliced and self.slices is None:
+            raise ValueError("this engine registered no slices of its KV caches")
         targets = (self.slices,) if sliced and self.slices is not None else self.caches
         blocks = []
         for remote_cluster_id, src, dst in reads:
@@ -123,7 +121,7 @@ class RegisteredKV:
                 key = self.api.BlocksCacheKey(remote_cluster_id, part.model_id)
                 kwargs = {"tensor_num_per_layer": part.tensors_per_layer}
                 blocks += [BlocksPull(key, part.cache, list(s), list(d), kwargs) for s, d in chunks]
-        return guarded_batch(words, blocks, row, word_pull, self.scratch_words)
+        return blocks
 
     def submit(self, pulls: Sequence[BlocksPull]) -> PullHandle | ThreadPullHandle:
         """The pulls in order, as one job of the engine's: the handle's ``poll``/``wait`` raise
@@ -197,11 +195,6 @@ class RegisteredKV:
             if cache is not None
         ]
         return {what: _placement_name(cache.cache) for what, cache in named}
-
-    def words_read(self, pull: GuardedPull[BlocksPull]) -> tuple[list[int], list[int]]:
-        """The lease words as ``pull`` read them before and after the blocks."""
-        assert self.scratch_words is not None
-        return words_read(self.scratch_words, pull)
 
 
 def registrations(layout: KVLayout) -> list[Registration]:

@@ -246,3 +246,29 @@ def verdict(expected: int, before: Sequence[int], after: Sequence[int]) -> tuple
         if word != expected:
             return "stale", i
     return "vouched", -1
+
+
+class GuardedReads(Generic[Pull]):
+    """One decode rank's guarded reads, whole: the scratch rows their words land in
+    (``rows``: a read holds one from its batch's making until its verdict), a read's batch
+    (word, blocks, word) and its verdict once the engine ran that batch. ``word_pull(cluster,
+    slot, scratch index)`` makes the engine's pull of one lease word into ``scratch``."""
+
+    def __init__(self, scratch: WordStore, word_pull: Callable[[int, int, int], Pull]) -> None:
+        self.rows = ScratchRows()
+        self._scratch = scratch
+        self._word_pull = word_pull
+
+    def batch(
+        self, words: Sequence[tuple[int, int]], blocks: list[Pull], row: int
+    ) -> GuardedPull[Pull]:
+        """The batch of one read in scratch row ``row`` (``guarded_batch``)."""
+        return guarded_batch(words, blocks, row, self._word_pull, self._scratch)
+
+    def words(self, pull: GuardedPull[Pull]) -> tuple[list[int], list[int]]:
+        """The lease words ``pull`` read before and after the blocks (``words_read``)."""
+        return words_read(self._scratch, pull)
+
+    def verdict(self, pull: GuardedPull[Pull], expected: int) -> tuple[str, int]:
+        """The verdict on ``pull``, whose batch completed (``verdict``)."""
+        return verdict(expected, *self.words(pull))

@@ -2,7 +2,7 @@
 
 A step ``(key, src, dst)`` extends the last run iff it has the run's key and both its src and
 dst follow the run's last; otherwise it starts a run. The native engine's planner merges
-block pairs by the same rule (``plan_runs`` in native/src/planner.cpp, checked against this
+block pairs by the same rule (``plan_runs`` in native/src/common/planner.cpp, checked against this
 in tests/engine/test_native_units.py), so what Python plans and what C++ copies agree.
 """
 

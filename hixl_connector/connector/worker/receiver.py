@@ -40,7 +40,7 @@ from hixl_connector.connector.endpoints import PeerRank
 from hixl_connector.connector.kv.layout import KVLayout
 from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.leases.client import LeaseClient
-from hixl_connector.connector.leases.guarded_read import GuardedPull, ScratchRows, verdict
+from hixl_connector.connector.leases.guarded_read import GuardedPull
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
 from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec
 from hixl_connector.connector.outcomes import Outcomes
@@ -104,8 +104,9 @@ class Receiver:
         # Handshakes and links with P ranks not linked yet, off the step thread.
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
         self._pooled: set[Future[None]] = set()  # work given to the pool, until it ends
-        # Where each read's batch reads P's lease words (leases.guarded_read).
-        self._rows = ScratchRows()
+        # Each read's word-blocks-word batch, its scratch row and verdict (leases.guarded_read).
+        self._guarded = kv.guarded_reads()
+        self._rows = self._guarded.rows
         self._closing = threading.Event()
         self._in_flight: list[_InFlight] = []
         # Requests not yet collected, and those of them aborted since.
@@ -277,7 +278,8 @@ class Receiver:
                 for read in plan.reads
             ]
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
-            pull = self._kv.lease_guarded_pull(words, reads, spec.blocks_per_block > 1, row)
+            blocks = self._kv.block_pulls(reads, spec.blocks_per_block > 1)
+            pull = self._guarded.batch(words, blocks, row)
             handle, started = self._submit(spec, pull)
         except Exception as e:
             self._rows.give_back(row)
@@ -319,7 +321,7 @@ class Receiver:
         """Raises LeaseError unless P's words vouched for the blocks before and after (the
         verdict of leases.guarded_read: anything else read alongside is discarded)."""
         spec = flight.spec
-        outcome, reader = verdict(spec.lease_word, *self._kv.words_read(flight.pull))
+        outcome, reader = self._guarded.verdict(flight.pull, spec.lease_word)
         if outcome == "refused":
             peer = flight.readers[reader]
             self._outcomes.record("refused_pulls")

@@ -36,7 +36,13 @@ from hixl_connector.tools.demo.pd_workload import (
     wait_transfer,
     warmup_request,
 )
-from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
+from hixl_connector.tools.demo.processes import (
+    ManagedProcess,
+    ProcessFailed,
+    free_port,
+    http_ok,
+    visit_process_group,
+)
 from hixl_connector.tools.demo.servers import (
     RouterProcess,
     VllmServer,
@@ -151,16 +157,13 @@ def pin_to_core(process: ManagedProcess, core_index: int) -> None:
     """
     allowed = sorted(os.sched_getaffinity(0))
     core = allowed[core_index % len(allowed)]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry.name)) != process.pid:
-                continue
-            for task in (entry / "task").iterdir():
-                os.sched_setaffinity(int(task.name), {core})
-        except OSError:  # the process or thread is gone, or /proc is unreadable
-            continue
+
+    def pin(proc: Path) -> None:
+        for task in (proc / "task").iterdir():
+            os.sched_setaffinity(int(task.name), {core})
+
+    if process.pid is not None:
+        visit_process_group(process.pid, pin)
 
 
 def prepare_model(model_dir: Path, say: Progress) -> Path:

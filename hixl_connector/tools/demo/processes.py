@@ -21,7 +21,9 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # Python 3.10 has no ``process_group``: there the child calls setpgrp before it execs.
 _OWN_PROCESS_GROUP: dict[str, Any] = (
@@ -90,6 +92,28 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
             return int(resp.status) == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def visit_process_group(pgid: int, visit: Callable[[Path], T]) -> dict[int, T]:
+    """Calls ``visit(/proc/<pid>)`` for every process of process group ``pgid``; returns
+    what it returned, by pid.
+
+    A managed process's group holds all it spawned (vLLM's API server, EngineCore, workers),
+    and only /proc lists them. Any of them may end between the listing and the visit: one that
+    does (or whose entry turns unreadable) is left out rather than failing the walk, so
+    ``visit`` may raise OSError for a process that is gone.
+    """
+    found: dict[int, T] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            if os.getpgid(pid) == pgid:
+                found[pid] = visit(entry)
+        except OSError:  # gone meanwhile
+            continue
+    return found
 
 
 class ManagedProcess:

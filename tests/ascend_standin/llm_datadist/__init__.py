@@ -1,6 +1,6 @@
 """STAND-IN for CANN's ``llm_datadist`` package. Not CANN, not Ascend: a test double.
 
-It lets the connector's "ascend" back-end (``hixl_connector.datadist.ascend``) run on a host
+It lets the connector's "ascend" back-end (``hixl_connector.datadist.ascend.cann``) run on a host
 without CANN. It behaves as CANN's Python layer (``src/python/llm_datadist`` of hicann/hixl)
 does, written from that layer's documented behaviour (the reference's sections 2-6) and
 sharing no code with ``hixl_connector.datadist``: its types, checks and calls are its own, and
@@ -9,7 +9,7 @@ stricter than CANN's Python layer: option keys are forwarded whatever their pref
 ``LLMConfig`` attributes are stored and ignored, ``pull_blocks`` reads its keyword arguments
 with ``dict.get`` (a misspelt one is dropped and its default applies), and empty layer ranges
 mean all layers. The project's own checks on these live in ``hixl_connector.datadist``
-(``ascend_checks``), not here.
+(``hixl_connector.datadist.ascend.checks``), not here.
 
 Where CANN decides in C++, the stand-in follows the rules the reference documents:
 
@@ -38,12 +38,13 @@ device pool of 100 MB.
 Device memory is played by host memory: a ``Placement.DEVICE`` cache is taken at its word and
 registered with the native engine as host memory. Nothing here proves the NPU, HCCS or RoCE
 path. ``calls()`` and ``pull_kwargs()`` tell the tests what the stand-in was asked;
-``set_pull_delay(s)`` makes every ``pull_blocks`` wait ``s`` first, as a slow device would.
+``set_pull_delay(s)`` makes every ``pull_blocks`` wait ``s`` first, as a slow device would, and
+``delayed_pulls()`` counts the calls that began that wait.
 """
 
 from __future__ import annotations
 
-from .cache_manager import CacheManager, set_pull_delay
+from .cache_manager import CacheManager, delayed_pulls, set_pull_delay
 from .config import LLMConfig, LlmConfig
 from .fabric import FABRIC_ENV, MODES, free_host, malloc_host
 from .llm_datadist import TRANSPORT_ENV, LLMDataDist
@@ -88,6 +89,7 @@ __all__ = [
     "RegisterMemStatus",
     "Status",
     "calls",
+    "delayed_pulls",
     "free_host",
     "malloc_host",
     "pull_kwargs",

@@ -44,10 +44,16 @@ logger = logging.getLogger(__name__)
 # Test control, not CANN: every pull_blocks waits this long before it moves anything (a
 # slow device), so that a test can stop P or abort a request while a read is in the engine.
 _pull_delay_s = [0.0]
+_delayed_pulls = [0]  # how many pull_blocks calls began their delay
 
 
 def set_pull_delay(seconds: float) -> None:
     _pull_delay_s[0] = seconds
+
+
+def delayed_pulls() -> int:
+    """How many ``pull_blocks`` calls have begun waiting out the pull delay (test control)."""
+    return _delayed_pulls[0]
 
 
 def int64(value: int) -> int:
@@ -232,7 +238,9 @@ class CacheManager:
             f"local cache {dst_cache.cache_id} is not remote accessible",
         )
         self._check_fabric(src_cache_key, dst_cache)
-        time.sleep(_pull_delay_s[0])
+        if _pull_delay_s[0]:
+            _delayed_pulls[0] += 1
+        time.sleep(_pull_delay_s[0])  # the slow device itself: the fault, not a wait
         code, message = self._engine.pull(
             int64(src_cache_key.cluster_id),
             *self._remote(src_cache_key),

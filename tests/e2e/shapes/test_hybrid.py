@@ -14,13 +14,14 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hixl_connector.connector.vllm_interface import REPORTS_FAILED_RECEIVES
 from hixl_connector.tools.demo.client import complete
 from hixl_connector.tools.demo.processes import ProcessFailed
-from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
 from hixl_connector.tools.demo.tiny_model import GEMMA3_SLIDING_WINDOW, build_tiny_model
 
 from ..harness import (
@@ -38,6 +39,7 @@ from ..harness import (
     wait_for_pulls,
     wait_kv_idle,
 )
+from .named_fleets import greedy, serve_named_fleet
 
 LENGTHS = (33, 65, 97, 160, 230, 300)
 PROMPTS = {n: token_prompt(n, seed=1000 + n) for n in LENGTHS}
@@ -45,7 +47,7 @@ PROMPTS = {n: token_prompt(n, seed=1000 + n) for n in LENGTHS}
 BLOCK_BYTES = 2 * BLOCK_SIZE * 64 * 4
 NUM_LAYERS = 4
 HYBRID_OFF = ("--disable-hybrid-kv-cache-manager",)
-PUSH = {"transfer_mode": "push"}
+PUSH: dict[str, Any] = {"transfer_mode": "push"}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +62,10 @@ def fleet(
         pytest.skip("this vLLM refuses the hybrid manager with the connector (tested below)")
     model = build_tiny_model(tmp_path_factory.mktemp("gemma3") / "model", "gemma3")
     launcher = PDLauncher(model, e2e_log_dir / "hybrid", process_registry)
-    try:
+
+    def start_servers() -> dict[str, VllmServer]:
         corrupt = hixl_connector_config("decode", **PUSH, test_corrupt_received_kv=True)
-        servers = {
+        return {
             "plain": launcher.server("plain", None),
             "p_on": launcher.server("p_on", hixl_connector_config("prefill")),
             "d_on": launcher.server("d_on", hixl_connector_config("decode", **PUSH)),
@@ -71,21 +74,20 @@ def fleet(
             "d_off": launcher.server("d_off", hixl_connector_config("decode"), args=HYBRID_OFF),
             "d_corrupt": launcher.server("d_corrupt", corrupt),
         }
-        pairs = {
-            "on": ("p_on", "d_on"),
-            "off": ("p_off", "d_off"),
-            "corrupt": ("p_on", "d_corrupt"),
-            "mismatch": ("p_on", "d_off"),  # two groups on P, one on D
-            "push": ("p_push", "d_on"),
-            "push_corrupt": ("p_push", "d_corrupt"),
-        }
-        yield NamedFleet(servers, launcher.pairs(servers, pairs))
-    finally:
-        launcher.stop_all()
+
+    pairs = {
+        "on": ("p_on", "d_on"),
+        "off": ("p_off", "d_off"),
+        "corrupt": ("p_on", "d_corrupt"),
+        "mismatch": ("p_on", "d_off"),  # two groups on P, one on D
+        "push": ("p_push", "d_on"),
+        "push_corrupt": ("p_push", "d_corrupt"),
+    }
+    yield from serve_named_fleet(launcher, start_servers, pairs)
 
 
 def generate(url: str, n: int) -> list[int]:
-    return complete(url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS).token_ids
+    return greedy(url, PROMPTS[n], MAX_TOKENS)
 
 
 def test_the_manager_stays_on_with_the_connector(fleet: NamedFleet) -> None:

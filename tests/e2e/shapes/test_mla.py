@@ -27,9 +27,7 @@ from pathlib import Path
 import pytest
 from hixl_test_connector import DIGEST_LOG
 
-from hixl_connector.tools.demo.client import complete
-from hixl_connector.tools.demo.processes import free_port
-from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess
+from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
 from hixl_connector.tools.demo.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_model
 
 from ..harness import (
@@ -44,6 +42,7 @@ from ..harness import (
     wait_for_pulls,
     wait_kv_idle,
 )
+from .named_fleets import NIXL_CONFIG, greedy, nixl_env, serve_named_fleet
 
 # vLLM's CPU platform serves MLA with 16-token blocks only.
 MLA_BLOCK_SIZE = 16
@@ -54,8 +53,6 @@ NUM_LAYERS = 3
 # Per block and layer: one latent "head" of 512 + 64 rotary dims, fp32.
 BLOCK_BYTES_PER_LAYER = MLA_BLOCK_SIZE * (MLA_KV_LORA_RANK + MLA_ROPE_DIM) * 4
 LENGTHS = (5, 16, 17, 64, 97, 160, 230)
-# vLLM's NixlConnector on CPU: KV in host memory, moved by UCX.
-NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 PROMPTS = {n: token_prompt(n, seed=2000 + n) for n in LENGTHS}
 
 
@@ -67,7 +64,8 @@ def fleet(
     if importlib.util.find_spec("nixl") is None:
         pytest.skip("the MLA oracle needs NIXL (bash .ci/setup installs it)")
     launcher = PDLauncher(model, e2e_log_dir / "mla", process_registry)
-    try:
+
+    def start_servers() -> dict[str, VllmServer]:
         corrupt = hixl_connector_config(
             "decode", test_corrupt_received_kv=True, test_log_kv_digests=True
         )
@@ -79,32 +77,29 @@ def fleet(
             "d_nixl": NIXL_CONFIG,
             "p_tp2": hixl_connector_config("prefill", ranks=2, test_log_kv_digests=True),
         }
-        servers = {
+        return {
             name: launcher.server(
                 name,
                 config,
                 tp=2 if name == "p_tp2" else 1,
                 args=MLA_BACKEND_ARGS,
                 block_size=MLA_BLOCK_SIZE,
-                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if "nixl" in name else {},
+                env=nixl_env(name),
             )
             for name, config in configs.items()
         }
-        pairs = {
-            "hixl": ("p_hixl", "d_hixl"),
-            "corrupt": ("p_hixl", "d_corrupt"),
-            "nixl": ("p_nixl", "d_nixl"),
-            "tp2": ("p_tp2", "d_corrupt"),
-        }
-        yield NamedFleet(servers, launcher.pairs(servers, pairs))
-    finally:
-        launcher.stop_all()
+
+    pairs = {
+        "hixl": ("p_hixl", "d_hixl"),
+        "corrupt": ("p_hixl", "d_corrupt"),
+        "nixl": ("p_nixl", "d_nixl"),
+        "tp2": ("p_tp2", "d_corrupt"),
+    }
+    yield from serve_named_fleet(launcher, start_servers, pairs)
 
 
 def generate(router: RouterProcess, n: int) -> list[int]:
-    return complete(
-        router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
-    ).token_ids
+    return greedy(router.url, PROMPTS[n], MAX_TOKENS)
 
 
 def test_the_model_runs_on_the_mla_backend(fleet: NamedFleet) -> None:

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from hixl_connector.tools.demo.client import complete, metric_total, read_metrics
-from hixl_connector.tools.demo.processes import free_port
-from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
+from hixl_connector.tools.demo.client import metric_total, read_metrics
+from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
 
 from ..harness import (
     BLOCK_SIZE,
@@ -40,6 +39,7 @@ from ..harness import (
     wait_kv_idle,
 )
 from .conftest import hixl_connector_config
+from .named_fleets import NIXL_CONFIG, greedy, nixl_env, serve_named_fleet
 
 SPECULATIVE_TOKENS = 3
 MAX_TOKENS = 24
@@ -50,7 +50,6 @@ TARGET_AND_DRAFT_LAYERS = 2 + 2
 # 64 fills its blocks exactly: a read in the step then gets a lookahead block past the prompt.
 LENGTHS = (5, 32, 64, 97, 150)
 PROMPTS = {n: token_prompt(n, seed=4000 + n) for n in LENGTHS}
-NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 # The draft's layers: vLLM names them under the drafter's model.
 DRAFT_LAYERS = "draft_model."
 
@@ -68,7 +67,8 @@ def fleet(
     }
     args = ["--speculative-config", json.dumps(speculative)]
     launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "spec_decode", process_registry)
-    try:
+
+    def start_servers() -> dict[str, VllmServer]:
         configs = {
             "p_hixl": hixl_connector_config("prefill"),
             "d_hixl": hixl_connector_config("decode"),
@@ -78,29 +78,21 @@ def fleet(
             "p_nixl": NIXL_CONFIG,
             "d_nixl": NIXL_CONFIG,
         }
-        servers = {
-            name: launcher.server(
-                name,
-                config,
-                args=args,
-                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if "nixl" in name else {},
-            )
+        return {
+            name: launcher.server(name, config, args=args, env=nixl_env(name))
             for name, config in configs.items()
         }
-        pairs = {
-            "hixl": ("p_hixl", "d_hixl"),
-            "draft_corrupt": ("p_hixl", "d_draft_corrupt"),
-            "nixl": ("p_nixl", "d_nixl"),
-        }
-        yield NamedFleet(servers, launcher.pairs(servers, pairs))
-    finally:
-        launcher.stop_all()
+
+    pairs = {
+        "hixl": ("p_hixl", "d_hixl"),
+        "draft_corrupt": ("p_hixl", "d_draft_corrupt"),
+        "nixl": ("p_nixl", "d_nixl"),
+    }
+    yield from serve_named_fleet(launcher, start_servers, pairs)
 
 
 def generate(router: RouterProcess, n: int) -> list[int]:
-    return complete(
-        router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS
-    ).token_ids
+    return greedy(router.url, PROMPTS[n], MAX_TOKENS)
 
 
 def drafts(server: VllmServer) -> tuple[float, float]:

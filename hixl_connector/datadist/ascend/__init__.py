@@ -1,0 +1,1 @@
+"""The 'ascend' back-end: CANN's ``llm_datadist`` with the project's checks."""

@@ -1,0 +1,40 @@
+"""What the shape tests with fleets of their own (MLA, speculative decoding, hybrid) share:
+starting a NamedFleet, the NIXL oracle's servers, and greedy completions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from hixl_connector.tools.demo.client import complete
+from hixl_connector.tools.demo.processes import free_port
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
+
+from ..harness import NamedFleet, PDLauncher
+
+# vLLM's NixlConnector on CPU: KV in host memory, moved by UCX.
+NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def nixl_env(name: str) -> dict[str, str]:
+    """The environment of server ``name``: a NIXL server (its name says "nixl") gets a side
+    channel port of its own."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if "nixl" in name else {}
+
+
+def serve_named_fleet(
+    launcher: PDLauncher,
+    start_servers: Callable[[], dict[str, VllmServer]],
+    pairs: Mapping[str, tuple[str, str]],
+) -> Iterator[NamedFleet]:
+    """A fixture's body: the servers ``start_servers`` starts and a router per named (P, D)
+    pair, everything ``launcher`` started stopped at the end."""
+    try:
+        servers = start_servers()
+        yield NamedFleet(servers, launcher.pairs(servers, pairs))
+    finally:
+        launcher.stop_all()
+
+
+def greedy(url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The greedy completion's token ids of ``prompt`` at ``url``."""
+    return complete(url, prompt, model=SERVED_MODEL_NAME, max_tokens=max_tokens).token_ids
