@@ -185,6 +185,7 @@ class HixlConfig:
         if not engine_id:
             raise ValueError("kv_transfer_config.engine_id is not set")
         check_parallelism(vllm_config.parallel_config)
+        check_no_sleep_mode(vllm_config.model_config)
         return cls.from_dict(kv_transfer_config.kv_connector_extra_config, engine_id)
 
     @property
@@ -200,6 +201,20 @@ UNSUPPORTED_PARALLELISM = (
     ("decode_context_parallel_size", "--decode-context-parallel-size", "tokens"),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size", "tokens"),
 )
+
+
+def check_no_sleep_mode(model_config: Any) -> None:
+    """Refuses, at start, vLLM's sleep mode. Sleeping releases the KV-cache memory this
+    server registered for remote reads and writes; a peer holding those registrations would
+    move bytes of memory that is no longer the KV, and vLLM up to 0.32 never tells a
+    connector it sleeps. Serving through a sleep would need the memory re-registered on wake
+    under a new incarnation, so that no peer uses the old one: not built, so refused."""
+    if getattr(model_config, "enable_sleep_mode", False):
+        raise ValueError(
+            "hixl_connector does not support vLLM's sleep mode: sleeping releases the KV "
+            "cache that peers read from and write into. Start vLLM without "
+            "--enable-sleep-mode"
+        )
 
 
 def check_parallelism(parallel_config: Any) -> None:

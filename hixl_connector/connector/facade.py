@@ -64,6 +64,11 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = vllm_interface.p2p_cache_hit_source()
 
+    @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """No: sleeping releases registered KV memory (config.check_no_sleep_mode)."""
+        return False
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:

@@ -19,6 +19,7 @@ from hixl_connector.connector.config import (
     derived_cluster_id_base,
 )
 from hixl_connector.connector.endpoints import CLUSTER_ID_STEP, rank_address
+from hixl_connector.connector.stats import RENAMED_COUNTERS
 
 ENV_TOKEN = "env-token-0123456789abcdef0123456789"
 KEY_TOKEN = "key-token-0123456789abcdef0123456789"
@@ -59,9 +60,9 @@ def test_a_setting_given_under_both_names_is_refused() -> None:
         HixlConfig.from_dict({"load_in_step_bytes": 0, "sync_load_bytes": 0}, "e")
 
 
-def test_every_renamed_key_is_in_the_changelog() -> None:
+def test_every_renamed_key_and_counter_is_in_the_changelog() -> None:
     changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text()
-    for old, new in RENAMED_KEYS.items():
+    for old, new in {**RENAMED_KEYS, **RENAMED_COUNTERS}.items():
         assert f"`{old}`" in changelog and f"`{new}`" in changelog
 
 
@@ -305,6 +306,20 @@ def test_pipeline_and_context_parallelism_are_refused_at_start(name: str, flag: 
     setattr(vllm_config.parallel_config, name, 2)
     with pytest.raises(ValueError, match=f"{name}=2.*{flag}"):
         HixlConfig.from_vllm_config(vllm_config)
+
+
+def test_sleep_mode_is_refused_at_start() -> None:
+    """vLLM on CPU refuses sleep mode in its own ModelConfig, so a stand-in model config
+    carries the flag here: the connector's check reads only enable_sleep_mode."""
+    from hixl_connector.connector.facade import HixlConnector
+
+    vllm_config = connector_vllm_config("kv_consumer", "engine-sleep")
+    vllm_config.model_config = dataclasses.make_dataclass("M", [("enable_sleep_mode", bool)])(False)
+    HixlConfig.from_vllm_config(vllm_config)
+    vllm_config.model_config.enable_sleep_mode = True
+    with pytest.raises(ValueError, match="without --enable-sleep-mode"):
+        HixlConfig.from_vllm_config(vllm_config)
+    assert HixlConnector.supports_sleep_mode() is False
 
 
 @pytest.mark.parametrize(

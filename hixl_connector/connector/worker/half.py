@@ -247,8 +247,6 @@ class HixlWorker:
             self._prefill.close()
         if self._decode is not None:
             self._decode.close()
-        # Nothing of the roles outlives the engine: their threads are done with it.
-        self._decode = self._prefill = None
         if self._kv is not None:
             self._kv.datadist.finalize()
             self._kv = None
