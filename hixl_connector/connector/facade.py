@@ -65,9 +65,16 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = vllm_interface.p2p_cache_hit_source()
 
     @classmethod
-    def supports_sleep_mode(cls) -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
         """No: sleeping releases registered KV memory (config.check_no_sleep_mode)."""
         return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
+        """Both back-ends register the KV cache for peers to read and write (HCCL on
+        Ascend, the native engine on a host): each segment must stay one allocation. Asked
+        by vLLM that has KVCacheAccess (0.34); None before."""
+        return vllm_interface.registers_kv_cache()
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

@@ -83,3 +83,13 @@ def p2p_cache_hit_source() -> Any:
     except ImportError:
         return None
     return CacheHitSource.P2P
+
+
+def registers_kv_cache() -> Any:
+    """KVCacheAccess.REGISTERS where vLLM has it (0.34: how its extensible KV cache
+    allocates), else None (older vLLM never asks)."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None
+    return KVCacheAccess.REGISTERS

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hixl_connector.tools.vllm_scheduler import real_scheduler
+from hixl_connector.tools.vllm_scheduler import model_runner_output, real_scheduler
 
 STEPS = 200
 
@@ -160,12 +160,9 @@ def _decode_scheduler(model: Path, num_blocks: int) -> tuple[Any, Any]:
 
 
 def _empty_runner_output(output: Any) -> Any:
-    from vllm.v1.outputs import ModelRunnerOutput
-
     req_ids = list(output.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+    return model_runner_output(
+        req_ids,
         sampled_token_ids=[[5] for _ in req_ids],
         logprobs=None,
         prompt_logprobs_dict={},

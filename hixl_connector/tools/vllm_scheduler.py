@@ -105,3 +105,15 @@ def real_scheduler(
         block_size=BLOCK_SIZE,
         log_stats=True,
     )
+
+
+def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
+    """vLLM's ModelRunnerOutput for ``req_ids``, with the index map where this vLLM still
+    has the field (0.34 dropped ``req_id_to_index``)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:
+        fields["req_id_to_index"] = {req_id: index for index, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)

@@ -319,7 +319,7 @@ def test_sleep_mode_is_refused_at_start() -> None:
     vllm_config.model_config.enable_sleep_mode = True
     with pytest.raises(ValueError, match="without --enable-sleep-mode"):
         HixlConfig.from_vllm_config(vllm_config)
-    assert HixlConnector.supports_sleep_mode() is False
+    assert HixlConnector.supports_sleep_mode(vllm_config.kv_transfer_config) is False
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,18 @@ def test_this_vllm_is_supported() -> None:
     assert (vllm_interface.p2p_cache_hit_source() is not None) == newer
 
 
+def test_kv_cache_access_is_declared_where_vllm_asks() -> None:
+    """Both back-ends register the KV cache for remote access: REGISTERS where this vLLM
+    has KVCacheAccess (0.34), None where it never asks."""
+    from vllm.config import kv_transfer
+
+    from hixl_connector.connector.facade import HixlConnector
+
+    access = getattr(kv_transfer, "KVCacheAccess", None)
+    expected = None if access is None else access.REGISTERS
+    assert HixlConnector.kv_cache_access(None) == expected
+
+
 def test_readme_names_the_range_the_code_enforces() -> None:
     from pathlib import Path
 

@@ -23,7 +23,7 @@ from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler.decode_side import DecodeSide
 from hixl_connector.connector.scheduler.half import HixlScheduler
 from hixl_connector.connector.scheduler.prefill_side import PrefillSide
-from hixl_connector.tools.vllm_scheduler import BLOCK_SIZE, real_scheduler
+from hixl_connector.tools.vllm_scheduler import BLOCK_SIZE, model_runner_output, real_scheduler
 
 P_INCARNATION = 0xC0FFEE  # the start nonce of the P that prefill_params come from
 EXTRA_CONFIG = {"side_channel_host": "10.0.0.7", "side_channel_port": 6100, "cluster_id_base": 4096}
@@ -163,9 +163,8 @@ def runner_output(
         invalid_block_ids=invalid_block_ids or set(),
         kv_connector_worker_meta=link_report,  # type: ignore[arg-type]  # registered ABC
     )
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
+    return model_runner_output(
+        req_ids,
         sampled_token_ids=[[] if r in (partial or ()) else [token_id] for r in req_ids],
         kv_connector_output=kv_output,
     )
