@@ -18,6 +18,7 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
+    PUSH_IDENTITY,
     decode_side,
     free_blocks,
     hixl,
@@ -35,16 +36,6 @@ from hixl_connector.connector.scheduler.decode_side import DecodeSide
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
 pytestmark = pytest.mark.usefixtures("scheduling")
-
-PUSH_IDENTITY = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_engine_id": "prefill-engine",
-    "remote_host": "10.0.0.9",
-    "remote_port": 7100,
-    "tp_size": 1,
-    "remote_request_id": "x-request-id",
-}
 
 
 def held(decode: DecodeSide) -> tuple[Any, ...]:

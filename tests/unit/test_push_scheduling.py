@@ -13,6 +13,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
+    PUSH_IDENTITY,
     block_ids,
     finished_outputs,
     free_blocks,
@@ -41,17 +42,6 @@ from hixl_connector.connector.transfer_params import (
 pytestmark = pytest.mark.usefixtures("scheduling")
 
 PUSH = {"transfer_mode": "push"}
-# What vllm-router 0.1.17 sends D once P answered with its push identity (seen on the wire:
-# the X-Request-Id comes along as remote_request_id).
-IDENTITY = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_engine_id": "prefill-engine",
-    "remote_host": "10.0.0.9",
-    "remote_port": 7100,
-    "tp_size": 1,
-    "remote_request_id": "x-request-id",
-}
 P_ENDPOINT = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 0, 0)
 
 
@@ -63,12 +53,12 @@ def test_base_request_id_strips_vllms_random_suffix_only() -> None:
 
 
 def test_identity_params_parse_and_bad_ones_name_the_field() -> None:
-    assert is_push_identity(IDENTITY)
+    assert is_push_identity(PUSH_IDENTITY)
     assert not is_push_identity(prefill_params(2))
-    assert parse_push_identity(IDENTITY) == P_ENDPOINT
+    assert parse_push_identity(PUSH_IDENTITY) == P_ENDPOINT
     for key, bad in (("remote_port", 0), ("remote_host", ""), ("tp_size", "1")):
         with pytest.raises(InvalidTransferParams, match=key):
-            parse_push_identity({**IDENTITY, key: bad})
+            parse_push_identity({**PUSH_IDENTITY, key: bad})
     # P's full answer in push mode (the router's first, sequential leg) is pulled.
     assert parse_remote_prefill(prefill_params(2, transfer_mode="push")).lease_id == 77
     with pytest.raises(InvalidTransferParams, match="transfer_mode"):
@@ -78,7 +68,9 @@ def test_identity_params_parse_and_bad_ones_name_the_field() -> None:
 def test_concurrent_leg_registers_ds_blocks_and_waits_for_p(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH)
     idle = free_blocks(scheduler)
-    request = make_request("cmpl-x-0-0badcafe", prompt(3 * BLOCK_SIZE + 5), params=dict(IDENTITY))
+    request = make_request(
+        "cmpl-x-0-0badcafe", prompt(3 * BLOCK_SIZE + 5), params=dict(PUSH_IDENTITY)
+    )
     scheduler.add_request(request)
 
     output, _ = step(scheduler)
@@ -105,14 +97,14 @@ def test_aborted_while_p_writes_is_cancelled_and_before_allocation_releases_p(
     tiny_model_dir: Path,
 ) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH)
-    scheduler.add_request(make_request("d1", prompt(40), params=dict(IDENTITY)))
+    scheduler.add_request(make_request("d1", prompt(40), params=dict(PUSH_IDENTITY)))
     step(scheduler)
     scheduler.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)
     output, _ = step(scheduler)
     assert metadata(output).to_cancel == ["d1"]
 
     # Aborted before it had blocks: P is told to free its own (a spec without blocks).
-    scheduler.add_request(make_request("d2-00000000", prompt(40), params=dict(IDENTITY)))
+    scheduler.add_request(make_request("d2-00000000", prompt(40), params=dict(PUSH_IDENTITY)))
     scheduler.finish_requests(["d2-00000000"], RequestStatus.FINISHED_ABORTED)
     output, _ = step(scheduler, finished_recving={"d1"})
     (spec,) = metadata(output).to_push_recv
@@ -121,7 +113,7 @@ def test_aborted_while_p_writes_is_cancelled_and_before_allocation_releases_p(
 
 def test_pull_mode_d_refuses_identity_params(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
-    scheduler.add_request(make_request("d1", prompt(40), params=dict(IDENTITY)))
+    scheduler.add_request(make_request("d1", prompt(40), params=dict(PUSH_IDENTITY)))
     output, _ = step(scheduler)
     meta = metadata(output)
     assert meta.to_push_recv == []
@@ -194,7 +186,7 @@ def test_a_hybrid_d_registers_each_groups_blocks_the_window_only_where_it_attend
     )
     request_id = "cmpl-h-0-0badcafe"
     scheduler.add_request(
-        make_request(request_id, prompt(6 * BLOCK_SIZE + 5), params=dict(IDENTITY))
+        make_request(request_id, prompt(6 * BLOCK_SIZE + 5), params=dict(PUSH_IDENTITY))
     )
     output, _ = step(scheduler)
     (spec,) = metadata(output).to_push_recv

@@ -36,6 +36,19 @@ init_none_hash(sha256)
 _block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
 
+# What vllm-router 0.1.17 sends D once P answered with its push identity (seen on the wire:
+# the X-Request-Id comes along as remote_request_id).
+PUSH_IDENTITY = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-engine",
+    "remote_host": "10.0.0.9",
+    "remote_port": 7100,
+    "tp_size": 1,
+    "remote_request_id": "x-request-id",
+}
+
+
 def make_scheduler(
     model_dir: Path,
     kv_role: str,
