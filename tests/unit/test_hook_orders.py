@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 from vllm_harness import (
     PUSH_IDENTITY,
+    PUSH_MODE,
     decode_side,
     free_blocks,
     hixl,
@@ -52,16 +54,20 @@ def held(decode: DecodeSide) -> tuple[Any, ...]:
     )
 
 
+def decode_waiting_for(model_dir: Path, push: bool) -> tuple[Scheduler, Request]:
+    """D (in push mode or pull mode) with one request added that asks for remote KV."""
+    scheduler = make_scheduler(model_dir, "kv_consumer", extra=PUSH_MODE if push else None)
+    params = dict(PUSH_IDENTITY) if push else prefill_params(3)
+    request = make_request("d1-0badcafe", prompt(40), params=params)
+    scheduler.add_request(request)
+    return scheduler, request
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_asking_for_matched_tokens_again_changes_nothing(tiny_model_dir: Path, mode: str) -> None:
     push = mode == "push"
-    scheduler = make_scheduler(
-        tiny_model_dir, "kv_consumer", extra={"transfer_mode": "push"} if push else None
-    )
-    request_id = "d1-0badcafe"
-    params = dict(PUSH_IDENTITY) if push else prefill_params(3)
-    request = make_request(request_id, prompt(40), params=params)
-    scheduler.add_request(request)
+    scheduler, request = decode_waiting_for(tiny_model_dir, push)
+    request_id, params = request.request_id, dict(request.kv_transfer_params)
     connector, decode = hixl(scheduler), decode_side(scheduler)
     first = connector.get_num_new_matched_tokens(request, 0)
     before = held(decode)
@@ -81,17 +87,10 @@ def test_asking_for_matched_tokens_again_changes_nothing(tiny_model_dir: Path, m
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_finished_without_allocation_leaves_nothing_behind(tiny_model_dir: Path, mode: str) -> None:
     push = mode == "push"
-    scheduler = make_scheduler(
-        tiny_model_dir, "kv_consumer", extra={"transfer_mode": "push"} if push else None
-    )
-    idle = free_blocks(scheduler)
-    request_id = "d1-0badcafe"
-    request = make_request(
-        request_id, prompt(40), params=dict(PUSH_IDENTITY) if push else prefill_params(3)
-    )
-    scheduler.add_request(request)
-    connector = hixl(scheduler)
-    connector.get_num_new_matched_tokens(request, 0)  # asked, never allocated
+    scheduler, request = decode_waiting_for(tiny_model_dir, push)
+    request_id = request.request_id
+    idle = free_blocks(scheduler)  # added, not yet allocated
+    hixl(scheduler).get_num_new_matched_tokens(request, 0)  # asked, never allocated
     scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     meta = metadata(step(scheduler)[0])

@@ -14,6 +14,7 @@ from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
     PUSH_IDENTITY,
+    PUSH_MODE,
     block_ids,
     finished_outputs,
     free_blocks,
@@ -41,7 +42,6 @@ from hixl_connector.connector.transfer_params import (
 
 pytestmark = pytest.mark.usefixtures("scheduling")
 
-PUSH = {"transfer_mode": "push"}
 P_ENDPOINT = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 0, 0)
 
 
@@ -66,7 +66,7 @@ def test_identity_params_parse_and_bad_ones_name_the_field() -> None:
 
 
 def test_concurrent_leg_registers_ds_blocks_and_waits_for_p(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH)
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH_MODE)
     idle = free_blocks(scheduler)
     request = make_request(
         "cmpl-x-0-0badcafe", prompt(3 * BLOCK_SIZE + 5), params=dict(PUSH_IDENTITY)
@@ -96,7 +96,7 @@ def test_concurrent_leg_registers_ds_blocks_and_waits_for_p(tiny_model_dir: Path
 def test_aborted_while_p_writes_is_cancelled_and_before_allocation_releases_p(
     tiny_model_dir: Path,
 ) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH)
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", extra=PUSH_MODE)
     scheduler.add_request(make_request("d1", prompt(40), params=dict(PUSH_IDENTITY)))
     step(scheduler)
     scheduler.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)
@@ -124,7 +124,7 @@ def test_pull_mode_d_refuses_identity_params(tiny_model_dir: Path) -> None:
 def test_push_mode_p_hands_its_workers_the_prompt_blocks_and_names_the_mode(
     tiny_model_dir: Path,
 ) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer", extra=PUSH)
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", extra=PUSH_MODE)
     # What the router sends P in a concurrent leg.
     params = {
         "do_remote_decode": True,
@@ -152,7 +152,7 @@ def test_push_mode_p_names_the_prompts_that_end_without_a_lease(tiny_model_dir: 
     so that a D registered for it hears that nothing comes. One that leased is not named,
     and a pull-mode P names none."""
     params = {"do_remote_decode": True}
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer", extra=PUSH)
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", extra=PUSH_MODE)
     for request_id in ("running", "leased"):
         scheduler.add_request(
             make_request(request_id, prompt(2 * BLOCK_SIZE + 3), max_tokens=1, params=params)
@@ -182,7 +182,11 @@ def test_a_hybrid_d_registers_each_groups_blocks_the_window_only_where_it_attend
     every block of the full group and, of the sliding-window group, only the blocks still
     in its window, group by group, and says how many are in each."""
     scheduler = make_scheduler(
-        tiny_model_dir, "kv_consumer", extra=PUSH, sliding_window=2 * BLOCK_SIZE, num_blocks=128
+        tiny_model_dir,
+        "kv_consumer",
+        extra=PUSH_MODE,
+        sliding_window=2 * BLOCK_SIZE,
+        num_blocks=128,
     )
     request_id = "cmpl-h-0-0badcafe"
     scheduler.add_request(
@@ -200,7 +204,11 @@ def test_a_hybrid_d_registers_each_groups_blocks_the_window_only_where_it_attend
 
 def test_a_hybrid_p_hands_its_workers_each_groups_prompt_blocks(tiny_model_dir: Path) -> None:
     scheduler = make_scheduler(
-        tiny_model_dir, "kv_producer", extra=PUSH, sliding_window=2 * BLOCK_SIZE, num_blocks=128
+        tiny_model_dir,
+        "kv_producer",
+        extra=PUSH_MODE,
+        sliding_window=2 * BLOCK_SIZE,
+        num_blocks=128,
     )
     scheduler.add_request(
         make_request(

@@ -36,6 +36,7 @@ init_none_hash(sha256)
 _block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
 
+PUSH_MODE = {"transfer_mode": "push"}  # kv_connector_extra_config of a push-mode server
 # What vllm-router 0.1.17 sends D once P answered with its push identity (seen on the wire:
 # the X-Request-Id comes along as remote_request_id).
 PUSH_IDENTITY = {
