@@ -206,9 +206,10 @@ UNSUPPORTED_PARALLELISM = (
 def check_no_sleep_mode(model_config: Any) -> None:
     """Refuses, at start, vLLM's sleep mode. Sleeping releases the KV-cache memory this
     server registered for remote reads and writes; a peer holding those registrations would
-    move bytes of memory that is no longer the KV, and vLLM up to 0.32 never tells a
-    connector it sleeps. Serving through a sleep would need the memory re-registered on wake
-    under a new incarnation, so that no peer uses the old one: not built, so refused."""
+    move bytes of memory that is no longer the KV. vLLM up to 0.32 never tells a connector
+    it sleeps; 0.33 and 0.34 do (``unregister_kv_caches``, ``restore_kv_caches``), but serving
+    through a sleep needs the memory re-registered on wake under a new incarnation, so that
+    no peer uses the old one: not built, so refused."""
     if getattr(model_config, "enable_sleep_mode", False):
         raise ValueError(
             "hixl_connector does not support vLLM's sleep mode: sleeping releases the KV "

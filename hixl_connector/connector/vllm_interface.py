@@ -1,7 +1,7 @@
 """What differs between the vLLM versions the connector supports, in one place.
 
-Supported: vLLM 0.23.0 up to 0.32.x (vllm-ascend 0.23 runs on vLLM 0.23.0). Inside that range
-the connector interface differs in two ways that matter here, found by feature, not version:
+Supported: vLLM 0.23.0 up to 0.34.x (vllm-ascend 0.23 runs on vLLM 0.23.0). Inside that range
+the connector interface differs in these ways that matter here, found by feature, not version:
 
 - **How a failed asynchronous receive is reported.** Newer vLLM asks for
   ``get_transfer_results`` and takes failed receives by request id
@@ -12,6 +12,13 @@ the connector interface differs in two ways that matter here, found by feature, 
   with several KV-cache groups (the hybrid manager) would crash the scheduler at the first
   failed read: it is refused at start.
 - **``CacheHitSource``** (vLLM's metrics of where a prefix hit came from) is newer than 0.27.
+- **``KVCacheAccess``** (0.34: whether a connector registers the KV cache for remote access,
+  which decides how vLLM allocates it) is asked only where it exists.
+
+From 0.33 on, vLLM asks connectors more. The connector refuses sleep mode (``facade``); the
+base class's defaults are its answers to the rest: no lookahead block hashes, a request with
+``do_remote_prefill`` loads asynchronously, P's hand-offs must be delivered. Its hooks hold in
+the orders 0.33 and 0.34 call them in (``tests/unit/test_hook_orders.py``).
 
 Outside the range the connector refuses to start, naming it: the interface is not stable
 across vLLM minor versions, and a hook renamed or dropped would otherwise fail silently.
@@ -25,7 +32,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1 import base
 
 OLDEST = (0, 23)
-NEWEST = (0, 32)
+NEWEST = (0, 34)
 SUPPORTED_RANGE = f"{OLDEST[0]}.{OLDEST[1]}.0 to {NEWEST[0]}.{NEWEST[1]}.x"
 
 # Newer vLLM: failed receives by request id through get_transfer_results.

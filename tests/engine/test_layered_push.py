@@ -209,12 +209,13 @@ def test_a_refused_layer_means_no_word(pair: Pair) -> None:
     assert request == "req" and "P's push failed" in why.reason and not why.relink
 
 
-def _sender(pair: Pair) -> PushSender:
+def _sender(pair: Pair, leases: LeaseTable | None = None) -> PushSender:
     def record(name: str, n: int) -> None:
         pair.counts[name] = pair.counts.get(name, 0) + n
 
     layers = {f"model.layers.{i}.attn": i for i in range(LAYERS)}
-    return PushSender(pair.p, LeaseTable(lease_s=30.0), layers, 2, record, lambda: None)
+    table = LeaseTable(lease_s=30.0) if leases is None else leases
+    return PushSender(pair.p, table, layers, 2, record, lambda: None)
 
 
 def _gave_up(sender: PushSender, request: str) -> dict[str, GaveUp]:
@@ -244,5 +245,53 @@ def test_a_prompt_ended_without_a_lease_tells_its_d_and_refuses_a_late_one(pair:
         assert not pair.layer_landed(1) and pair.word() == 0
         with pytest.raises(ValueError, match="nothing will be pushed"):
             sender._on_register(registration.to_dict())  # its D, once more
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("finished_first", [True, False], ids=["get_finished", "wait_for_save"])
+def test_a_push_is_reported_once_whichever_end_of_step_hook_comes_first(
+    pair: Pair, finished_first: bool
+) -> None:
+    """vLLM 0.33's Model Runner V2 with a speculator asks a step's finished transfers
+    (``get_finished``) before ``wait_for_save``, older runners after it. P's writes follow the
+    layers as they are computed, and a request is reported finished when its lease ends (its
+    word landed on D), not by ``wait_for_save``: in either order the KV lands whole and the
+    request is reported once."""
+    leases = LeaseTable(lease_s=30.0)
+    sender = _sender(pair, leases)
+    reported: list[str] = []
+
+    def end_of_step() -> None:
+        def get_finished() -> None:
+            reported.extend(lease.request_id for lease in leases.take_finished())
+
+        hooks = [get_finished, sender.computed]
+        for hook in hooks if finished_first else reversed(hooks):
+            hook()
+
+    try:
+        sender._on_register(pair.registration().to_dict())
+        sender.computing([PromptBlocks("req-0badcafe", (SRC,))])  # the prefill's forward
+        for layer in range(LAYERS):
+            sender.layer_saved(f"model.layers.{layer}.attn")
+        end_of_step()
+        assert reported == []
+        # The next step: the scheduler finished the prefill, P leases its blocks.
+        leases.start("req-0badcafe", LEASE_ID, time.monotonic(), WORD_SLOT, LEASE_WORD)
+        sender.hold([SendSpec("req-0badcafe", LEASE_ID, WORD_SLOT, LEASE_WORD, (SRC,))])
+        deadline = time.monotonic() + 10.0
+        while not reported:
+            assert time.monotonic() < deadline, "the push's lease never ended"
+            sender.computing([])
+            end_of_step()
+            time.sleep(0.005)
+        for _ in range(3):  # later steps report nothing more
+            sender.computing([])
+            end_of_step()
+        assert reported == ["req-0badcafe"]
+        assert all(pair.layer_landed(layer) for layer in range(LAYERS))
+        assert pair.word() == LEASE_WORD
+        assert pair.counts == {"early_push_registrations": 1, "pushes": 1, "layered_pushes": 1}
     finally:
         sender.close()

@@ -42,10 +42,12 @@ def test_the_versions_users_run() -> None:
     check_supported("0.23.0", 1, False)  # vllm-ascend 0.23.0.post1
     check_supported("0.27.1", 1, False)
     check_supported("0.32.0+cpu", 3, True)
-    with pytest.raises(UnsupportedVllm, match="0.23.0 to 0.32.x; this is vLLM 0.22.1"):
+    check_supported("0.33.0", 3, True)
+    check_supported("0.34.0", 3, True)
+    with pytest.raises(UnsupportedVllm, match="0.23.0 to 0.34.x; this is vLLM 0.22.1"):
         check_supported("0.22.1", 1, False)
-    with pytest.raises(UnsupportedVllm, match="this is vLLM 0.33.0"):
-        check_supported("0.33.0", 1, True)
+    with pytest.raises(UnsupportedVllm, match="this is vLLM 0.35.0"):
+        check_supported("0.35.0", 1, True)
 
 
 def test_unreadable_version_is_refused_by_name() -> None:
