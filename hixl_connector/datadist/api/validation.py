@@ -279,8 +279,30 @@ def _to_pull_args(
     )
 
 
-def push_layers(name: str, layer_range: Any, default: range) -> range:
-    """CANN's check_layer_range for the pushes: unlike pull_blocks, an empty range is refused."""
+def push_layer_ranges(
+    call: str, src_cache: Cache, tensor_num_per_layer: Any, src_range: Any, dst_range: Any
+) -> tuple[range, range]:
+    """The source and destination layers of a push (push_blocks, push_cache): CANN's
+    check_layer_range for each, every layer where a range is None. Unlike pull_blocks, an
+    empty range is refused, and both must hold as many layers."""
+    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
+    num_tensors = src_cache.cache_desc.num_tensors
+    raise_if_false(
+        tensor_num_per_layer > 0,
+        f"[{call}] param check failed, tensor_num_per_layer ({tensor_num_per_layer}) is "
+        f"invalid, should [1, {num_tensors}]",
+    )
+    every_layer = range(num_tensors // tensor_num_per_layer)
+    src_layers = _push_layers("src_layer_range", src_range, every_layer)
+    dst_layers = _push_layers("dst_layer_range", dst_range, every_layer)
+    raise_if_false(
+        len(src_layers) == len(dst_layers),
+        f"src_layer_range {src_layers} and dst_layer_range {dst_layers} differ in length",
+    )
+    return src_layers, dst_layers
+
+
+def _push_layers(name: str, layer_range: Any, default: range) -> range:
     check_isinstance(name, layer_range, range)
     chosen = default if layer_range is None else layer_range
     raise_if_true(chosen.step != 1, f"param check failed, {name} step must be 1.")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.datadist.api.checks import INT64_MAX, check_isinstance, check_uint32, to_int64
+from hixl_connector.datadist.api.checks import INT64_MAX, check_isinstance, to_int64
 from hixl_connector.datadist.api.llm_types import BlocksCacheKey, Cache, CacheKeyByIdAndIndex
 from hixl_connector.datadist.api.status import (
     LLMStatusCode,
@@ -20,7 +20,7 @@ from hixl_connector.datadist.api.validation import (
     check_block_ids,
     check_block_list,
     check_kwargs,
-    push_layers,
+    push_layer_ranges,
 )
 from hixl_connector.datadist.native.parity.cache_rows import validate_push_cache
 from hixl_connector.datadist.native.parity.transfer_async import (
@@ -103,19 +103,8 @@ def validate_push_blocks(
     )
     raise_if_false(len(dst_blocks) > 0, "dst_blocks can not be empty.")
     raise_if_false(len(src_blocks) > 0, "src_blocks can not be empty.")
-    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-    num_tensors = src_cache.cache_desc.num_tensors
-    raise_if_false(
-        tensor_num_per_layer > 0,
-        f"[push_blocks] param check failed, tensor_num_per_layer ({tensor_num_per_layer}) is "
-        f"invalid, should [1, {num_tensors}]",
-    )
-    every_layer = range(num_tensors // tensor_num_per_layer)
-    src_layers = push_layers("src_layer_range", src_layer_range, every_layer)
-    dst_layers = push_layers("dst_layer_range", dst_layer_range, every_layer)
-    raise_if_false(
-        len(src_layers) == len(dst_layers),
-        f"src_layer_range {src_layers} and dst_layer_range {dst_layers} differ in length",
+    src_layers, dst_layers = push_layer_ranges(
+        "push_blocks", src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range
     )
     check_block_ids("src_blocks", src_blocks)
     check_block_ids("dst_blocks", dst_blocks)
@@ -139,6 +128,7 @@ def validate_push_blocks(
         max(dst_blocks) > INT64_MAX,
         f"dst block id {max(dst_blocks)} is out of range of any cache",
     )
+    num_tensors = src_cache.cache_desc.num_tensors
     count = len(src_layers) * tensor_num_per_layer
     raise_if_true(
         src_layers.start * tensor_num_per_layer + count > num_tensors,

@@ -22,7 +22,7 @@ from hixl_connector.datadist.api.validation import (
     check_cache_key_ids,
     check_kwargs,
     layer_range_to_tensors,
-    push_layers,
+    push_layer_ranges,
 )
 
 
@@ -173,15 +173,8 @@ def validate_push_cache(
     raise_if_true(
         src_cache.is_blocks_cache, "param check failed, src_cache can not be blocks cache."
     )
-    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-    num_tensors = src_cache.cache_desc.num_tensors
-    raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer should be > 0")
-    every_layer = range(num_tensors // tensor_num_per_layer)
-    src_layers = push_layers("src_layer_range", src_layer_range, every_layer)
-    dst_layers = push_layers("dst_layer_range", dst_layer_range, every_layer)
-    raise_if_false(
-        len(src_layers) == len(dst_layers),
-        f"src_layer_range {src_layers} and dst_layer_range {dst_layers} differ in length",
+    src_layers, dst_layers = push_layer_ranges(
+        "push_cache", src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range
     )
     check_int64("size", size)
     raise_if_false(size == -1, f"size ({size}) must be -1: a push moves the whole row")
@@ -191,6 +184,7 @@ def validate_push_cache(
         f"src_batch_index {src_batch_index} is outside batch size "
         f"{src_cache.cache_desc.batch_size} of cache {src_cache.cache_id}",
     )
+    num_tensors = src_cache.cache_desc.num_tensors
     count = len(src_layers) * tensor_num_per_layer
     raise_if_true(
         src_layers.start * tensor_num_per_layer + count > num_tensors,
