@@ -5,19 +5,19 @@ The connector's one seam to transfer engines, in rooms by what they serve:
 - ``api/``: the surface both back-ends share, with CANN's names and codes: ``status`` (codes
   and ``LLMException``), ``llm_types`` (descriptors and cache keys), ``config``
   (``LLMConfig``), ``cluster_info`` (``LLMClusterInfo``, ``LLMRole``), ``pull_handle`` (async
-  pulls), and CANN's argument rules: ``checks`` (types and C ranges), ``validation``
-  (``pull_blocks``, ``push_blocks``);
+  pulls), ``c_types`` (CANN's C argument types), and ``rules``: one table of CANN's argument
+  rules for ``pull_blocks``, ``push_blocks``, ``pull_cache`` and ``push_cache``;
 - the seam itself: ``profile`` (the typed ``Backend``, the ``DataDist`` and
   ``BlocksCacheManager`` protocols the connector calls, and what each back-end needs) and
   ``backend`` (``load_backend``);
 - ``native/``: the API on the project's engine: ``llm_datadist`` (``LLMDataDist``, the only
   module that loads ``hixl_connector._native``), ``cache_manager``, ``push_calls``,
-  ``write_grants``, ``engine_options``; its ``parity/`` holds what serves only HIXL's own
-  samples (``rank_table`` links, ``transfer_async``, ``local_calls`` with ``allocations`` and
-  ``local_copies``, and the row transfers' rules in ``cache_rows``), which the connector
-  never calls;
-- ``ascend/``: CANN ``llm_datadist`` with torch_npu (``cann``), and the project's checks where
-  CANN silently accepts a mistake (``checks``).
+  ``transfer_args`` (a checked call in the engine's form), ``write_grants``,
+  ``engine_options``; its ``parity/`` holds what serves only HIXL's own samples
+  (``rank_table`` links, ``transfer_async``, ``local_calls`` with ``allocations`` and
+  ``local_copies``), which the connector never calls;
+- ``ascend/``: CANN ``llm_datadist`` with torch_npu (``cann``), wrapped by
+  ``checked_classes`` to refuse what CANN silently accepts.
 
 ``from hixl_connector.datadist import LLMDataDist, LLMConfig, ...`` gives the native-engine
 implementation; ``load_backend("native" | "ascend" | "auto")`` chooses one explicitly. Importing

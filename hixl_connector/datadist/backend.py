@@ -19,7 +19,7 @@ from typing import Any
 from hixl_connector.datadist.api.llm_types import BlocksPull
 from hixl_connector.datadist.ascend import cann as ascend
 from hixl_connector.datadist.ascend.cann import API_NAMES, BackendUnavailableError
-from hixl_connector.datadist.ascend.checks import CheckedCacheManager
+from hixl_connector.datadist.ascend.checked_classes import CheckedCacheManager
 from hixl_connector.datadist.native.cache_manager import CacheManager
 from hixl_connector.datadist.native.llm_datadist import LLMDataDist
 from hixl_connector.datadist.profile import NATIVE_PROFILE, Backend, BlocksCacheManager, DataDist

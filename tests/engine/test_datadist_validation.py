@@ -25,14 +25,14 @@ from hixl_connector.datadist import (
     Placement,
     load_backend,
 )
-from hixl_connector.datadist.api.validation import (
+from hixl_connector.datadist.api.rules import PULL_BLOCKS, PUSH_BLOCKS, RULES, Transfer, check
+from hixl_connector.datadist.backend import BackendUnavailableError
+from hixl_connector.datadist.native.transfer_args import (
     KIND_BLOCKS,
     KIND_CACHE_ID,
     KIND_CACHE_KEY,
     PullArgs,
-    validate_pull_blocks,
 )
-from hixl_connector.datadist.backend import BackendUnavailableError
 
 PARAM = LLMStatusCode.LLM_PARAM_INVALID
 NUM_TENSORS, NUM_BLOCKS = 8, 16
@@ -51,7 +51,12 @@ def pull(
     key: Any = None, dst: Any = DST, src: Any = (1,), dst_blocks: Any = (2,), **kwargs: Any
 ) -> PullArgs:
     key = BlocksCacheKey(9) if key is None else key
-    return validate_pull_blocks(key, dst, src, dst_blocks, kwargs, REGISTERED)
+    return validate_pull_blocks(key, dst, src, dst_blocks, kwargs)
+
+
+def validate_pull_blocks(key: Any, dst: Any, src: Any, dst_blocks: Any, kwargs: Any) -> PullArgs:
+    transfer = Transfer(PULL_BLOCKS, key, dst, src, dst_blocks, kwargs, registered=REGISTERED)
+    return PullArgs.of(check(transfer))
 
 
 def raises_param(**kwargs: Any) -> LLMException:
@@ -83,7 +88,7 @@ def test_row3_key_type() -> None:
     with pytest.raises(TypeError):
         pull(key=(9, 0))
     with pytest.raises(TypeError):
-        validate_pull_blocks(None, DST, (1,), (2,), {}, REGISTERED)
+        validate_pull_blocks(None, DST, (1,), (2,), {})
 
 
 def test_row4_dst_cache_type_wins_over_later_rows() -> None:
@@ -177,27 +182,75 @@ def test_row18_local_checks() -> None:
     assert "out of range" in str(raises_param(dst_blocks=[NUM_BLOCKS]))
     assert "size" in str(raises_param(src=[1, 2], dst_blocks=[3]))
     assert "divide" in str(raises_param(tensor_num_per_layer=3, src_layer_range=range(1)))
-    assert "dst tensors" in str(raises_param(dst_layer_range=range(3, 5)))
+    assert "dst_layer_range" in str(raises_param(dst_layer_range=range(3, 5)))
+
+
+def test_each_rule_is_one_row_of_the_table() -> None:
+    checks = [rule.check for rule in RULES]
+    assert len(checks) == len(set(checks))
+    assert all(rule.calls for rule in RULES)
+
+
+LOCAL_OUT_OF_RANGE = ([1, 2], [NUM_BLOCKS])  # (remote, local) blocks, two faults
+
+
+@pytest.mark.parametrize(
+    ("remote_and_local", "kwargs", "first_error"),
+    [
+        (([1], [2]), {"dst_layer_range": range(0, 3, 2), "src_layer_range": range(-1, 2)}, "step"),
+        (([1], [2]), {"src_layer_range": range(-3, -5)}, "empty or reversed"),
+        (([1], [2]), {"tensor_num_per_layer": 0, "src_layer_range": range(-1, 2)}, "tensor_num"),
+        (LOCAL_OUT_OF_RANGE, {}, "out of range"),
+    ],
+)
+def test_pushes_meet_the_shared_rules_in_pull_blocks_order(
+    remote_and_local: tuple[list[int], list[int]], kwargs: dict[str, Any], first_error: str
+) -> None:
+    remote, local = remote_and_local
+    for call, src, dst in ((PULL_BLOCKS, remote, local), (PUSH_BLOCKS, local, remote)):
+        transfer = Transfer(
+            call,
+            BlocksCacheKey(9),
+            DST,
+            src,
+            dst,
+            kwargs=kwargs,
+            registered=REGISTERED,
+            remote_cache_accessible=call.push,
+        )
+        with pytest.raises(LLMException, match=first_error):
+            check(transfer)
+
+
+def test_the_ascend_back_end_applies_only_the_rows_cann_skips_or_finds_late() -> None:
+    not_a_cache = Transfer(PULL_BLOCKS, BlocksCacheKey(9), "not a cache", [1], [2])
+    check(not_a_cache, ascend_only=True)  # CANN's own type check, left to CANN
+    with pytest.raises(TypeError, match="tensor_num_per_layr"):
+        check(
+            Transfer(PULL_BLOCKS, BlocksCacheKey(9), None, kwargs={"tensor_num_per_layr": 4}), True
+        )
+    with pytest.raises(LLMException, match="size 2 != dst_blocks size 1"):
+        check(Transfer(PULL_BLOCKS, BlocksCacheKey(9), None, [1, 2], [3]), ascend_only=True)
 
 
 def test_divisibility_only_checked_with_a_range() -> None:
-    assert pull(tensor_num_per_layer=3).src_tensor_count == -1
+    assert pull(tensor_num_per_layer=3).src_tensors == (0, -1)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_layer_ranges_become_tensor_ranges(n: int) -> None:
     args = pull(src_layer_range=range(1, 3), dst_layer_range=range(0, 2), tensor_num_per_layer=n)
-    assert (args.src_tensor_first, args.src_tensor_count) == (1 * n, 2 * n)
-    assert (args.dst_tensor_first, args.dst_tensor_count) == (0, 2 * n)
+    assert args.src_tensors == (1 * n, 2 * n)
+    assert args.dst_tensors == (0, 2 * n)
 
 
 def test_keys_map_to_native_kinds() -> None:
-    blocks = pull(key=BlocksCacheKey(9, 3))
-    assert (blocks.remote_kind, blocks.model_id, blocks.remote_cluster_id) == (KIND_BLOCKS, 3, 9)
-    by_id = pull(key=CacheKeyByIdAndIndex(9, 4, 1), src=[])
-    assert (by_id.remote_kind, by_id.cache_id, by_id.batch_index) == (KIND_CACHE_ID, 4, 1)
-    by_key = pull(key=CacheKey(9, 11, 1), src=())
-    assert (by_key.remote_kind, by_key.req_id, by_key.model_id) == (KIND_CACHE_KEY, 11, 1)
+    blocks = pull(key=BlocksCacheKey(9, 3)).remote
+    assert (blocks.kind, blocks.model_id, blocks.cluster_id) == (KIND_BLOCKS, 3, 9)
+    by_id = pull(key=CacheKeyByIdAndIndex(9, 4, 1), src=[]).remote
+    assert (by_id.kind, by_id.cache_id, by_id.batch_index) == (KIND_CACHE_ID, 4, 1)
+    by_key = pull(key=CacheKey(9, 11, 1), src=()).remote
+    assert (by_key.kind, by_key.req_id, by_key.model_id) == (KIND_CACHE_KEY, 11, 1)
 
 
 def test_descriptor_and_key_constructors() -> None:

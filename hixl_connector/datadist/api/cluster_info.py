@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from enum import IntEnum
 
-from hixl_connector.datadist.api.checks import check_isinstance, check_uint16, check_uint64
+from hixl_connector.datadist.api.c_types import check_isinstance, check_uint16, check_uint64
 
 
 class LLMRole(IntEnum):

@@ -7,7 +7,7 @@ backend drops them before handing the options to CANN.
 
 from __future__ import annotations
 
-from hixl_connector.datadist.api.checks import (
+from hixl_connector.datadist.api.c_types import (
     UINT32_MAX,
     check_int32,
     check_isinstance,

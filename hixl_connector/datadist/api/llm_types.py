@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from enum import Enum, IntEnum
 from typing import Any, NamedTuple
 
-from hixl_connector.datadist.api.checks import (
+from hixl_connector.datadist.api.c_types import (
     INVALID_ID,
     check_int32,
     check_int64,

@@ -2,7 +2,7 @@
 
 The only module that imports ``llm_datadist`` and ``torch_npu``. Everything the API offers is
 CANN's, except project adaptations: ``LLMConfig``, ``LLMDataDist`` and its ``cache_manager``
-carry the project's checks where CANN silently accepts a mistake (``ascend_checks.py``;
+carry the project's checks where CANN silently accepts a mistake (``checked_classes.py``;
 ``init`` also drops the native engine's ``hixl.*`` option keys), and
 ``pull_blocks_batch_async`` is emulated by calling ``pull_blocks`` for each pull in turn on a
 thread (CANN has neither a batch nor an asynchronous pull).
@@ -24,7 +24,7 @@ from typing import Any
 
 from hixl_connector.datadist.api.llm_types import BlocksPull
 from hixl_connector.datadist.api.pull_handle import ThreadPullHandle
-from hixl_connector.datadist.ascend.checks import checked_classes
+from hixl_connector.datadist.ascend.checked_classes import checked_classes
 from hixl_connector.datadist.profile import Backend, BackendProfile
 
 API_NAMES = (

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hixl_connector.datadist.api.checks import (
+from hixl_connector.datadist.api.c_types import (
     check_int64,
     check_isinstance,
     check_uint64,
@@ -24,6 +24,7 @@ from hixl_connector.datadist.api.llm_types import (
     Placement,
 )
 from hixl_connector.datadist.api.pull_handle import PullHandle
+from hixl_connector.datadist.api.rules import PULL_BLOCKS, PULL_CACHE, Call, Transfer, check
 from hixl_connector.datadist.api.status import (
     LLMException,
     LLMStatusCode,
@@ -31,14 +32,10 @@ from hixl_connector.datadist.api.status import (
     raise_if_false,
     raise_if_true,
 )
-from hixl_connector.datadist.api.validation import (
-    PullArgs,
-    validate_pull_blocks,
-)
 from hixl_connector.datadist.native.parity.allocations import Pools
-from hixl_connector.datadist.native.parity.cache_rows import validate_pull_cache
 from hixl_connector.datadist.native.parity.local_calls import LocalCacheCalls
 from hixl_connector.datadist.native.push_calls import PushCalls
+from hixl_connector.datadist.native.transfer_args import PullArgs, RowPullArgs
 from hixl_connector.datadist.native.write_grants import WriteGrantCalls
 
 _NOT_ON_THIS_BUILD = LLMStatusCode.LLM_FEATURE_NOT_ENABLED
@@ -205,6 +202,20 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls, PushCalls):
             cache._valid = False
 
     # --- pulls ----------------------------------------------------------------------------
+    def _checked(self, call: Call, key: Any, cache: Any, **arguments: Any) -> Transfer:
+        """The call's arguments through CANN's rules (``api.rules``), against this engine."""
+        self._check_is_inited()
+        return check(
+            Transfer(
+                call,
+                key,
+                cache,
+                registered=self._caches,
+                remote_cache_accessible=self._remote_cache_accessible,
+                **arguments,
+            )
+        )
+
     def _validated_pull(
         self,
         src_cache_key: Any,
@@ -213,16 +224,15 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls, PushCalls):
         dst_blocks: Any,
         kwargs: dict[str, Any],
     ) -> PullArgs:
-        self._check_is_inited()
-        args = validate_pull_blocks(
-            src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs, self._caches
+        transfer = self._checked(
+            PULL_BLOCKS,
+            src_cache_key,
+            dst_cache,
+            src_blocks=src_blocks,
+            dst_blocks=dst_blocks,
+            kwargs=kwargs,
         )
-        raise_if_true(
-            self._remote_cache_accessible and not dst_cache._remote_accessible,
-            f"local cache {dst_cache.cache_id} is not remote accessible; register it with "
-            "remote_accessible=True when enable_remote_cache_accessible is on",
-        )
-        return args
+        return PullArgs.of(transfer)
 
     def pull_blocks(
         self,
@@ -285,18 +295,17 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls, PushCalls):
         """The peer's row (a ``CacheKey``'s, or ``CacheKeyByIdAndIndex``'s) into row
         ``batch_index`` of a local contiguous cache: ``size`` bytes of each tensor, or the
         whole local row (which must fit the peer's)."""
-        self._check_is_inited()
-        row = validate_pull_cache(
+        transfer = self._checked(
+            PULL_CACHE,
             cache_key,
             cache,
-            batch_index,
-            size,
-            kwargs,
-            self._remote_cache_accessible,
-            self._engine.cluster_id,
-            self._caches,
+            batch_index=batch_index,
+            size=size,
+            kwargs=kwargs,
+            own_cluster_id=self._engine.cluster_id,
         )
-        native = row.pull_args(self._timeout_ms)
+        row = RowPullArgs.of(transfer)
+        native = row.native_args(self._timeout_ms)
         status, message = self._issue(
             lambda: self._engine.pull_cache(*native), row.remote_cluster_id
         )

@@ -10,7 +10,7 @@ import itertools
 import logging
 from typing import Any, ClassVar
 
-from hixl_connector.datadist.api.checks import (
+from hixl_connector.datadist.api.c_types import (
     check_int32,
     check_isinstance,
     check_uint32,

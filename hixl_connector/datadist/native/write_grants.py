@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hixl_connector.datadist.api.checks import (
+from hixl_connector.datadist.api.c_types import (
     check_isinstance,
     check_uint32,
     check_uint64,

@@ -9,7 +9,7 @@ stricter than CANN's Python layer: option keys are forwarded whatever their pref
 ``LLMConfig`` attributes are stored and ignored, ``pull_blocks`` reads its keyword arguments
 with ``dict.get`` (a misspelt one is dropped and its default applies), and empty layer ranges
 mean all layers. The project's own checks on these live in ``hixl_connector.datadist``
-(``hixl_connector.datadist.ascend.checks``), not here.
+(``hixl_connector.datadist.ascend.checked_classes``), not here.
 
 Where CANN decides in C++, the stand-in follows the rules the reference documents:
 

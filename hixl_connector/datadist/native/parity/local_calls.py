@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from hixl_connector.datadist.api.checks import check_isinstance, check_uint64, to_int64
+from hixl_connector.datadist.api.c_types import check_isinstance, check_uint64, to_int64
 from hixl_connector.datadist.api.llm_types import (
     BlocksCacheKey,
     Cache,

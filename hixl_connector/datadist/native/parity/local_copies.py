@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from hixl_connector.datadist.api.checks import (
+from hixl_connector.datadist.api.c_types import (
     check_int64,
     check_isinstance,
     check_uint32,

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hixl_connector.datadist.api.checks import check_isinstance, check_uint32, check_uint64
+from hixl_connector.datadist.api.c_types import check_isinstance, check_uint32, check_uint64
 from hixl_connector.datadist.api.llm_types import (
     BlocksCacheKey,
     Cache,

@@ -1,7 +1,7 @@
-"""Primitive argument checks with the exception types of CANN llm_datadist.
+"""The C types of CANN llm_datadist's arguments, checked with its exception types.
 
-A wrong type raises TypeError, an int outside its C range raises ValueError. Rule violations
-(LLMException with LLM_PARAM_INVALID) live with the callers, in the order CANN checks them.
+A wrong type raises TypeError, an int outside its C range raises ValueError. The rules of the
+transfer calls (LLMException with LLM_PARAM_INVALID) are the table in ``rules.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The project's own checks around CANN's ``llm_datadist``, for the "ascend" back-end.
+"""CANN's ``llm_datadist`` classes with the project's own checks, for the "ascend" back-end.
 
 CANN's Python layer accepts some mistakes without a word, and each would show on Ascend only
 as wrong KV, or as a failure far from its cause. The back-end wraps CANN's classes so that each
@@ -15,9 +15,10 @@ CANN llm_datadist"):
 - a ``BlocksCacheKey`` registered twice: ``LLM_FAILED`` (CANN re-points it, last wins);
 - a registration after ``link_clusters``: ``LLM_PARAM_INVALID`` (CANN accepts it, but the
   memory is not remotely accessible);
-- ``pull_blocks`` with an unknown keyword: ``TypeError`` (CANN ignores it, so a misspelt
-  ``tensor_num_per_layer`` silently becomes 2), an empty or reversed layer range (CANN: all
-  layers) or lists of different lengths: ``LLM_PARAM_INVALID``.
+- ``pull_blocks``: the rows of the rule table (``api/rules.py``) marked ``ascend``, before
+  CANN sees the call. An unknown keyword raises ``TypeError`` (CANN ignores it, so a misspelt
+  ``tensor_num_per_layer`` silently becomes 2); an empty or reversed layer range (CANN: all
+  layers) or lists of different lengths raise ``LLM_PARAM_INVALID``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import ipaddress
 from typing import Any
 
 from hixl_connector.datadist.api.config import check_option_name
-from hixl_connector.datadist.api.validation import PULL_BLOCKS_KWARGS, check_kwargs
+from hixl_connector.datadist.api.rules import PULL_BLOCKS, Transfer, check
+from hixl_connector.datadist.api.status import LLMException
 
 CANN_OPTION_PREFIXES = ("llm.", "ge.")
 NATIVE_OPTION_PREFIX = "hixl."
@@ -140,22 +142,11 @@ class CheckedCacheManager:
         dst_blocks: Any = (),
         **kwargs: Any,
     ) -> None:
-        check_kwargs("pull_blocks", kwargs, PULL_BLOCKS_KWARGS)
-        for name in ("src_layer_range", "dst_layer_range"):
-            layer_range = kwargs.get(name)
-            if isinstance(layer_range, range) and len(layer_range) == 0:
-                raise _exception(
-                    self._cann,
-                    f"{name} {layer_range} is empty or reversed; pass None for all layers",
-                )
-        lists = isinstance(src_blocks, (list, tuple)) and isinstance(dst_blocks, (list, tuple))
-        keyed = isinstance(src_cache_key, self._cann.BlocksCacheKey)
-        if keyed and lists and len(src_blocks) != len(dst_blocks):
-            raise _exception(
-                self._cann,
-                f"pull_blocks: src_blocks size {len(src_blocks)} != dst_blocks size "
-                f"{len(dst_blocks)}",
-            )
+        transfer = Transfer(PULL_BLOCKS, src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        try:
+            check(transfer, ascend_only=True)
+        except LLMException as refused:  # raised as CANN's own exception, with its code
+            raise _exception(self._cann, str(refused), refused.status_code.name) from None
         self.wrapped.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs)
 
 
