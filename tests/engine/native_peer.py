@@ -22,6 +22,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,9 +100,20 @@ class NativePeer:
         stop_peer_process(self.process)
 
 
-def stop_process(pid: int, timeout_s: float = 5.0) -> None:
-    """SIGSTOPs pid and waits until every thread is really stopped (delivery is async)."""
+@contextmanager
+def stopped(pid: int, timeout_s: float = 5.0) -> Iterator[None]:
+    """Holds pid stopped (SIGSTOP) while the block runs and resumes it (SIGCONT) after, however
+    the block ends, so that no test leaves a frozen peer behind."""
     os.kill(pid, signal.SIGSTOP)
+    try:
+        _wait_stopped(pid, timeout_s)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _wait_stopped(pid: int, timeout_s: float) -> None:
+    """Until every thread of pid is really stopped (signal delivery is asynchronous)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         states = [

@@ -4,8 +4,6 @@ SIGSTOP) and recovery with unlink(force=True) + link, and a finalized CacheManag
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from typing import Any
 
@@ -14,7 +12,8 @@ import pytest
 
 from hixl_connector.datadist import BlocksPull
 
-from .datadist_harness import Client, Peer, wait_until
+from .datadist_harness import Client, Peer
+from .native_peer import stopped
 
 TOKEN = "datadist-link-token-0123456789abcdef"
 # As long as a real token, so the refusal comes from the HMAC check, not the length rule.
@@ -105,17 +104,6 @@ def test_unauthenticated_link_refused(
     client.unlink(peer)
 
 
-def stop_process(pid: int) -> None:
-    """SIGSTOP and wait until the kernel reports it stopped (signal delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-    wait_until(stopped, 5.0, f"process {pid} to stop")
-
-
 def _pull_once(api: Any, client: Client, peer: Peer, cache: Any) -> None:
     client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1, 2], [3, 4])
 
@@ -130,8 +118,7 @@ def test_timeout_then_force_unlink_and_relink_recovers(
     codes = api.LLMStatusCode
     assert client.link(peer) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
     _pull_once(api, client, peer, cache)
-    stop_process(peer.pid)
-    try:
+    with stopped(peer.pid):
         start = time.monotonic()
         with pytest.raises(api.LLMException) as exc:
             _pull_once(api, client, peer, cache)
@@ -141,8 +128,6 @@ def test_timeout_then_force_unlink_and_relink_recovers(
         with pytest.raises(api.LLMException) as exc:  # the link is unusable until rebuilt
             _pull_once(api, client, peer, cache)
         assert exc.value.status_code == codes.LLM_NOT_YET_LINK
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
     assert client.unlink(peer, force=True) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
     assert client.link(peer) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
     _pull_once(api, client, peer, cache)
@@ -157,11 +142,8 @@ def test_cma_pull_needs_no_work_from_a_stopped_peer(
     client = client_factory(5100, hixl_transport="cma", sync_kv_timeout=500)
     cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
     assert client.link(peer)[0] == api.LLMStatusCode.LLM_SUCCESS
-    stop_process(peer.pid)
-    try:
+    with stopped(peer.pid):
         _pull_once(api, client, peer, cache)
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
     client.unlink(peer)
 
 
@@ -190,8 +172,7 @@ def test_unlink_during_a_pull_fails_the_pull_fast(
     cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
     codes = api.LLMStatusCode
     assert client.link(peer)[0] == codes.LLM_SUCCESS
-    stop_process(peer.pid)  # the pull cannot finish while the peer is stopped
-    try:
+    with stopped(peer.pid):  # the pull cannot finish while the peer is stopped
         key = api.BlocksCacheKey(peer.cluster_id)
         pull = BlocksPull(key, cache, [1], [2])
         handle = api.pull_blocks_batch_async(client.dd.cache_manager, [pull])
@@ -202,8 +183,6 @@ def test_unlink_during_a_pull_fails_the_pull_fast(
             handle.wait(5.0)
         assert exc.value.status_code in (codes.LLM_LINK_BUSY, codes.LLM_FAILED)
         assert time.monotonic() - start < 5.0
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
 
 
 def test_xpyd_one_call_links_every_prefill_and_each_serves_its_own_bytes(

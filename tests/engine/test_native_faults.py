@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import struct
@@ -19,7 +18,7 @@ from .native_peer import (
     NativePeer,
     pattern,
     start_peer,
-    stop_process,
+    stopped,
 )
 from .test_native_transfer import BLOCK_BYTES, BLOCKS, Puller, pull_ok
 from .wire_client import (
@@ -69,15 +68,14 @@ def test_stopped_peer_times_out_then_relinks() -> None:
     puller = Puller(200, "tcp", block_bytes=256 << 10)
     try:
         assert puller.engine.link(23, "127.0.0.1", big.port, 3000) == (0, "")
-        stop_process(big.pid)
-        start = time.monotonic()
-        status, msg = puller.pull_blocks([0], [0], cluster=23, timeout_ms=400)
-        elapsed = time.monotonic() - start
-        assert status == _native.TIMEOUT, msg
-        assert elapsed < 0.4 + MARGIN_S, elapsed
-        status, msg = puller.pull_blocks([0], [0], cluster=23)
-        assert status == _native.NOT_YET_LINK and "broken" in msg
-        os.kill(big.pid, signal.SIGCONT)
+        with stopped(big.pid):
+            start = time.monotonic()
+            status, msg = puller.pull_blocks([0], [0], cluster=23, timeout_ms=400)
+            elapsed = time.monotonic() - start
+            assert status == _native.TIMEOUT, msg
+            assert elapsed < 0.4 + MARGIN_S, elapsed
+            status, msg = puller.pull_blocks([0], [0], cluster=23)
+            assert status == _native.NOT_YET_LINK and "broken" in msg
         assert puller.engine.unlink(23, 1000, True) == (0, "")
         assert puller.engine.link(23, "127.0.0.1", big.port, 3000) == (0, "")
         assert puller.pull_blocks([0, 1], [5, 6], cluster=23) == (0, "")
@@ -91,17 +89,18 @@ def test_unlink_during_pull_fails_it_fast(peer: NativePeer) -> None:
     puller = Puller(201, "tcp")
     try:
         assert puller.engine.link(21, "127.0.0.1", peer.port, 3000) == (0, "")
-        stop_process(peer.pid)
-        status, handle, _ = puller.pull_blocks([0], [0], cluster=21, timeout_ms=5000, submit=True)
-        assert status == _native.SUCCESS
-        time.sleep(0.1)
-        start = time.monotonic()
-        assert puller.engine.unlink(21, 2000, True) == (0, "")
-        status, msg = puller.engine.wait(handle, 2000)
-        assert status in (_native.LINK_BUSY, _native.FAILED), msg
-        assert time.monotonic() - start < 1.0
+        with stopped(peer.pid):
+            status, handle, _ = puller.pull_blocks(
+                [0], [0], cluster=21, timeout_ms=5000, submit=True
+            )
+            assert status == _native.SUCCESS
+            time.sleep(0.1)
+            start = time.monotonic()
+            assert puller.engine.unlink(21, 2000, True) == (0, "")
+            status, msg = puller.engine.wait(handle, 2000)
+            assert status in (_native.LINK_BUSY, _native.FAILED), msg
+            assert time.monotonic() - start < 1.0
     finally:
-        os.kill(peer.pid, signal.SIGCONT)
         puller.engine.close()
 
 

@@ -5,11 +5,12 @@ registration it pins, only inside its tensors, and a writer that stalls is dropp
 from __future__ import annotations
 
 import os
-import signal
+import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ from .native_peer import (
     CONTIGUOUS_CACHE_ID,
     NativePeer,
     pattern,
-    stop_process,
+    stopped,
 )
 from .wire_client import (
     DATA,
@@ -98,16 +99,13 @@ def test_push_to_an_unregistered_cache_is_refused_and_the_link_stays_up(
 
 
 def test_stopped_peer_times_out_the_push_then_relinks(peer: NativePeer, pusher: Pusher) -> None:
-    stop_process(peer.pid)
-    try:
+    with stopped(peer.pid):
         start = time.monotonic()
         status, msg = pusher.push([0], [0], timeout_ms=400)
         assert status == _native.TIMEOUT, msg
         assert time.monotonic() - start < 0.4 + MARGIN_S
         status, msg = pusher.push([0], [0])
         assert status == _native.NOT_YET_LINK and "broken" in msg
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
     assert pusher.engine.unlink(PEER, 1000, True) == (0, "")
     pusher.link(peer)
     assert pusher.push([3], [4]) == (0, "")
@@ -117,6 +115,18 @@ def _serials(peer: NativePeer) -> dict[int, int]:
     with connect(peer.port) as s:
         handshake(s, PEER)
         return table_serials(s)
+
+
+@contextmanager
+def accepted_write(peer: NativePeer, length: int) -> Iterator[socket.socket]:
+    """A raw writer's connection whose WRITE of ``length`` bytes at the start of the peer's
+    blocks cache the peer accepted (WRITE_READY): what the test sends next is the write's DATA."""
+    serial, base = _serials(peer)[BLOCKS_CACHE_ID], peer.info["blocks_addrs"][0]
+    with connect(peer.port) as s:
+        handshake(s, PEER)
+        s.sendall(frame(WRITE, write_request(serial, (base, length))))
+        assert recv_frame(s)[0] == WRITE_READY
+        yield s
 
 
 def test_hostile_writes_are_refused_and_nothing_lands(peer: NativePeer) -> None:
@@ -143,10 +153,7 @@ def test_hostile_writes_are_refused_and_nothing_lands(peer: NativePeer) -> None:
         assert recv_frame(s)[0] == TABLE
     # After WRITE_READY only the write's DATA frame may come, of exactly its length.
     for wrong in (frame(TABLE_REQ), frame(DATA, bytes(9))):
-        with connect(peer.port) as s:
-            handshake(s, PEER)
-            s.sendall(frame(WRITE, write_request(blocks, (base, 8))))
-            assert recv_frame(s)[0] == WRITE_READY
+        with accepted_write(peer, 8) as s:
             s.sendall(wrong)
             kind, _ = recv_frame(s)
             assert kind == ERROR
@@ -160,12 +167,7 @@ def test_hostile_writes_are_refused_and_nothing_lands(peer: NativePeer) -> None:
 
 
 def test_a_stalled_writer_is_dropped_and_unregistration_waits_for_it(peer: NativePeer) -> None:
-    serials = _serials(peer)
-    base = peer.info["blocks_addrs"][0]
-    with connect(peer.port) as s:
-        handshake(s, PEER)
-        s.sendall(frame(WRITE, write_request(serials[BLOCKS_CACHE_ID], (base, 4096))))
-        assert recv_frame(s)[0] == WRITE_READY
+    with accepted_write(peer, 4096) as s:
         s.sendall(frame(DATA, bytes(4096))[:1016])  # the header and part of the bytes
         answers: list[tuple[object, float]] = []
         start = time.monotonic()
@@ -187,12 +189,7 @@ def test_a_stalled_writer_is_dropped_and_unregistration_waits_for_it(peer: Nativ
 
 
 def test_write_done_only_after_every_byte(peer: NativePeer) -> None:
-    serials = _serials(peer)
-    base = peer.info["blocks_addrs"][0]
-    with connect(peer.port) as s:
-        handshake(s, PEER)
-        s.sendall(frame(WRITE, write_request(serials[BLOCKS_CACHE_ID], (base, 64))))
-        assert recv_frame(s)[0] == WRITE_READY
+    with accepted_write(peer, 64) as s:
         message = frame(DATA, bytes(range(64)))
         s.sendall(message[:40])
         s.settimeout(0.3)

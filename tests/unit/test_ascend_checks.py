@@ -1,5 +1,5 @@
-"""The "ascend" back-end's own checks (hixl_connector/datadist/ascend/checks.py), over the
-llm_datadist STAND-IN: each mistake CANN silently accepts (test_ascend_standin_rules.py shows
+"""The "ascend" back-end's own checks (hixl_connector/datadist/ascend/checked_classes.py), over
+the llm_datadist STAND-IN: each mistake CANN silently accepts (test_ascend_standin_rules.py shows
 the stand-in accepting it too) raises at the call instead, naming what is wrong."""
 
 from __future__ import annotations
@@ -7,19 +7,17 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from standin_imports import standin_helpers_importable
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
-sys.path.insert(0, str(STANDIN_DIR))
-from harness import standin_on_path  # noqa: E402
-from standin_client import init_client, link, raises, register, running_peer  # noqa: E402
+with standin_helpers_importable():
+    from harness import standin_on_path
+    from standin_client import init_client, link, raises, register, running_peer
 
-from hixl_connector.datadist import load_backend  # noqa: E402
+    from hixl_connector.datadist import load_backend
 
-sys.path.remove(str(STANDIN_DIR))
 PEER_CLUSTER = 7101
 CLIENT_CLUSTER = 7102
 

@@ -8,20 +8,17 @@ status code CANN answers, at the step where the hardware fails (the link or the 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from standin_imports import standin_helpers_importable
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
-sys.path.insert(0, str(STANDIN_DIR))
-from harness import standin_on_path  # noqa: E402
-from standin_client import first_bytes, init_client, raises, register, running_peer  # noqa: E402
-from standin_peer import HOST_MODEL_ID, block_value  # noqa: E402
+with standin_helpers_importable():
+    from harness import standin_on_path
+    from standin_client import first_bytes, init_client, raises, register, running_peer
+    from standin_peer import HOST_MODEL_ID, block_value
 
-sys.path.remove(str(STANDIN_DIR))
 PEER_CLUSTER = 7201
 CLIENT_CLUSTER = 7202
 POOL_BYTES = 100 * 1024 * 1024

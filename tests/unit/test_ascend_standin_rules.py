@@ -10,29 +10,27 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from standin_imports import standin_helpers_importable
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
-sys.path.insert(0, str(STANDIN_DIR))
-from harness import standin_on_path  # noqa: E402
-from standin_client import (  # noqa: E402
-    first_bytes,
-    init_client,
-    link,
-    raises,
-    register,
-    running_peer,
-)
-from standin_peer import NUM_TENSORS, block_value  # noqa: E402
+with standin_helpers_importable():
+    from harness import standin_on_path
+    from standin_client import (
+        first_bytes,
+        init_client,
+        link,
+        raises,
+        register,
+        running_peer,
+    )
+    from standin_peer import NUM_TENSORS, block_value
 
-from hixl_connector.connector.mapping.blocks import chunk_pairs  # noqa: E402
-from hixl_connector.datadist import load_backend  # noqa: E402
-from hixl_connector.datadist.ascend import cann as ascend  # noqa: E402
+    from hixl_connector.connector.mapping.blocks import chunk_pairs
+    from hixl_connector.datadist import load_backend
+    from hixl_connector.datadist.ascend import cann as ascend
 
-sys.path.remove(str(STANDIN_DIR))
 PEER_CLUSTER = 7001
 CLIENT_CLUSTER = 7002
 TWICE_PEER_CLUSTER = 7003

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,26 +21,25 @@ from typing import Any
 
 import pytest
 from loopback import has_ipv6_loopback
+from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
-sys.path.insert(0, str(STANDIN_DIR))
-from harness import (  # noqa: E402
-    launch_prefill,
-    ready,
-    standin_on_path,
-    stop,
-)
-from worker_harness import (  # noqa: E402
-    P_INCARNATION,
-    decode_worker,
-    expected_block,
-    tp_group,
-    vllm_config,
-)
+with standin_helpers_importable():
+    from harness import (
+        launch_prefill,
+        ready,
+        standin_on_path,
+        stop,
+    )
+    from worker_harness import (
+        P_INCARNATION,
+        decode_worker,
+        expected_block,
+        tp_group,
+        vllm_config,
+    )
 
-sys.path.remove(str(STANDIN_DIR))
 P_BASE, D_BASE = 100_000, 200_000
 RESULT_TIMEOUT_S = 30.0
 # The keyword arguments CANN's pull_blocks reads (reference section 1, Table 1).

@@ -8,21 +8,18 @@ after `handshake_timeout_s`, as it would for a client inventing addresses.
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
-sys.path.insert(0, str(STANDIN_DIR))
-from worker_harness import kv_caches, tp_group, vllm_config  # noqa: E402
-
-sys.path.remove(str(STANDIN_DIR))
+with standin_helpers_importable():
+    from worker_harness import kv_caches, tp_group, vllm_config
 
 ADDRESSES_PER_ROUND = 24
 ROUNDS = 2

@@ -14,7 +14,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
-    P_INCARNATION,
+    PREFILL,
     block_ids,
     decode_side,
     finished_outputs,
@@ -31,13 +31,10 @@ from vllm_harness import (
     step,
 )
 
-from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.metadata import ReleaseSpec, WaitingRead
 
 pytestmark = pytest.mark.usefixtures("scheduling")
-
-PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 
 
 def test_remote_prefill_lifecycle(tiny_model_dir: Path) -> None:

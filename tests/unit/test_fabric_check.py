@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
+from standin_imports import STANDIN_DIR
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "ascend"
 CHECK_TIMEOUT_S = 240
 SMALL = ["--blocks", "8", "--block-kib", "16", "--reads", "3", "--json"]

@@ -13,7 +13,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
-    P_INCARNATION,
+    PREFILL,
     block_ids,
     decode_side,
     finished_outputs,
@@ -34,7 +34,6 @@ from hixl_connector.connector.scheduler.sync_loads import SyncLoads
 
 pytestmark = pytest.mark.usefixtures("scheduling")
 
-PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 # The harness's blocks: 16 tokens x 2 KV heads x 16 x fp32, K and V, two layers.
 BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 16 * 4 * 2
 SMALL_BLOCKS = 3  # sync_load_bytes below: reads of up to 3 blocks go in the step

@@ -9,29 +9,27 @@ hold every row of the asynchronous ones in the same step.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
-sys.path.insert(0, str(STANDIN_DIR))
-from harness import launch_prefill, ready, stop  # noqa: E402
-from worker_harness import (  # noqa: E402
-    NUM_BLOCKS,
-    P_INCARNATION,
-    decode_worker,
-    expected_block,
-    tp_group,
-    vllm_config,
-)
+with standin_helpers_importable():
+    from harness import launch_prefill, ready, stop
+    from worker_harness import (
+        NUM_BLOCKS,
+        P_INCARNATION,
+        decode_worker,
+        expected_block,
+        tp_group,
+        vllm_config,
+    )
 
-sys.path.remove(str(STANDIN_DIR))
 P_BASE, D_BASE = 300_000, 400_000
 ASYNC_READS = 64  # as many as D has rows for asynchronous reads
 RESULT_TIMEOUT_S = 30.0

@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
 
-STANDIN_DIR = Path(__file__).resolve().parents[1] / "ascend_standin"
-sys.path.insert(0, str(STANDIN_DIR))
-from worker_harness import decode_worker, tp_group, vllm_config  # noqa: E402
-
-sys.path.remove(str(STANDIN_DIR))
+with standin_helpers_importable():
+    from worker_harness import decode_worker, tp_group, vllm_config
 
 HANDSHAKE_TIMEOUT_S = 30.0  # far beyond the bound: shutdown must not wait it out
 SHUTDOWN_BOUND_S = 5.0

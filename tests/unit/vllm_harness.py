@@ -17,6 +17,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
+from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.facade import HixlConnector
 from hixl_connector.connector.link_reports import LinkReport
 from hixl_connector.connector.metadata import HixlConnectorMetadata
@@ -26,6 +27,8 @@ from hixl_connector.connector.scheduler.prefill_side import PrefillSide
 from hixl_connector.tools.vllm_scheduler import BLOCK_SIZE, model_runner_output, real_scheduler
 
 P_INCARNATION = 0xC0FFEE  # the start nonce of the P that prefill_params come from
+# The P that prefill_params name, as D's scheduler resolves it from them.
+PREFILL = RemoteEndpoint("prefill-engine", "10.0.0.9", 7100, 1, 8192, P_INCARNATION)
 EXTRA_CONFIG = {"side_channel_host": "10.0.0.7", "side_channel_port": 6100, "cluster_id_base": 4096}
 
 # vLLM 0.32 schedules asynchronously by default (AsyncScheduler); the tests that drive the
