@@ -107,7 +107,7 @@ def test_rows5_6_block_lists(bad: Any) -> None:
 
 
 def test_bool_counts_as_int() -> None:
-    assert pull(src=[True], dst_blocks=[False]).src_blocks == [True]
+    assert pull(src=[True], dst_blocks=[False]).what == ([True], [False])
 
 
 def test_row7_dst_must_be_blocks_cache_before_row8() -> None:

@@ -35,7 +35,7 @@ from hixl_connector.datadist.api.status import (
 from hixl_connector.datadist.native.parity.allocations import Pools
 from hixl_connector.datadist.native.parity.local_calls import LocalCacheCalls
 from hixl_connector.datadist.native.push_calls import PushCalls
-from hixl_connector.datadist.native.transfer_args import PullArgs, RowPullArgs
+from hixl_connector.datadist.native.transfer_args import PullArgs
 from hixl_connector.datadist.native.write_grants import WriteGrantCalls
 
 _NOT_ON_THIS_BUILD = LLMStatusCode.LLM_FEATURE_NOT_ENABLED
@@ -304,7 +304,7 @@ class CacheManager(LocalCacheCalls, WriteGrantCalls, PushCalls):
             kwargs=kwargs,
             own_cluster_id=self._engine.cluster_id,
         )
-        row = RowPullArgs.of(transfer)
+        row = PullArgs.of(transfer)
         native = row.native_args(self._timeout_ms)
         status, message = self._issue(
             lambda: self._engine.pull_cache(*native), row.remote_cluster_id

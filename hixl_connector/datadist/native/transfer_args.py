@@ -1,5 +1,5 @@
-"""A checked transfer (``api.rules``) in the form the native engine's ``pull``, ``push`` and
-``pull_row`` take it. Pure: no engine, no I/O."""
+"""A checked transfer (``api.rules``) in the form the native engine's ``pull``, ``pull_cache``
+and ``push`` take it. Pure: no engine, no I/O."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class RemoteKey:
         )
 
     def native_args(self) -> tuple[int, ...]:
-        """The leading arguments of the native ``pull`` and ``pull_row``; ids CANN types
+        """The leading arguments of the native ``pull`` and ``pull_cache``; ids CANN types
         uint64 go as the int64 the engine stores."""
         return (
             to_int64(self.cluster_id),
@@ -62,12 +62,12 @@ class RemoteKey:
 
 @dataclass(frozen=True)
 class PullArgs:
-    """A checked ``pull_blocks``."""
+    """A checked ``pull_blocks`` (the block lists) or ``pull_cache`` (the local row and the
+    bytes of each tensor, -1 for the whole row)."""
 
     remote: RemoteKey
-    dst_cache_id: int
-    src_blocks: list[int] | tuple[int, ...]
-    dst_blocks: list[int] | tuple[int, ...]
+    local_cache_id: int
+    what: tuple[Any, Any]  # (src_blocks, dst_blocks), or (local batch index, size)
     src_tensors: tuple[int, int]  # (first, count); count -1 = every tensor
     dst_tensors: tuple[int, int]
 
@@ -77,8 +77,7 @@ class PullArgs:
         return cls(
             RemoteKey.of(t.key),
             t.cache.cache_id,
-            t.src_blocks,
-            t.dst_blocks,
+            (t.src_blocks, t.dst_blocks) if t.call.blocks else (t.batch_index, t.size),
             layer_tensors(t.layer_range("src_layer_range"), n),
             layer_tensors(t.layer_range("dst_layer_range"), n),
         )
@@ -88,11 +87,11 @@ class PullArgs:
         return self.remote.cluster_id
 
     def native_args(self, timeout_ms: int) -> tuple[Any, ...]:
+        """The native ``pull``'s (blocks) or ``pull_cache``'s (a row) positional arguments."""
         return (
             *self.remote.native_args(),
-            self.dst_cache_id,
-            self.src_blocks,
-            self.dst_blocks,
+            self.local_cache_id,
+            *self.what,
             *self.src_tensors,
             *self.dst_tensors,
             timeout_ms,
@@ -152,43 +151,3 @@ class PushArgs:
         if r.kind == KIND_BLOCKS:
             return (*head, *ranges)
         return (*head, *ranges, KIND_CACHE_ID, r.cache_id, r.batch_index, self.src_batch_index)
-
-
-@dataclass(frozen=True)
-class RowPullArgs:
-    """A checked ``pull_cache``: the peer's row into row ``batch_index`` of a local
-    contiguous cache, ``size`` bytes of each tensor (-1: the whole local row)."""
-
-    remote: RemoteKey
-    local_cache_id: int
-    local_batch_index: int
-    size: int
-    src_tensors: tuple[int, int]
-    dst_tensors: tuple[int, int]
-
-    @classmethod
-    def of(cls, t: Transfer) -> RowPullArgs:
-        n = t.tensor_num_per_layer
-        return cls(
-            RemoteKey.of(t.key),
-            t.cache.cache_id,
-            t.batch_index,
-            t.size,
-            layer_tensors(t.layer_range("src_layer_range"), n),
-            layer_tensors(t.layer_range("dst_layer_range"), n),
-        )
-
-    @property
-    def remote_cluster_id(self) -> int:
-        return self.remote.cluster_id
-
-    def native_args(self, timeout_ms: int) -> tuple[Any, ...]:
-        return (
-            *self.remote.native_args(),
-            self.local_cache_id,
-            self.local_batch_index,
-            self.size,
-            *self.src_tensors,
-            *self.dst_tensors,
-            timeout_ms,
-        )
