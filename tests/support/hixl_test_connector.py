@@ -76,14 +76,14 @@ class CheckingReceiver:
                 DIGEST_LOG,
                 "decode",
                 spec.remote_request_id,
-                self._tp_rank,
+                self._rank.tp_rank,
                 len(blocks),
-                digest(self._layout.views, blocks),
+                digest(self._rank.layout.views, blocks),
             )
         index = torch.tensor(spec.local_block_ids, dtype=torch.long)
         chosen = self.corrupted_layers
-        per_layer = self._layout.tensors_per_layer
-        for i, view in enumerate(self._layout.views):
+        per_layer = self._rank.layout.tensors_per_layer
+        for i, view in enumerate(self._rank.layout.views):
             if chosen is None or i // per_layer in chosen:
                 noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
                 view[index] = noise.to(view.dtype)

@@ -35,15 +35,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.endpoints import RemoteEndpoint
-from hixl_connector.connector.kv.layout import KVLayout
-from hixl_connector.connector.kv.registered_kv import RegisteredKV
+from hixl_connector.connector.kv.decode_rank import DecodeRank
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
-from hixl_connector.connector.mapping.read_plans import ReadPlans
 from hixl_connector.connector.metadata import PushRecvSpec
-from hixl_connector.connector.outcomes import Outcomes
-from hixl_connector.connector.peers.registry import Peer, PeerRegistry
+from hixl_connector.connector.peers.registry import Peer
 from hixl_connector.connector.peers.side_channel import SideChannelTimeout
 from hixl_connector.connector.push.contact import PeerLost, PrefillEndpoints, PushRefused
 from hixl_connector.connector.push.guarded_write import (
@@ -71,39 +67,24 @@ class _Awaited:
 
 
 class PushReceiver:
-    def __init__(
-        self,
-        config: HixlConfig,
-        kv: RegisteredKV,
-        layout: KVLayout,
-        block_sizes: tuple[int, ...],
-        peers: PeerRegistry,
-        rank: int,
-        cluster_id: int,
-        plans: ReadPlans,
-        outcomes: Outcomes,
-    ) -> None:
-        """``plans``: which P ranks write which of this rank's KV heads (by P's TP size), and
-        where the slices of P's blocks land (by P's block size), as a pull would read them."""
+    def __init__(self, rank: DecodeRank) -> None:
+        """``rank.plans``: which P ranks write which of this rank's KV heads (by P's TP size),
+        and where the slices of P's blocks land (by P's block size), as a pull would read
+        them."""
+        kv = rank.kv
         if kv.push_words is None or kv.push_word_memory is None:
             raise ValueError("push mode needs this decode engine's push words registered")
-        self._config = config
-        self._kv = kv
-        self._layout = layout
-        self._block_sizes = block_sizes
-        self._peers = peers
-        self._tp_rank = rank
-        self._cluster_id = cluster_id
-        self._outcomes = outcomes
-        self._plans = plans
+        self._rank = rank
         self._words = PushWords(kv.push_word_memory)
-        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-push")
+        self._pool = ThreadPoolExecutor(
+            rank.config.transfer_threads, thread_name_prefix="hixl-push"
+        )
         self._lock = threading.Lock()
         self._awaited: dict[str, _Awaited] = {}  # registered with P, word not set yet
         # Requests with blocks to receive, from start until reported; those aborted meanwhile.
         self._started: set[str] = set()
         self._cancelled: set[str] = set()
-        self._endpoints = PrefillEndpoints(peers)
+        self._endpoints = PrefillEndpoints(rank.peers)
         # P ranks asked about the pushes awaited from them (peer key): when next, and
         # whether a question is under way.
         self._next_check: dict[tuple[str, int, str, int], float] = {}
@@ -138,12 +119,12 @@ class PushReceiver:
         # The count is read before the words: a word landing in between moves it, so the
         # wait below returns at once instead of sleeping past it.
         deadline = time.monotonic() + timeout_s
-        landed = self._kv.writes_landed()
+        landed = self._rank.kv.writes_landed()
         while not woken.is_set() and not any(self._words.is_set(slot) for slot in slots):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            landed = self._kv.wait_for_writes(landed, left)
+            landed = self._rank.kv.wait_for_writes(landed, left)
         return True
 
     def collect(self) -> None:
@@ -156,15 +137,17 @@ class PushReceiver:
                 slots = awaited.slots()
                 if slots and all(self._words.is_set(slot) for slot in slots):
                     landed.append(awaited)
-                elif now - awaited.registered_at > self._config.pull_timeout_s:
+                elif now - awaited.registered_at > self._rank.config.pull_timeout_s:
                     late.append(awaited)
             for awaited in landed + late:
                 del self._awaited[awaited.spec.request_id]
         for awaited in landed:
             self._landed(awaited, now)
         for awaited in late:
-            self._outcomes.record("push_timeouts")
-            reason = f"no push from P within pull_timeout_s ({self._config.pull_timeout_s:g} s)"
+            self._rank.outcomes.record("push_timeouts")
+            reason = (
+                f"no push from P within pull_timeout_s ({self._rank.config.pull_timeout_s:g} s)"
+            )
             self._pool.submit(self._give_up, awaited, reason)
         for awaited in late:
             # As after a read that timed out: the link may be lost on P's side (its write
@@ -209,7 +192,7 @@ class PushReceiver:
         where it does not answer or refuses (restarted), every request waiting on it."""
         try:
             reply = peer.client.request(
-                PushStatusQuery(self._cluster_id, tuple(requests)).to_dict()
+                PushStatusQuery(self._rank.cluster_id, tuple(requests)).to_dict()
             )
             gave_up = gave_up_in(reply, requests)
         except Exception as e:
@@ -217,7 +200,7 @@ class PushReceiver:
             # waited on it was failed then).
             with self._lock:
                 waits = any(w.peer is peer for a in self._awaited.values() for w in a.writers)
-            if waits and self._peers.linked(peer.target) is peer:
+            if waits and self._rank.peers.linked(peer.target) is peer:
                 rank = f"prefill rank {peer.target.rank} of {peer.engine_id}"
                 self._lose(peer, remote, f"{rank}: {e}")
             return
@@ -229,7 +212,7 @@ class PushReceiver:
             for awaited in failed:
                 del self._awaited[awaited.spec.request_id]
         for awaited in failed:
-            self._outcomes.record("push_failures_heard")
+            self._rank.outcomes.record("push_failures_heard")
             self._give_up(awaited, f"P gave up: {gave_up[awaited.spec.base_request_id].reason}")
         if any(g.relink for g in gave_up.values()):
             # P cannot write over this link again: the next request links anew.
@@ -245,7 +228,7 @@ class PushReceiver:
     def _drop(self, peer: Peer, reason: str, counter: str | None = None) -> None:
         """Drops ``peer``'s link (the next request links again); every request waiting for
         a word over it fails, since nothing lands over a link torn down."""
-        self._peers.drop(peer)
+        self._rank.peers.drop(peer)
         with self._lock:
             failed = [
                 awaited
@@ -256,7 +239,7 @@ class PushReceiver:
                 del self._awaited[awaited.spec.request_id]
         for awaited in failed:
             if counter is not None:
-                self._outcomes.record(counter)
+                self._rank.outcomes.record(counter)
             self._pool.submit(self._give_up, awaited, reason)
 
     def shutdown(self) -> None:
@@ -280,7 +263,7 @@ class PushReceiver:
                 self._offer(awaited, fresh=True)
         except Exception as e:
             if isinstance(e, PeerLost):
-                self._outcomes.record("push_peers_lost")
+                self._rank.outcomes.record("push_peers_lost")
             elif not isinstance(e, PushRefused):
                 self._endpoints.forget(spec.remote)
             self._give_up(awaited, str(e))
@@ -301,11 +284,11 @@ class PushReceiver:
         awaited.fresh |= learned
         awaited.slices = None  # learned from P's rank (a restarted P may differ)
         try:
-            plan = self._plans.rank_plan(spec.remote.tp_size)
+            plan = self._rank.plans.rank_plan(spec.remote.tp_size)
         except ValueError as e:
             raise PushRefused(f"prefill engine {endpoint.engine_id}: {e}") from None
         for p_rank in plan.notify:
-            writer = Writer(self._peers.get(endpoint.rank(p_rank)))
+            writer = Writer(self._rank.peers.get(endpoint.rank(p_rank)))
             awaited.writers.append(writer)
             heads = tuple(HeadRun(r.src_head, r.dst_head, r.count) for r in plan.reads_from(p_rank))
             takes = bool(spec.local_block_ids and heads)
@@ -313,19 +296,21 @@ class PushReceiver:
                 if awaited.slices is None:
                     awaited.slices = self._slices(writer.peer)
                 sliced = awaited.slices is not None
-                grant_writer(self._kv, self._words, writer, spec.local_block_ids, heads, sliced)
+                grant_writer(
+                    self._rank.kv, self._words, writer, spec.local_block_ids, heads, sliced
+                )
             message = PushRegistration(
                 request=spec.base_request_id,
-                cluster_id=self._cluster_id,
+                cluster_id=self._rank.cluster_id,
                 positions=spec.positions if takes else (),
                 blocks=spec.local_block_ids if takes else (),
                 grants=tuple(writer.grants[:-1]),
                 word=(writer.slot or 0, writer.grants[-1] if writer.grants else 0),
-                wait_s=self._config.pull_timeout_s,
+                wait_s=self._rank.config.pull_timeout_s,
                 slices=awaited.slices if takes else None,
                 heads=heads,
-                units_per_block=self._kv.caches[0].units_per_block,
-                rank=self._tp_rank,
+                units_per_block=self._rank.kv.caches[0].units_per_block,
+                rank=self._rank.tp_rank,
                 consumers=plan.consumers[p_rank],
                 groups=spec.groups if takes else (),
             )
@@ -335,21 +320,21 @@ class PushReceiver:
                 reason = f"prefill rank {p_rank} of {endpoint.engine_id}: {e}"
                 self._lose(writer.peer, spec.remote, reason)
                 raise PeerLost(reason) from e
-        self._outcomes.record("push_registrations")
+        self._rank.outcomes.record("push_registrations")
 
     def _slices(self, peer: Peer) -> Slices | None:
         """Where P's blocks are smaller, the slices of its blocks that make up one of this
         rank's; None for blocks of one size. Raises PushRefused for P's blocks larger."""
         try:
-            ratio = blocks_per_block(peer.payload.block_sizes, self._block_sizes)
+            ratio = blocks_per_block(peer.payload.block_sizes, self._rank.block_sizes)
             if ratio == 1:
                 return None
-            if self._kv.slices is None:
+            if self._rank.kv.slices is None:
                 raise ValueError(
                     f"prefill block_size {list(peer.payload.block_sizes)}, decode block_size "
-                    f"{list(self._block_sizes)}: this KV layout is not registered in slices"
+                    f"{list(self._rank.block_sizes)}: this KV layout is not registered in slices"
                 )
-            return Slices(ratio, self._plans.slice_runs(peer.payload.block_sizes[0]))
+            return Slices(ratio, self._rank.plans.slice_runs(peer.payload.block_sizes[0]))
         except ValueError as e:
             raise PushRefused(f"prefill engine {peer.engine_id}: {e}") from None
 
@@ -362,16 +347,20 @@ class PushReceiver:
             self._pool.submit(self._give_up, awaited, f"revoke failed: {e}")
             return
         spec = awaited.spec
-        nbytes = len(spec.local_block_ids) * self._layout.block_bytes * self._layout.num_tensors
+        nbytes = (
+            len(spec.local_block_ids)
+            * self._rank.layout.block_bytes
+            * self._rank.layout.num_tensors
+        )
         self._received(spec, nbytes, now - awaited.registered_at, now - awaited.registered_at)
 
     def _received(self, spec: PushRecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` hold P's KV for it: reports them."""
         with self._lock:
             self._started.discard(spec.request_id)
-        self._outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
-        self._outcomes.record("push_receives")
-        self._outcomes.finish(spec.request_id, True, spec.local_block_ids)
+        self._rank.outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
+        self._rank.outcomes.record("push_receives")
+        self._rank.outcomes.finish(spec.request_id, True, spec.local_block_ids)
 
     def _give_up(self, awaited: _Awaited, reason: str) -> None:
         """Revokes (waiting for any write under way), then reports a failed receive."""
@@ -391,11 +380,11 @@ class PushReceiver:
             return
         if reason != "aborted":
             logger.error("hixl: KV push for request %s failed: %s", spec.request_id, reason)
-        self._outcomes.record("failed_push_receives")
-        self._outcomes.finish(spec.request_id, False, spec.local_block_ids)
+        self._rank.outcomes.record("failed_push_receives")
+        self._rank.outcomes.finish(spec.request_id, False, spec.local_block_ids)
 
     def _revoke(self, awaited: _Awaited) -> None:
         """Revokes every writer's grants (guarded_write), then forgets the writers."""
         for writer in awaited.writers:
-            revoke_writer(self._kv, self._words, writer)
+            revoke_writer(self._rank.kv, self._words, writer)
         awaited.writers.clear()

@@ -12,6 +12,7 @@ import time
 import zmq
 
 from hixl_connector.connector.config import HixlConfig
+from hixl_connector.connector.kv.decode_rank import DecodeRank
 from hixl_connector.connector.kv.layout import KVLayout
 from hixl_connector.connector.kv.registered_kv import RegisteredKV
 from hixl_connector.connector.leases.client import LeaseClient
@@ -56,14 +57,11 @@ class DecodeRole:
             outcomes.record,
         )
         receiver_cls, push_receiver_cls = classes
-        self._receiver = receiver_cls(
-            config, kv, layout, block_sizes, plans, self.peers, self.lease_client, tp_rank, outcomes
+        rank = DecodeRank(
+            config, kv, layout, block_sizes, plans, self.peers, tp_rank, cluster_id, outcomes
         )
-        self._push_receiver: PushReceiver | None = None
-        if config.pushes:
-            self._push_receiver = push_receiver_cls(
-                config, kv, layout, block_sizes, self.peers, tp_rank, cluster_id, plans, outcomes
-            )
+        self._receiver = receiver_cls(rank, self.lease_client)
+        self._push_receiver = push_receiver_cls(rank) if config.pushes else None
 
     def bind(self, metadata: HixlConnectorMetadata, now: float) -> None:
         """Before the step's forward: registers the step's pushes with P (P writes once it

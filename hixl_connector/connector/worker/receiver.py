@@ -35,16 +35,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.endpoints import PeerRank
-from hixl_connector.connector.kv.layout import KVLayout
-from hixl_connector.connector.kv.registered_kv import RegisteredKV
+from hixl_connector.connector.kv.decode_rank import DecodeRank
 from hixl_connector.connector.leases.client import LeaseClient
 from hixl_connector.connector.leases.guarded_read import GuardedPull
-from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
+from hixl_connector.connector.mapping.read_plans import UnreadableRequest
 from hixl_connector.connector.metadata import RecvSpec, ReleaseSpec
-from hixl_connector.connector.outcomes import Outcomes
-from hixl_connector.connector.peers.registry import Peer, PeerRegistry
+from hixl_connector.connector.peers.registry import Peer
 from hixl_connector.connector.worker.read_failures import (
     HandshakeFailed,
     LeaseError,
@@ -80,32 +77,16 @@ class _InFlight:
 
 
 class Receiver:
-    def __init__(
-        self,
-        config: HixlConfig,
-        kv: RegisteredKV,
-        layout: KVLayout,
-        block_sizes: tuple[int, ...],
-        plans: ReadPlans,
-        peers: PeerRegistry,
-        lease_client: LeaseClient,
-        tp_rank: int,
-        outcomes: Outcomes,
-    ) -> None:
-        self._config = config
-        self._kv = kv
-        self._layout = layout
-        self._block_sizes = block_sizes
-        self._plans = plans
-        self._peers = peers
+    def __init__(self, rank: DecodeRank, lease_client: LeaseClient) -> None:
+        self._rank = rank
         self._lease_client = lease_client
-        self._tp_rank = tp_rank
-        self._outcomes = outcomes
         # Handshakes and links with P ranks not linked yet, off the step thread.
-        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="hixl-link")
+        self._pool = ThreadPoolExecutor(
+            rank.config.transfer_threads, thread_name_prefix="hixl-link"
+        )
         self._pooled: set[Future[None]] = set()  # work given to the pool, until it ends
         # Each read's word-blocks-word batch, its scratch row and verdict (leases.guarded_read).
-        self._guarded = kv.guarded_reads()
+        self._guarded = rank.kv.guarded_reads()
         self._rows = self._guarded.rows
         self._closing = threading.Event()
         self._in_flight: list[_InFlight] = []
@@ -123,7 +104,7 @@ class Receiver:
             self._start_sync_load(spec, queued_at)
             return False
         try:
-            peers = self._peers_now(spec, self._peers.linked)
+            peers = self._peers_now(spec, self._rank.peers.linked)
         except Exception:  # the pool's attempt reports it
             peers = None
         row = self._rows.take_now() if peers is not None else None
@@ -139,9 +120,9 @@ class Receiver:
         """This step's forward needs the KV: reads it now over same-host links, without
         waiting for a handshake or for an asynchronous read's row."""
         try:
-            peers = self._peers_now(spec, self._peers.in_place)
+            peers = self._peers_now(spec, self._rank.peers.in_place)
             if peers is None:
-                self._outcomes.record("sync_load_peer_gone")
+                self._rank.outcomes.record("sync_load_peer_gone")
                 raise PeerGone(
                     f"prefill engine {spec.remote.engine_id} has a rank with no same-host link "
                     "on this rank (restarted or gone since it was linked)"
@@ -234,7 +215,7 @@ class Receiver:
         if spec.error:
             return {}
         peers: dict[int, Peer] = {}
-        for p_rank in self._plans.rank_plan(spec.remote.tp_size).notify:
+        for p_rank in self._rank.plans.rank_plan(spec.remote.tp_size).notify:
             peer = lookup(spec.remote.rank(p_rank))
             if peer is None:
                 return None
@@ -263,22 +244,22 @@ class Receiver:
             if spec.error:
                 raise LeaseError(spec.error)
             self._check_cancelled(spec)
-            plan = self._plans.rank_plan(spec.remote.tp_size)
+            plan = self._rank.plans.rank_plan(spec.remote.tp_size)
             for p_rank in plan.notify:
                 peers[p_rank] = linked[p_rank] if linked is not None else self._link(spec, p_rank)
-                check_block_sizes(peers[p_rank], spec, self._block_sizes)
+                check_block_sizes(peers[p_rank], spec, self._rank.block_sizes)
             readers = [peers[p] for p in plan.notify if plan.reads_from(p)]
             try:
                 check_block_ids(readers, spec)
             except LeaseError:
-                self._outcomes.record("refused_pulls")
+                self._rank.outcomes.record("refused_pulls")
                 raise
             reads = [
-                peer_units(peers[read.p_rank], read, spec, self._layout, self._plans)
+                peer_units(peers[read.p_rank], read, spec, self._rank.layout, self._rank.plans)
                 for read in plan.reads
             ]
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
-            blocks = self._kv.block_pulls(reads, spec.blocks_per_block > 1)
+            blocks = self._rank.kv.block_pulls(reads, spec.blocks_per_block > 1)
             pull = self._guarded.batch(words, blocks, row)
             handle, started = self._submit(spec, pull)
         except Exception as e:
@@ -286,7 +267,7 @@ class Receiver:
             self._end(spec)
             self._fail(spec, peers, e)
             return
-        layout = self._layout
+        layout = self._rank.layout
         unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
         nbytes = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
         flight = _InFlight(spec, peers, readers, pull, handle, nbytes, queued_at, started)
@@ -296,7 +277,7 @@ class Receiver:
     def _link(self, spec: RecvSpec, p_rank: int) -> Peer:
         """P rank ``p_rank`` of the request's engine, handshaken and linked (on the pool)."""
         try:
-            return self._peers.get(spec.remote.rank(p_rank))
+            return self._rank.peers.get(spec.remote.rank(p_rank))
         except Exception as e:
             raise HandshakeFailed(str(e)) from e
 
@@ -305,17 +286,17 @@ class Receiver:
         aborted since it was queued; returns the handle and when the batch was handed over."""
         self._check_cancelled(spec)
         started = time.monotonic()
-        return self._kv.submit(pull.pulls), started
+        return self._rank.kv.submit(pull.pulls), started
 
     def _read_through(self, flight: _InFlight) -> None:
         """Tells the registry the read went through (it tells the scheduler whether reads
         from this P engine are in place, link_reports); counts the small ones that load
         asynchronously because they cross the network."""
         in_place = all(peer.in_place for peer in flight.peers.values())
-        self._peers.read_through(flight.spec.remote, flight.peers.values())
-        small = flight.nbytes <= self._config.sync_load_bytes
+        self._rank.peers.read_through(flight.spec.remote, flight.peers.values())
+        small = flight.nbytes <= self._rank.config.sync_load_bytes
         if not in_place and not flight.spec.synchronous and small:
-            self._outcomes.record("network_reads_async")
+            self._rank.outcomes.record("network_reads_async")
 
     def _vouch(self, flight: _InFlight) -> None:
         """Raises LeaseError unless P's words vouched for the blocks before and after (the
@@ -324,14 +305,14 @@ class Receiver:
         outcome, reader = self._guarded.verdict(flight.pull, spec.lease_word)
         if outcome == "refused":
             peer = flight.readers[reader]
-            self._outcomes.record("refused_pulls")
+            self._rank.outcomes.record("refused_pulls")
             raise LeaseError(
                 f"prefill engine {peer.engine_id} rank {peer.payload.tp_rank} does not lease "
                 f"these blocks to request {spec.remote_request_id} under lease "
                 f"{spec.lease_id}: unknown or ended lease, or blocks outside it"
             )
         if outcome == "stale":
-            self._outcomes.record("stale_pulls")
+            self._rank.outcomes.record("stale_pulls")
             raise LeaseError(
                 f"lease {spec.lease_id} of prefill request {spec.remote_request_id} "
                 "ended during the pull; its blocks may have been reused"
@@ -349,17 +330,17 @@ class Receiver:
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` are in place, vouched for by P: reports them."""
-        self._outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
+        self._rank.outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
         if spec.synchronous:
-            self._outcomes.record("sync_loads")
+            self._rank.outcomes.record("sync_loads")
         else:
-            self._outcomes.finish(spec.request_id, True, spec.local_block_ids)
+            self._rank.outcomes.finish(spec.request_id, True, spec.local_block_ids)
         self._lease_client.notify("done", self._release(spec))
 
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
         counter = counter_for(spec, error)
         if counter is not None:
-            self._outcomes.record(counter)
+            self._rank.outcomes.record(counter)
         if isinstance(error, PullCancelled):  # P was told when it was cancelled
             logger.info("hixl: %s", error)
             self._failed(spec)
@@ -367,7 +348,7 @@ class Receiver:
         logger.error("hixl: KV pull for request %s failed: %s", spec.request_id, error)
         if peers and self._link_suspect(error):
             for peer in peers.values():
-                self._peers.drop(peer)
+                self._rank.peers.drop(peer)
         self._failed(spec)
         if spec.remote.engine_id:
             # Tell P now (on the notice lanes, not this pull thread) so it frees instead of
@@ -378,9 +359,9 @@ class Receiver:
         """Tells vLLM: a failed receive, or for a synchronous read its blocks (vLLM's
         kv_load_failure_policy decides either way)."""
         if spec.synchronous:
-            self._outcomes.invalidate(spec.local_block_ids)
+            self._rank.outcomes.invalidate(spec.local_block_ids)
         else:
-            self._outcomes.finish(spec.request_id, False, spec.local_block_ids)
+            self._rank.outcomes.finish(spec.request_id, False, spec.local_block_ids)
 
     @staticmethod
     def _release(spec: RecvSpec) -> ReleaseSpec:
@@ -392,4 +373,4 @@ class Receiver:
         if isinstance(error, (LeaseError, UnreadableRequest, HandshakeFailed)):
             return False
         status = getattr(error, "status_code", None)
-        return status != self._kv.api.LLMStatusCode.LLM_PARAM_INVALID
+        return status != self._rank.kv.api.LLMStatusCode.LLM_PARAM_INVALID
