@@ -34,6 +34,17 @@ struct OpLists {
   std::vector<uint64_t> dst, src, lengths;
 };
 
+// A binding of a copy reference `run(dst, src, lengths, n)`: the op lists are converted with
+// the GIL held, then released for the copies.
+template <typename Run>
+auto over_op_lists(Run run) {
+  return [run](nb::handle dst, nb::handle src, nb::handle lengths, int n) {
+    OpLists ops(dst, src, lengths);
+    nb::gil_scoped_release release;
+    return run(ops.dst, ops.src, ops.lengths, n);
+  };
+}
+
 nb::bytes digest_bytes(const hixl::Digest& d) {
   return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
 }
@@ -67,14 +78,8 @@ NB_MODULE(_native_bench, m) {
       },
       nb::arg("src_blocks"), nb::arg("dst_blocks"), nb::arg("num_tensors"),
       nb::arg("iterations"));
-  m.def(
-      "scatter_copy",
-      [](nb::handle dst, nb::handle src, nb::handle lengths, int threads) {
-        OpLists ops(dst, src, lengths);
-        nb::gil_scoped_release release;
-        return hixl::scatter_copy(ops.dst, ops.src, ops.lengths, threads);
-      },
-      nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("threads"));
+  m.def("scatter_copy", over_op_lists(hixl::scatter_copy), nb::arg("dst_addrs"),
+        nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("threads"));
   m.def(
       "scatter_read_process",
       [](int pid, nb::handle dst, nb::handle src, nb::handle lengths, int threads) {
@@ -84,14 +89,8 @@ NB_MODULE(_native_bench, m) {
       },
       nb::arg("pid"), nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"),
       nb::arg("threads"));
-  m.def(
-      "tcp_stream",
-      [](nb::handle dst, nb::handle src, nb::handle lengths, int connections) {
-        OpLists ops(dst, src, lengths);
-        nb::gil_scoped_release release;
-        return hixl::tcp_stream(ops.dst, ops.src, ops.lengths, connections);
-      },
-      nb::arg("dst_addrs"), nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("connections"));
+  m.def("tcp_stream", over_op_lists(hixl::tcp_stream), nb::arg("dst_addrs"),
+        nb::arg("src_addrs"), nb::arg("lengths"), nb::arg("connections"));
   m.def("thread_pool_selftest", [] {
     nb::gil_scoped_release release;
     return hixl::thread_pool_selftest();

@@ -28,9 +28,27 @@ Result to_result(const hixl::Status& s) { return {s.code, s.message}; }
 using PullArgs = std::tuple<int64_t, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                             nb::handle, nb::handle, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
-hixl::PullRequest make_request(const PullArgs& args) {
-  const auto& [remote, kind, model_id, cache_id, req_id, prefix_id, batch_index, dst_cache_id,
-               src, dst, src_first, src_count, dst_first, dst_count, timeout_ms] = args;
+// The block lists of a pull or push binding, converted with the GIL held.
+void set_blocks(hixl::BlockTransfer* t, nb::handle src, nb::handle dst) {
+  t->src_blocks = to_vector<int64_t>(src, "src_blocks");
+  t->dst_blocks = to_vector<int64_t>(dst, "dst_blocks");
+}
+
+// The tensor ranges and timeout every pull and push binding takes last, in this order.
+void set_ranges(hixl::BlockTransfer* t, int64_t src_first, int64_t src_count, int64_t dst_first,
+                int64_t dst_count, int64_t timeout_ms) {
+  t->src_tensor_first = src_first;
+  t->src_tensor_count = src_count;
+  t->dst_tensor_first = dst_first;
+  t->dst_tensor_count = dst_count;
+  t->timeout_ms = timeout_ms;
+}
+
+// The peer's cache a pull reads and the local cache it lands in: PULL_ARGS up to
+// dst_cache_id, which pull_cache takes first too.
+hixl::PullRequest pull_between(int64_t remote, int kind, int64_t model_id, int64_t cache_id,
+                               int64_t req_id, int64_t prefix_id, int64_t batch_index,
+                               int64_t dst_cache_id) {
   hixl::PullRequest r;
   r.remote_cluster_id = remote;
   r.remote_kind = kind;
@@ -40,13 +58,16 @@ hixl::PullRequest make_request(const PullArgs& args) {
   r.prefix_id = prefix_id;
   r.batch_index = batch_index;
   r.dst_cache_id = dst_cache_id;
-  r.src_blocks = to_vector<int64_t>(src, "src_blocks");
-  r.dst_blocks = to_vector<int64_t>(dst, "dst_blocks");
-  r.src_tensor_first = src_first;
-  r.src_tensor_count = src_count;
-  r.dst_tensor_first = dst_first;
-  r.dst_tensor_count = dst_count;
-  r.timeout_ms = timeout_ms;
+  return r;
+}
+
+hixl::PullRequest make_request(const PullArgs& args) {
+  const auto& [remote, kind, model_id, cache_id, req_id, prefix_id, batch_index, dst_cache_id,
+               src, dst, src_first, src_count, dst_first, dst_count, timeout_ms] = args;
+  hixl::PullRequest r =
+      pull_between(remote, kind, model_id, cache_id, req_id, prefix_id, batch_index, dst_cache_id);
+  set_blocks(&r, src, dst);
+  set_ranges(&r, src_first, src_count, dst_first, dst_count, timeout_ms);
   return r;
 }
 
@@ -227,13 +248,8 @@ NB_MODULE(_native, m) {
             r.src_batch_index = src_batch_index;
             r.model_id = model_id;
             r.src_cache_id = src_cache_id;
-            r.src_blocks = to_vector<int64_t>(src, "src_blocks");
-            r.dst_blocks = to_vector<int64_t>(dst, "dst_blocks");
-            r.src_tensor_first = src_first;
-            r.src_tensor_count = src_count;
-            r.dst_tensor_first = dst_first;
-            r.dst_tensor_count = dst_count;
-            r.timeout_ms = timeout_ms;
+            set_blocks(&r, src, dst);
+            set_ranges(&r, src_first, src_count, dst_first, dst_count, timeout_ms);
             r.grant = grant;
             nb::gil_scoped_release release;
             return to_result(e.push(r));
@@ -283,22 +299,11 @@ NB_MODULE(_native, m) {
              int64_t req_id, int64_t prefix_id, int64_t batch_index, int64_t dst_cache_id,
              int64_t dst_batch_index, int64_t size, int64_t src_first, int64_t src_count,
              int64_t dst_first, int64_t dst_count, int64_t timeout_ms) {
-            hixl::PullRequest r;
-            r.remote_cluster_id = remote;
-            r.remote_kind = kind;
-            r.model_id = model_id;
-            r.cache_id = cache_id;
-            r.req_id = req_id;
-            r.prefix_id = prefix_id;
-            r.batch_index = batch_index;
-            r.dst_cache_id = dst_cache_id;
+            hixl::PullRequest r = pull_between(remote, kind, model_id, cache_id, req_id,
+                                               prefix_id, batch_index, dst_cache_id);
             r.dst_batch_index = dst_batch_index;
             r.size = size;
-            r.src_tensor_first = src_first;
-            r.src_tensor_count = src_count;
-            r.dst_tensor_first = dst_first;
-            r.dst_tensor_count = dst_count;
-            r.timeout_ms = timeout_ms;
+            set_ranges(&r, src_first, src_count, dst_first, dst_count, timeout_ms);
             nb::gil_scoped_release release;
             return to_result(e.pull(r));
           },

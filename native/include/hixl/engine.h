@@ -74,7 +74,20 @@ struct CacheRegistration {
 
 enum RemoteKind : int { kBlocksByModel = 0, kCacheById = 1, kCacheByKey = 2 };
 
-struct PullRequest {
+// What a pull and a push both name: the source and destination blocks (src_blocks[i] lands
+// on dst_blocks[i]), the tensors of each side they cover (count -1: from first to the last),
+// and how long the transfer may take.
+struct BlockTransfer {
+  std::vector<int64_t> src_blocks;
+  std::vector<int64_t> dst_blocks;
+  int64_t src_tensor_first = 0;
+  int64_t src_tensor_count = -1;
+  int64_t dst_tensor_first = 0;
+  int64_t dst_tensor_count = -1;
+  int64_t timeout_ms = 1000;
+};
+
+struct PullRequest : BlockTransfer {
   int64_t remote_cluster_id = 0;
   int remote_kind = kBlocksByModel;
   int64_t model_id = -1;
@@ -83,13 +96,6 @@ struct PullRequest {
   int64_t prefix_id = -1;
   int64_t batch_index = 0;
   int64_t dst_cache_id = 0;
-  std::vector<int64_t> src_blocks;
-  std::vector<int64_t> dst_blocks;
-  int64_t src_tensor_first = 0;
-  int64_t src_tensor_count = -1;
-  int64_t dst_tensor_first = 0;
-  int64_t dst_tensor_count = -1;
-  int64_t timeout_ms = 1000;
   // pull_cache: >= 0 names the row of a contiguous local cache the source row lands in
   // (dst_blocks then empty), `size` bytes of each tensor (-1: the local row's length).
   int64_t dst_batch_index = -1;
@@ -100,7 +106,7 @@ struct PullRequest {
 // lands on dst_blocks[i] of the peer's blocks cache registered under model_id. push_cache
 // (remote_kind kCacheById, src_batch_index >= 0): row src_batch_index of a contiguous local
 // cache lands on row batch_index of the peer's cache cache_id.
-struct PushRequest {
+struct PushRequest : BlockTransfer {
   int64_t remote_cluster_id = 0;
   int remote_kind = kBlocksByModel;
   int64_t model_id = -1;
@@ -108,13 +114,6 @@ struct PushRequest {
   int64_t batch_index = 0;
   int64_t src_batch_index = -1;
   int64_t src_cache_id = 0;
-  std::vector<int64_t> src_blocks;
-  std::vector<int64_t> dst_blocks;
-  int64_t src_tensor_first = 0;
-  int64_t src_tensor_count = -1;
-  int64_t dst_tensor_first = 0;
-  int64_t dst_tensor_count = -1;
-  int64_t timeout_ms = 1000;
   // The write grant (grant_writes on the peer) this write is made under: a peer cache
   // registered writes_by_grant takes it only into blocks of exactly that grant. 0 names none;
   // caches not written by grant ignore it.

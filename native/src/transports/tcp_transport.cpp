@@ -19,6 +19,28 @@ constexpr uint64_t kMinShareBytes = 256u << 10;
 // client CPU per byte for 16-token blocks in the benchmark.
 constexpr int kLowWaterBytes = 256 << 10;
 
+// The op list a READ or WRITE request names: the count, then each op's remote address and
+// length. Returns the bytes the ops move.
+uint64_t encode_ops(const Op* ops, size_t count, wire::Encoder* enc) {
+  enc->u32(static_cast<uint32_t>(count));
+  uint64_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    enc->u64(ops[i].remote);
+    enc->u64(ops[i].len);
+    total += ops[i].len;
+  }
+  return total;
+}
+
+// The ops' local ranges as iovecs, after `first` slots left for the caller to fill.
+std::vector<iovec> local_iov(const Op* ops, size_t count, size_t first) {
+  std::vector<iovec> iov(first + count);
+  for (size_t i = 0; i < count; ++i) {
+    iov[first + i] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
+  }
+  return iov;
+}
+
 class TcpTransport final : public Transport {
  public:
   TcpTransport(std::vector<UniqueFd> conns, ThreadPool& pool, MemoryMeter& meter)
@@ -158,13 +180,7 @@ class TcpTransport final : public Transport {
     *in_sync = false;
     wire::Encoder enc;
     enc.u64(basis.source_serial);
-    enc.u32(static_cast<uint32_t>(count));
-    uint64_t expected = 0;
-    for (size_t i = 0; i < count; ++i) {
-      enc.u64(ops[i].remote);
-      enc.u64(ops[i].len);
-      expected += ops[i].len;
-    }
+    const uint64_t expected = encode_ops(ops, count, &enc);
     wire::IoResult io = wire::send_frame(fd, wire::kRead, enc.bytes(), deadline);
     if (!io.ok()) return failure(io.reason, io.timed_out());
     wire::Header h;
@@ -186,10 +202,7 @@ class TcpTransport final : public Transport {
     if (h.type != wire::kData || h.length != expected) {
       return failure("unexpected reply frame type " + std::to_string(h.type), false);
     }
-    std::vector<iovec> iov(count);
-    for (size_t i = 0; i < count; ++i) {
-      iov[i] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
-    }
+    std::vector<iovec> iov = local_iov(ops, count, 0);
     io = wire::recvv_bulk(fd, iov.data(), count, kLowWaterBytes, deadline);
     if (!io.ok()) return failure(io.reason, io.timed_out());
     *in_sync = true;
@@ -228,13 +241,7 @@ class TcpTransport final : public Transport {
     enc.u64(dst_serial);
     enc.u64(grant);
     enc.u8(wire::kBytesFollow);
-    enc.u32(static_cast<uint32_t>(count));
-    uint64_t total = 0;
-    for (size_t i = 0; i < count; ++i) {
-      enc.u64(ops[i].remote);
-      enc.u64(ops[i].len);
-      total += ops[i].len;
-    }
+    const uint64_t total = encode_ops(ops, count, &enc);
     wire::IoResult io = wire::send_frame(fd, wire::kWrite, enc.bytes(), deadline);
     if (!io.ok()) return failure(io.reason, io.timed_out());
     Status st = await_reply(fd, wire::kWriteReady, deadline, in_sync);
@@ -242,11 +249,8 @@ class TcpTransport final : public Transport {
     *in_sync = false;
     uint8_t header[wire::kHeaderBytes];
     wire::encode_header(header, wire::kData, total);
-    std::vector<iovec> iov(count + 1);
+    std::vector<iovec> iov = local_iov(ops, count, 1);
     iov[0] = {header, sizeof(header)};
-    for (size_t i = 0; i < count; ++i) {
-      iov[i + 1] = {reinterpret_cast<void*>(ops[i].local), ops[i].len};
-    }
     io = wire::sendv_all(fd, iov.data(), iov.size(), deadline);
     if (!io.ok()) return failure(io.reason, io.timed_out());
     return await_reply(fd, wire::kWriteDone, deadline, in_sync);
