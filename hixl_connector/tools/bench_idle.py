@@ -37,10 +37,10 @@ from typing import Any
 from hixl_connector.tools.demo.client import (
     PREFILL_LEG_PARAMS,
     RequestFailed,
-    complete,
     metric_total,
     push_identity,
     read_metrics,
+    send_leg,
 )
 from hixl_connector.tools.demo.pd_demo import connector_config
 from hixl_connector.tools.demo.processes import visit_process_group
@@ -83,13 +83,8 @@ def waiting_requests(decode: VllmServer) -> float:
 
 def prefill_leg(prefill: VllmServer, prompt: list[int], request_id: str) -> dict[str, Any]:
     """P's leg of a request: its answer's kv_transfer_params."""
-    answer = complete(
-        prefill.url,
-        prompt,
-        model=SERVED_MODEL_NAME,
-        max_tokens=1,
-        extra={"kv_transfer_params": dict(PREFILL_LEG_PARAMS)},
-        headers={"X-Request-Id": request_id},
+    answer = send_leg(
+        prefill.url, prompt, PREFILL_LEG_PARAMS, request_id, model=SERVED_MODEL_NAME, max_tokens=1
     )
     assert answer.kv_transfer_params, "P answered no kv_transfer_params"
     return dict(answer.kv_transfer_params)
@@ -102,13 +97,13 @@ def decode_leg(
     request_id: str,
     timeout_s: float = 60.0,
 ) -> None:
-    complete(
+    send_leg(
         decode.url,
         prompt,
+        params,
+        request_id,
         model=SERVED_MODEL_NAME,
         max_tokens=4,
-        extra={"kv_transfer_params": params},
-        headers={"X-Request-Id": request_id},
         timeout_s=timeout_s,
     )
 

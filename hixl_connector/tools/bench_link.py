@@ -47,10 +47,10 @@ from typing import Any
 from hixl_connector.tools.demo.client import (
     PREFILL_LEG_PARAMS,
     Generation,
-    complete,
     metric_total,
     push_identity,
     read_metrics,
+    send_leg,
 )
 from hixl_connector.tools.demo.pd_demo import connector_config
 from hixl_connector.tools.demo.processes import free_port
@@ -94,13 +94,13 @@ class Pair:
     def leg(
         self, server: VllmServer, prompt: list[int], params: dict[str, Any], rid: str
     ) -> Generation:
-        return complete(
+        return send_leg(
             server.url,
             prompt,
+            params,
+            rid,
             model=SERVED_MODEL_NAME,
             max_tokens=1,
-            extra={"kv_transfer_params": params},
-            headers={"X-Request-Id": rid},
             timeout_s=LEG_TIMEOUT_S,
         )
 

@@ -302,26 +302,12 @@ class PDLauncher:
         """Start P (core 0) and D (core 1) together, wait for both, then the router."""
         self._count += 1
         run_dir = self.log_dir / f"pd{self._count}"
-        prefill = start_vllm_server(
-            self.model_dir,
-            run_dir,
-            "prefill",
-            core=0,
-            kv_transfer_config=prefill_config,
-            extra_env=prefill_env,
-            extra_args=extra_args,
+        prefill = self.server(
+            "prefill", prefill_config, core=0, args=extra_args, env=prefill_env, log_dir=run_dir
         )
-        self._track(prefill)
-        decode = start_vllm_server(
-            self.model_dir,
-            run_dir,
-            "decode",
-            core=1,
-            kv_transfer_config=decode_config,
-            extra_env=decode_env,
-            extra_args=extra_args,
+        decode = self.server(
+            "decode", decode_config, core=1, args=extra_args, env=decode_env, log_dir=run_dir
         )
-        self._track(decode)
         deployment = PDDeployment(prefill, decode, None)
         deployment.timings_s["prefill_healthy"] = prefill.wait_healthy(self.health_timeout_s)
         deployment.timings_s["decode_healthy"] = decode.wait_healthy(self.health_timeout_s)
@@ -346,8 +332,10 @@ class PDLauncher:
         model_dir: Path | None = None,
         block_size: int = BLOCK_SIZE,
         env: Mapping[str, str] | None = None,
+        log_dir: Path | None = None,
     ) -> VllmServer:
-        """Starts one server (not yet healthy). TP > 1 runs one worker per core, each bound
+        """Starts one server (not yet healthy), its log in ``log_dir`` (by default a folder
+        ``name`` of the launcher's log folder). TP > 1 runs one worker per core, each bound
         by vLLM (``VLLM_CPU_OMP_THREADS_BIND``) instead of ``taskset``, at a lower priority
         once healthy: its engine and workers talk through vLLM's shared-memory queues, whose
         readers spin while a step is under way, and they step without pause while KV sends
@@ -373,7 +361,7 @@ class PDLauncher:
             core = None
         server = start_vllm_server(
             model_dir or self.model_dir,
-            self.log_dir / name,
+            log_dir or self.log_dir / name,
             name,
             core=core,
             kv_transfer_config=config,

@@ -199,6 +199,29 @@ def complete(
     return _generate(base_url, "/v1/completions", body, False, headers, timeout_s)
 
 
+def send_leg(
+    base_url: str,
+    prompt: str | list[int],
+    kv_transfer_params: Mapping[str, Any],
+    request_id: str,
+    *,
+    model: str,
+    max_tokens: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Generation:
+    """One leg of a P/D request as a router sends it: a greedy ``complete`` carrying the leg's
+    kv_transfer_params, the two legs of a request sharing ``request_id`` as X-Request-Id."""
+    return complete(
+        base_url,
+        prompt,
+        model=model,
+        max_tokens=max_tokens,
+        extra={"kv_transfer_params": dict(kv_transfer_params)},
+        headers={"X-Request-Id": request_id},
+        timeout_s=timeout_s,
+    )
+
+
 def chat(
     base_url: str,
     messages: Sequence[Mapping[str, str]],

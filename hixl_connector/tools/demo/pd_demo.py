@@ -183,24 +183,16 @@ def start_stack(stack: DemoStack, model_dir: Path, log_dir: Path, say: Progress)
         "starting the plain server, prefill server (P) and decode server (D), one core each for "
         "P and D, all together ..."
     )
-    stack.plain = start_vllm_server(model_dir, log_dir, "plain")
-    stack.processes.append(stack.plain)
-    stack.prefill = start_vllm_server(
-        model_dir,
-        log_dir,
-        "prefill",
-        core=PREFILL_CORE,
-        kv_transfer_config=connector_config("prefill"),
-    )
-    stack.processes.append(stack.prefill)
-    stack.decode = start_vllm_server(
-        model_dir,
-        log_dir,
-        "decode",
-        core=DECODE_CORE,
-        kv_transfer_config=connector_config("decode"),
-    )
-    stack.processes.append(stack.decode)
+
+    def start(role: str, core: int | None = None) -> VllmServer:
+        config = None if role == "plain" else connector_config(role)
+        server = start_vllm_server(model_dir, log_dir, role, core=core, kv_transfer_config=config)
+        stack.processes.append(server)
+        return server
+
+    stack.plain = start("plain")
+    stack.prefill = start("prefill", PREFILL_CORE)
+    stack.decode = start("decode", DECODE_CORE)
     labels: dict[ManagedProcess, str] = {
         stack.plain: "plain reference server (now on D's core)",
         stack.prefill: "prefill server (P, kv_producer)",

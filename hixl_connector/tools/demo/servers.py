@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
 
@@ -200,11 +200,7 @@ def run_vllm_server(
 ) -> Iterator[VllmServer]:
     """A healthy server for the duration of the ``with`` block; stopped afterwards."""
     server = start_vllm_server(model_dir, log_dir, name, **kwargs)
-    try:
-        server.wait_healthy(health_timeout_s)
-        yield server
-    finally:
-        server.stop()
+    yield from _healthy_until_exit(server, health_timeout_s)
 
 
 def router_argv(
@@ -318,8 +314,18 @@ def run_router(
 ) -> Iterator[RouterProcess]:
     """A healthy router for the duration of the ``with`` block; stopped afterwards."""
     router = start_router(prefill_urls, decode_urls, log_dir, **kwargs)
+    yield from _healthy_until_exit(router, health_timeout_s)
+
+
+# A process this module starts: a vLLM server or the router.
+_Started = TypeVar("_Started", VllmServer, RouterProcess)
+
+
+def _healthy_until_exit(process: _Started, health_timeout_s: float) -> Iterator[_Started]:
+    """The body of ``run_vllm_server`` and ``run_router`` once ``process`` started: waits until
+    it is healthy, yields it, and stops it however the ``with`` block ends."""
     try:
-        router.wait_healthy(health_timeout_s)
-        yield router
+        process.wait_healthy(health_timeout_s)
+        yield process
     finally:
-        router.stop()
+        process.stop()
