@@ -222,9 +222,27 @@ def test_pushes_meet_the_shared_rules_in_pull_blocks_order(
             check(transfer)
 
 
+def test_an_unknown_push_keyword_names_the_only_extension() -> None:
+    misspelt = Transfer(
+        PUSH_BLOCKS,
+        BlocksCacheKey(9),
+        DST,
+        [1],
+        [2],
+        {"hixl_write_grnt": 3},
+        remote_cache_accessible=True,
+    )
+    with pytest.raises(
+        TypeError, match=r"\['hixl_write_grnt'\]; allowed .* \['hixl_write_grant'\]$"
+    ):
+        check(misspelt)
+
+
 def test_the_ascend_back_end_applies_only_the_rows_cann_skips_or_finds_late() -> None:
     not_a_cache = Transfer(PULL_BLOCKS, BlocksCacheKey(9), "not a cache", [1], [2])
     check(not_a_cache, ascend_only=True)  # CANN's own type check, left to CANN
+    not_a_list = Transfer(PULL_BLOCKS, BlocksCacheKey(9), None, 3, [1])
+    check(not_a_list, ascend_only=True)  # CANN raises its own TypeError for it
     with pytest.raises(TypeError, match="tensor_num_per_layr"):
         check(
             Transfer(PULL_BLOCKS, BlocksCacheKey(9), None, kwargs={"tensor_num_per_layr": 4}), True

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hixl_connector.connector.facade import HixlConnector
+from hixl_connector.connector.kv.decode_rank import DecodeRank
 from hixl_connector.connector.metadata import PushRecvSpec, RecvSpec
 from hixl_connector.connector.push.receiver import PushReceiver
 from hixl_connector.connector.worker.receiver import Receiver
@@ -62,8 +63,7 @@ class CheckingReceiver:
     # The registered layers (in registration order) to corrupt: all if None, none if ().
     corrupted_layers: tuple[int, ...] | None = ()
     log_digests = False
-    _layout: Any
-    _tp_rank: int
+    _rank: DecodeRank
 
     def _received(
         self, spec: RecvSpec | PushRecvSpec, nbytes: int, pull_s: float, ready_s: float

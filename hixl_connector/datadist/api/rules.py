@@ -31,7 +31,12 @@ from hixl_connector.datadist.api.llm_types import (
     CacheKey,
     CacheKeyByIdAndIndex,
 )
-from hixl_connector.datadist.api.status import LLMStatusCode, raise_if_false, raise_if_true
+from hixl_connector.datadist.api.status import (
+    LLMException,
+    LLMStatusCode,
+    raise_if_false,
+    raise_if_true,
+)
 
 DEFAULT_TENSOR_NUM_PER_LAYER = 2
 LAYER_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
@@ -49,7 +54,9 @@ class Call:
     key_types: tuple[type, ...]
     blocks: bool  # the local cache is a blocks cache, else a contiguous one
     push: bool
-    kwargs: tuple[str, ...]
+    kwargs: tuple[str, ...]  # what its ``**kwargs`` takes
+    # Named parameters the rules read from ``Transfer.kwargs`` too (a push's layer ranges).
+    named: tuple[str, ...] = ()
 
     @property
     def local_side(self) -> str:
@@ -70,13 +77,21 @@ PUSH_BLOCKS = Call(
     (BlocksCacheKey,),
     True,
     True,
-    (*LAYER_KWARGS, WRITE_GRANT_KWARG),
+    (WRITE_GRANT_KWARG,),
+    LAYER_KWARGS,
 )
 PULL_CACHE = Call(
     "pull_cache", "cache_key", "cache", (CacheKey, CacheKeyByIdAndIndex), False, False, LAYER_KWARGS
 )
 PUSH_CACHE = Call(
-    "push_cache", "dst_cache_key", "src_cache", (CacheKeyByIdAndIndex,), False, True, LAYER_KWARGS
+    "push_cache",
+    "dst_cache_key",
+    "src_cache",
+    (CacheKeyByIdAndIndex,),
+    False,
+    True,
+    (),
+    LAYER_KWARGS,
 )
 
 
@@ -108,8 +123,9 @@ class Transfer:
 
     @property
     def blocks_key(self) -> bool:
-        # By name, so that CANN's own BlocksCacheKey counts where the Ascend back-end checks.
-        return type(self.key).__name__ == BlocksCacheKey.__name__
+        # Also by name, so that CANN's own BlocksCacheKey counts where the Ascend back-end
+        # checks.
+        return isinstance(self.key, BlocksCacheKey) or type(self.key).__name__ == "BlocksCacheKey"
 
     def blocks(self, side: str) -> Any:
         return self.src_blocks if side == "src" else self.dst_blocks
@@ -140,7 +156,7 @@ def _remote_access_on(t: Transfer) -> None:
 
 
 def _known_kwargs(t: Transfer) -> None:
-    unknown = sorted(set(t.kwargs) - set(t.call.kwargs))
+    unknown = sorted(set(t.kwargs) - set(t.call.kwargs) - set(t.call.named))
     if unknown:
         raise TypeError(
             f"{t.call.name}() got unexpected keyword argument(s) {unknown}; "
@@ -342,11 +358,13 @@ def _local_block_ids(t: Transfer) -> None:
 
 def _equal_lengths(t: Transfer) -> None:
     src, dst = t.src_blocks, t.dst_blocks
+    # Where the Ascend back-end checks, this row runs before any type check: lists only.
     lists = isinstance(src, (list, tuple)) and isinstance(dst, (list, tuple))
-    raise_if_true(
-        t.blocks_key and lists and len(src) != len(dst),
-        f"{t.call.name}: src_blocks size {len(src)} != dst_blocks size {len(dst)}",
-    )
+    if t.blocks_key and lists and len(src) != len(dst):
+        raise LLMException(
+            f"{t.call.name}: src_blocks size {len(src)} != dst_blocks size {len(dst)}",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
 
 
 def _layers_divide_tensors(t: Transfer) -> None:
