@@ -69,29 +69,43 @@ class Call:
 
 
 ALL_KEYS = (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
-PULL_BLOCKS = Call("pull_blocks", "src_cache_key", "dst_cache", ALL_KEYS, True, False, LAYER_KWARGS)
+PULL_BLOCKS = Call(
+    "pull_blocks",
+    "src_cache_key",
+    "dst_cache",
+    ALL_KEYS,
+    blocks=True,
+    push=False,
+    kwargs=LAYER_KWARGS,
+)
 PUSH_BLOCKS = Call(
     "push_blocks",
     "dst_cache_key",
     "src_cache",
     (BlocksCacheKey,),
-    True,
-    True,
-    (WRITE_GRANT_KWARG,),
-    LAYER_KWARGS,
+    blocks=True,
+    push=True,
+    kwargs=(WRITE_GRANT_KWARG,),
+    named=LAYER_KWARGS,
 )
 PULL_CACHE = Call(
-    "pull_cache", "cache_key", "cache", (CacheKey, CacheKeyByIdAndIndex), False, False, LAYER_KWARGS
+    "pull_cache",
+    "cache_key",
+    "cache",
+    (CacheKey, CacheKeyByIdAndIndex),
+    blocks=False,
+    push=False,
+    kwargs=LAYER_KWARGS,
 )
 PUSH_CACHE = Call(
     "push_cache",
     "dst_cache_key",
     "src_cache",
     (CacheKeyByIdAndIndex,),
-    False,
-    True,
-    (),
-    LAYER_KWARGS,
+    blocks=False,
+    push=True,
+    kwargs=(),
+    named=LAYER_KWARGS,
 )
 
 
