@@ -15,8 +15,8 @@ from typing import Any
 from hixl_connector.tools.demo.client import (
     PREFILL_LEG_PARAMS,
     RequestFailed,
-    complete,
     push_identity,
+    send_leg,
 )
 from hixl_connector.tools.netns import NetnsBed
 
@@ -57,13 +57,13 @@ def leg(
 ) -> tuple[LegResult, dict[str, Any] | None]:
     """One leg, with the request id both legs share; and P's answer."""
     try:
-        out = complete(
+        out = send_leg(
             url,
             prompt,
+            params,
+            request_id,
             model=SERVED_MODEL_NAME,
             max_tokens=1 if params.get("do_remote_decode") else MAX_TOKENS,
-            extra={"kv_transfer_params": params},
-            headers={"X-Request-Id": request_id},
             timeout_s=timeout_s,
         )
     except RequestFailed as e:
