@@ -107,8 +107,5 @@ def plain_outputs(plain_server: VllmServer) -> dict[Any, Generation]:
 def pd_factory(
     tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
 ) -> Iterator[PDLauncher]:
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir, process_registry)
-    try:
+    with PDLauncher(tiny_model_dir, e2e_log_dir, process_registry) as launcher:
         yield launcher
-    finally:
-        launcher.stop_all()

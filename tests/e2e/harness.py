@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import random
 import threading
@@ -192,6 +193,48 @@ def external_prompt_tokens(server_url: str) -> float:
     )
 
 
+def every_prompt_pulled(
+    url: str,
+    decode: VllmServer,
+    plain_outputs: Mapping[Any, Generation],
+    *,
+    decode_ranks: int = 1,
+    decode_block_size: int = BLOCK_SIZE,
+) -> float:
+    """Sends each of ``PROMPTS`` through ``url`` in turn and asserts, for each, that the output
+    is token-identical to the plain run and that ``decode`` pulled exactly the prompt's KV:
+    one pull per D rank, the prompt's D blocks on every rank, and P's blocks of the prompt
+    for the whole model in bytes (a last D block the prompt ends in the first half of takes
+    one P block, not two). Last, vLLM's own count of prompt tokens that came from the
+    connector: all of them but the last of a read in the step, which that step's forward
+    computes. Returns how many requests D read in the step."""
+    pulls, blocks, nbytes = pulled(decode)
+    external = external_prompt_tokens(decode.url)
+    sync_before = sync_load_requests(decode, decode_ranks)
+    for n, prompt in PROMPTS.items():
+        out = complete(url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
+        assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
+        assert out.prompt_token_ids == prompt
+        now = wait_for_pulls(decode, pulls + decode_ranks)
+        assert now[0] - pulls == decode_ranks, f"{n}-token prompt: {now[0] - pulls} pulls"
+        assert now[1] - blocks == math.ceil(n / decode_block_size) * decode_ranks
+        assert now[2] - nbytes == math.ceil(n / BLOCK_SIZE) * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
+        pulls, blocks, nbytes = now
+
+    def loaded_and_read_in_step() -> tuple[float, float]:
+        return (
+            external_prompt_tokens(decode.url) - external,
+            sync_load_requests(decode, decode_ranks) - sync_before,
+        )
+
+    expected = sum(PROMPT_LENGTHS)
+    loaded, read_synchronously = settled(
+        loaded_and_read_in_step, lambda now: now[0] == expected - now[1]
+    )
+    assert loaded == expected - read_synchronously
+    return read_synchronously
+
+
 def example_connector_config(storage_dir: str | Path) -> dict[str, Any]:
     """vLLM's built-in disk connector: P writes KV files, D reads them (plumbing check only)."""
     return {
@@ -269,7 +312,8 @@ class NamedFleet:
 
 
 class PDLauncher:
-    """Starts P/D deployments with given ``kv_transfer_config`` dicts; ``stop_all`` ends them."""
+    """Starts P/D deployments with given ``kv_transfer_config`` dicts; ``stop_all`` ends them,
+    as does leaving a ``with`` block over the launcher."""
 
     def __init__(
         self,
@@ -400,3 +444,9 @@ class PDLauncher:
         for process in reversed(self._started):
             process.stop()
         self._started.clear()
+
+    def __enter__(self) -> PDLauncher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop_all()

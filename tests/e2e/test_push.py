@@ -73,11 +73,8 @@ def _fresh_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 def deployment(
     tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
 ) -> Iterator[PDDeployment]:
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "push", process_registry)
-    try:
+    with PDLauncher(tiny_model_dir, e2e_log_dir / "push", process_registry) as launcher:
         yield _start(launcher)
-    finally:
-        launcher.stop_all()
 
 
 def test_p_pushes_first_after_then_while_it_prefills_token_identical(
@@ -125,8 +122,7 @@ def test_corrupted_pushed_kv_changes_the_output(
     plain_server: VllmServer,
 ) -> None:
     """The control: D overwrites what P wrote with noise before vLLM uses it."""
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "push_corrupt", process_registry)
-    try:
+    with PDLauncher(tiny_model_dir, e2e_log_dir / "push_corrupt", process_registry) as launcher:
         pd = _start(launcher, test_corrupt_received_kv=True)
         complete(pd.url, PROMPTS[64], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
         lengths = [97, 160, 230, 300]
@@ -138,8 +134,6 @@ def test_corrupted_pushed_kv_changes_the_output(
         # Every request was pushed (the first too) and fed the corrupted KV to the model.
         pushed = wait_for_counter(pd.decode, "push_receives", 1 + len(lengths))
         assert pushed == 1 + len(lengths)
-    finally:
-        launcher.stop_all()
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +145,7 @@ def shapes(
 ) -> Iterator[NamedFleet]:
     """Push mode across the shapes pull reads: P's blocks of 32 tokens into D's of 64, TP 2
     into 1 and 1 into 2, and P's blocks larger than D's (refused); all started at once."""
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "push_shapes", process_registry)
-    try:
+    with PDLauncher(tiny_model_dir, e2e_log_dir / "push_shapes", process_registry) as launcher:
         decode = hixl_connector_config("decode", **PUSH)
         corrupt = hixl_connector_config("decode", **PUSH, test_corrupt_received_kv=True)
         servers = {
@@ -184,8 +177,6 @@ def shapes(
             "corrupt": ("p2", "d64_corrupt"),
         }
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
-    finally:
-        launcher.stop_all()
 
 
 def test_smaller_prefill_blocks_are_pushed_into_decode_blocks(

@@ -69,12 +69,9 @@ def lease_pd(model_dir: Path, log_dir: Path) -> Iterator[Servers]:
 
     Shared by test_hostile_input.py and test_pd_faults.py; the latter kills D last.
     """
-    servers = Servers(model_dir, log_dir / "pd", short_lease_pair())
-    try:
+    with Servers(model_dir, log_dir / "pd", short_lease_pair()) as servers:
         servers.start("prefill", "decode")
         yield servers
-    finally:
-        servers.stop_all()
 
 
 @pytest.fixture(scope="module")

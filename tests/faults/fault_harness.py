@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from e2e.harness import hixl_counter, token_prompt
+
 from hixl_connector.tools.demo.client import (
     PREFILL_LEG_PARAMS,
     Generation,
@@ -34,18 +36,10 @@ from hixl_connector.tools.demo.servers import (
 )
 from hixl_connector.tools.netns import NetnsBed
 
+from .deployments import IDLE_TIMEOUT_S
+
 HEALTH_TIMEOUT_S = 300.0
 MAX_TOKENS = 16
-
-
-def token_prompt(length: int, seed: int) -> list[int]:
-    """Deterministic token ids (0..2 are special tokens of the tiny model)."""
-    state = seed * 2654435761 % 2**32 or 1
-    out = []
-    for _ in range(length):
-        state = state * 1103515245 + 12345 & 0x7FFFFFFF
-        out.append(3 + state % 440)
-    return out
 
 
 def wait_for(
@@ -73,11 +67,7 @@ def requests_in_flight(server: VllmServer) -> float:
     )
 
 
-def hixl_counter(server: VllmServer, name: str) -> float:
-    return metric_total(read_metrics(server.url), f"vllm:hixl_{name}_total")
-
-
-def wait_idle(server: VllmServer, timeout_s: float) -> float:
+def wait_idle(server: VllmServer, timeout_s: float = IDLE_TIMEOUT_S) -> float:
     """Seconds until vLLM reports no KV block in use and no request in flight."""
     return wait_for(
         lambda: kv_usage(server) == 0.0 and requests_in_flight(server) == 0.0,
@@ -173,7 +163,7 @@ def two_legs_identical(pd: Servers, seed: int, length: int = 150) -> None:
     assert result.tokens == expected
 
 
-def both_idle(pd: Servers, timeout_s: float) -> str:
+def both_idle(pd: Servers, timeout_s: float = IDLE_TIMEOUT_S) -> str:
     """Waits until P and D hold no KV block and no request; returns what is left over."""
     wait_idle(pd["prefill"], timeout_s)
     wait_idle(pd["decode"], timeout_s)
@@ -181,7 +171,8 @@ def both_idle(pd: Servers, timeout_s: float) -> str:
 
 
 class Servers:
-    """P and D vLLM servers that a test may kill, freeze and restart on the same ports."""
+    """P and D vLLM servers that a test may kill, freeze and restart on the same ports; leaving
+    a ``with`` block over them stops them all."""
 
     def __init__(
         self,
@@ -280,6 +271,12 @@ class Servers:
                 except ProcessLookupError:
                     pass
             server.stop(grace_s=5.0)
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop_all()
 
     def log_tails(self, lines: int = 30) -> str:
         return "\n".join(

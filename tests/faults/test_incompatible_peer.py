@@ -38,17 +38,14 @@ def pd(model_dir: Path, log_dir: Path) -> Iterator[Servers]:
         "prefill": connector_config("prefill", transport="auto", **common),
         "decode_other": connector_config("decode", "fail", transport="auto", **common),
     }
-    servers = Servers(
+    with Servers(
         model_dir,
         log_dir / "incompatible",
         configs,
         extra_args={"decode_other": ("--dtype", "bfloat16", "--block-size", "64")},
-    )
-    try:
+    ) as servers:
         servers.start("prefill", "decode_other")
         yield servers
-    finally:
-        servers.stop_all()
 
 
 def test_incompatible_peer_is_refused_clearly(pd: Servers, fault_report: FaultReport) -> None:

@@ -28,7 +28,6 @@ from hixl_connector.tools.netns import NetnsBed
 
 from .deployments import (
     HANDSHAKE_TIMEOUT_S,
-    IDLE_TIMEOUT_S,
     LEASE_S,
     PULL_TIMEOUT_S,
     short_lease_pair,
@@ -62,12 +61,9 @@ QUEUED_BEHIND_KILL = 10
 
 @pytest.fixture(scope="module")
 def pd(model_dir: Path, log_dir: Path, net: NetnsBed) -> Iterator[Servers]:
-    servers = in_namespaces(model_dir, log_dir / "netns", short_lease_pair("tcp"), net)
-    try:
+    with in_namespaces(model_dir, log_dir / "netns", short_lease_pair("tcp"), net) as servers:
         servers.start("prefill", "decode")
         yield servers
-    finally:
-        servers.stop_all()
 
 
 # What an impaired link adds to a 200-token read at least: netem's 20 ms delay each way, or
@@ -146,8 +142,8 @@ def test_impaired_link_still_correct(pd: Servers, net: NetnsBed, fault_report: F
         dropped = net.dropped_packets()
     finally:
         net.restore()
-    wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
-    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    wait_idle(pd["prefill"])
+    wait_idle(pd["decode"])
     # The impairment took effect: the reads crossed it (each pays its delay or rate at least
     # once), and it dropped packets they had to retransmit.
     assert slowed > clean + IMPAIRED_AT_LEAST_MS, (clean, slowed)
@@ -206,7 +202,7 @@ def test_link_cut_mid_read_then_restored(
         "netns + TCP: link cut mid-read",
         "D's read times out (pull_timeout_s) and the request fails; P's lease expires",
         detected,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
     restored_at = time.monotonic()
     timed_two_legs(pd, seed=32)
@@ -227,7 +223,7 @@ def test_client_gone_mid_read_frees_prefill_promptly(
     try:
         result = run_decode(pd["decode"], prompt, params, INTO_THE_READ_S)
         assert result.failed, "the client should have given up"
-        detected = wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+        detected = wait_idle(pd["prefill"])
     finally:
         net.restore()
     assert detected < LEASE_S, "P waited for lease expiry instead of being told"
@@ -237,7 +233,7 @@ def test_client_gone_mid_read_frees_prefill_promptly(
         "at once; the read still in flight finds its lease word cleared (stale), nothing "
         "decodes",
         detected,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
     two_legs_identical(pd, seed=40)
 
@@ -255,7 +251,7 @@ def test_prefill_frozen_mid_read(
     detected = result.finished_at - stopped_at
     assert result.failed, "a read from a frozen P must not succeed"
     assert detected < PULL_TIMEOUT_S + MARGIN_S
-    left = both_idle(pd, IDLE_TIMEOUT_S)
+    left = both_idle(pd)
     two_legs_identical(pd, seed=60)
     fault_report.record(
         "netns + TCP: P frozen (SIGSTOP) mid-read",
@@ -280,7 +276,7 @@ def test_prefill_killed_mid_read_then_restarted(
     assert result.failed, "a read from a dead P must not succeed"
     assert detected < PULL_TIMEOUT_S + MARGIN_S
     assert hixl_counter(pd["decode"], "failed_pulls") == failed + 1
-    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    wait_idle(pd["decode"])
     fault_report.record(
         "netns + TCP: P killed (SIGKILL) mid-read",
         "D's read fails (connection reset), the request fails with an error",
@@ -303,7 +299,7 @@ def test_prefill_killed_mid_read_then_restarted(
         "D dropped the old link when the read failed; it handshakes with the new start and "
         f"links again: the first request is token-identical (P restart took {restart_s:.0f} s)",
         result.finished_at - began,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
 
 
@@ -326,7 +322,7 @@ def test_reads_queued_behind_a_killed_prefill_all_end_within_one_timeout(
     # never a timeout each, one after another.
     bound = PULL_TIMEOUT_S + HANDSHAKE_TIMEOUT_S + MARGIN_S
     assert ended < bound, f"the last ended {ended:.1f} s after"
-    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    wait_idle(pd["decode"])
     fault_report.record(
         f"netns + TCP: P killed (SIGKILL) with {reads_under_way} reads under way on D",
         "two moving, the rest queued behind them: every one fails once the reset arrives "
@@ -345,7 +341,7 @@ def test_decode_killed_mid_read(
     with reading(pd, net, pool, [token_prompt(160, seed=8)]) as [(future, _)]:
         pd.kill("decode", signal.SIGKILL)
         killed_at = time.monotonic()
-        wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+        wait_idle(pd["prefill"])
         detected = time.monotonic() - killed_at
     assert future.result(timeout=30).failed
     assert hixl_counter(pd["prefill"], "expired_leases") == expired + 1

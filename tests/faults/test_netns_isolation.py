@@ -25,7 +25,6 @@ from .deployments import (
     AUTH_TOKEN,
     HANDSHAKE_TIMEOUT_S,
     HEARTBEAT_S,
-    IDLE_TIMEOUT_S,
     LEASE_S,
     PULL_TIMEOUT_S,
     connector_config,
@@ -66,7 +65,7 @@ from .isolation_harness import (
 def idle_and_kept(pd: Servers, before: tuple[int, int]) -> str:
     """Waits until P and D hold no KV block and no request, and D's engine no more
     descriptors and threads than ``before`` the fault; returns what is left over."""
-    left = both_idle(pd, IDLE_TIMEOUT_S)
+    left = both_idle(pd)
     fds, threads = nothing_left_behind(pd["decode"], before)
     return f"{left}; D's engine: {fds} fds, {threads} threads (before: {before[0]}, {before[1]})"
 
@@ -91,20 +90,17 @@ def pd(model_dir: Path, log_dir: Path, net: NetnsBed) -> Iterator[Servers]:
     # A graceful shutdown (vLLM's default aborts and kills the engine at once), so that the
     # shutdown tests below measure the connector's own.
     graceful = ["--shutdown-timeout", "30"]
-    servers = in_namespaces(
+    with in_namespaces(
         model_dir,
         log_dir / "netns_isolation",
         configs,
         net,
         {"prefill": graceful, "decode": graceful},
-    )
-    try:
+    ) as servers:
         servers.start("prefill", "decode")
         for seed in range(3):  # linked, and reads from P proven
             two_legs_identical(servers, seed)
         yield servers
-    finally:
-        servers.stop_all()
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +298,7 @@ def test_prefill_shutdown_under_load_is_bounded(pd: Servers, fault_report: Fault
         f"{sum(r.failed for r in results)} of {BURST} reads failed by policy; a restarted P "
         f"serves the next request identically after {back:.1f} s",
         took,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
 
 

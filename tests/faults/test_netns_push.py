@@ -26,7 +26,7 @@ from hixl_connector.tools.demo.processes import visit_process_group
 from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
 from hixl_connector.tools.netns import NetnsBed
 
-from .deployments import HANDSHAKE_TIMEOUT_S, IDLE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S
+from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S
 from .fault_harness import (
     FaultReport,
     both_idle,
@@ -74,16 +74,15 @@ UNDER_LOAD_RATE = "10mbit"
 def pd(model_dir: Path, log_dir: Path, net: NetnsBed) -> Iterator[PushPair]:
     configs = {role: connector_config(role) for role in ("prefill", "decode")}
     configs["prefill"]["kv_connector_extra_config"]["engine_port"] = 0
-    servers = in_namespaces(model_dir, log_dir / "netns_push", configs, net)
-    pair = PushPair(servers)
-    try:
-        servers.start("prefill", "decode")
-        pair.learn_identity(seed=0)
-        pair.concurrent_identical(seed=1)  # linked both ways, pushes proven
-        yield pair
-    finally:
-        pair.pool.shutdown(wait=False, cancel_futures=True)
-        servers.stop_all()
+    with in_namespaces(model_dir, log_dir / "netns_push", configs, net) as servers:
+        pair = PushPair(servers)
+        try:
+            servers.start("prefill", "decode")
+            pair.learn_identity(seed=0)
+            pair.concurrent_identical(seed=1)  # linked both ways, pushes proven
+            yield pair
+        finally:
+            pair.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +133,7 @@ def record_idle(
 ) -> None:
     """Records the case's reliability row once P and D hold no KV block and no request
     again (every case here ends so), with what is left over."""
-    fault_report.record(case, outcome, detected_s, both_idle(pd.servers, IDLE_TIMEOUT_S))
+    fault_report.record(case, outcome, detected_s, both_idle(pd.servers))
 
 
 def given_up(pd: PushPair) -> float:
@@ -422,7 +421,7 @@ def test_decode_killed_mid_push_then_restarted(
             "P's failed push",
         )
         detected = time.monotonic() - killed_at
-        freed = detected + wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+        freed = detected + wait_idle(pd["prefill"])
     finally:
         net.restore()
     # A write P had not seen fail would end at its own limit, pull_timeout_s after it began

@@ -59,14 +59,11 @@ def pd(model_dir: Path, log_dir: Path, net: NetnsBed) -> Iterator[Servers]:
             **common,
         ),
     }
-    servers = in_namespaces(
+    with in_namespaces(
         model_dir, log_dir / "netns_stale", configs, net, extra_args={"prefill": P_ARGS}
-    )
-    try:
+    ) as servers:
         servers.start("prefill", "decode")
         yield servers
-    finally:
-        servers.stop_all()
 
 
 def prefix_hits(server_url: str) -> float:

@@ -16,7 +16,7 @@ import pytest
 
 from hixl_connector.tools.demo.client import RequestFailed
 
-from .deployments import IDLE_TIMEOUT_S, LEASE_S
+from .deployments import LEASE_S
 from .fault_harness import (
     FaultReport,
     Servers,
@@ -45,7 +45,7 @@ def pd(lease_pd: Servers) -> Servers:
 def test_baseline_token_identical_and_idle(pd: Servers) -> None:
     pulls = hixl_counter(pd["decode"], "pulls")
     two_legs_identical(pd, seed=1)
-    both_idle(pd, IDLE_TIMEOUT_S)
+    both_idle(pd)
     assert hixl_counter(pd["decode"], "pulls") == pulls + 1
 
 
@@ -55,14 +55,14 @@ def test_decode_never_pulls_lease_expiry_frees_prefill(
     expired = hixl_counter(pd["prefill"], "expired_leases")
     prefill_leg(pd["prefill"], token_prompt(200, seed=2))
     assert kv_usage(pd["prefill"]) > 0, "P should hold the leased blocks"
-    detected = wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+    detected = wait_idle(pd["prefill"])
     assert detected >= LEASE_S / 2, "the blocks were freed before the lease ran out"
     assert hixl_counter(pd["prefill"], "expired_leases") == expired + 1
     fault_report.record(
         "D never pulls (only the prefill leg is sent)",
         f"P's lease ({LEASE_S:.0f} s) expires, blocks return to P's free pool",
         detected,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
 
 
@@ -106,7 +106,7 @@ def test_forged_block_ids_are_refused(
             else "nothing is read"
         ),
         detected,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
     two_legs_identical(pd, seed=30)
 
@@ -122,12 +122,12 @@ def test_client_gone_at_submission_frees_prefill_promptly(
     except RequestFailed:
         out = None
     assert out is None, f"the client should have given up, got {len(out.token_ids)} tokens"
-    detected = wait_idle(pd["prefill"], IDLE_TIMEOUT_S)
+    detected = wait_idle(pd["prefill"])
     assert detected < LEASE_S, "P waited for lease expiry instead of being told"
     fault_report.record(
         "client disconnects from D at submission",
         "vLLM aborts the request and its rejection cleanup makes D send 'release': P frees at once",
         detected,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
     two_legs_identical(pd, seed=40)

@@ -18,7 +18,6 @@ import pytest
 from .deployments import (
     AUTH_TOKEN,
     HANDSHAKE_TIMEOUT_S,
-    IDLE_TIMEOUT_S,
     LEASE_S,
     PULL_TIMEOUT_S,
     connector_config,
@@ -54,12 +53,9 @@ def pd(model_dir: Path, log_dir: Path) -> Iterator[Servers]:
         "prefill": connector_config("prefill", **common),
         "decode": connector_config("decode", "recompute", **common),
     }
-    servers = Servers(model_dir, log_dir / "synchronous", configs)
-    try:
+    with Servers(model_dir, log_dir / "synchronous", configs) as servers:
         servers.start("prefill", "decode")
         yield servers
-    finally:
-        servers.stop_all()
 
 
 def counters(pd: Servers, *names: str) -> dict[str, float]:
@@ -119,7 +115,7 @@ def test_the_first_read_links_p_and_the_next_ones_go_in_the_step(pd: Servers) ->
         pd, {"pulls": before["pulls"] + 3, "sync_loads": before["sync_loads"] + 2}
     )
     assert now == {"pulls": before["pulls"] + 3, "sync_loads": before["sync_loads"] + 2}
-    both_idle(pd, IDLE_TIMEOUT_S)
+    both_idle(pd)
 
 
 def test_a_forged_lease_read_in_the_step_is_refused_and_recomputed(
@@ -138,7 +134,7 @@ def test_a_forged_lease_read_in_the_step_is_refused_and_recomputed(
         "forged lease id on a read in the step (recompute policy)",
         "refused by P's lease word; vLLM recomputes the prompt on D, token-identical",
         took,
-        both_idle(pd, IDLE_TIMEOUT_S),
+        both_idle(pd),
     )
 
 
@@ -156,7 +152,7 @@ def test_prefill_killed_before_a_read_in_the_step_d_recomputes(
     )
     assert now["failed_pulls"] == before["failed_pulls"] + 1
     assert now["sync_loads"] == before["sync_loads"]
-    wait_idle(pd["decode"], IDLE_TIMEOUT_S)
+    wait_idle(pd["decode"])
     gone = leftover(pd["decode"])
     # A restarted P is linked afresh by an asynchronous read, then reads go in the step again.
     pd.restart("prefill")

@@ -54,8 +54,7 @@ def fleet(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
     kv4_model = build_tiny_model(tmp_path_factory.mktemp("llama_kv4") / "model", "llama-kv4")
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "shapes", process_registry)
-    try:
+    with PDLauncher(tiny_model_dir, e2e_log_dir / "shapes", process_registry) as launcher:
         corrupt = hixl_connector_config("decode", test_corrupt_received_kv=True)
         both = hixl_connector_config("decode") | {"kv_role": "kv_both"}
         servers = Fleet(
@@ -79,5 +78,3 @@ def fleet(
         ):
             server.wait_healthy(launcher.health_timeout_s)
         yield servers
-    finally:
-        launcher.stop_all()

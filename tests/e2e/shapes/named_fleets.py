@@ -28,11 +28,9 @@ def serve_named_fleet(
 ) -> Iterator[NamedFleet]:
     """A fixture's body: the servers ``start_servers`` starts and a router per named (P, D)
     pair, everything ``launcher`` started stopped at the end."""
-    try:
+    with launcher:
         servers = start_servers()
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
-    finally:
-        launcher.stop_all()
 
 
 def greedy(url: str, prompt: list[int], max_tokens: int) -> list[int]:

@@ -64,7 +64,7 @@ def fleet(
     cores = [str(c) for c in range(DP_SIZE)]
     bind = {"p": "|".join(cores), "d": "|".join(reversed(cores))}
     decode: dict[str, Any] = {"lease_s": LEASE_S, "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
-    try:
+    with launcher:
         # Every DP engine of P has its own side-channel port: DP_SIZE of them.
         configs = {
             "p": hixl_connector_config("prefill", ranks=DP_SIZE, lease_s=LEASE_S),
@@ -83,8 +83,6 @@ def fleet(
         )
         pairs = {"dp": ("p", "d"), "corrupt": ("p", "d_corrupt")}
         yield NamedFleet(servers, launcher.pairs(servers, pairs))
-    finally:
-        launcher.stop_all()
 
 
 def per_engine(server: VllmServer, name: str) -> list[float]:

@@ -195,12 +195,9 @@ def test_the_manager_is_refused_where_a_failed_read_would_crash_the_scheduler(
     """An older vLLM maps failed blocks to requests in the first KV-cache group only: the
     connector refuses to start there with two groups, naming the way out."""
     model = build_tiny_model(tmp_path_factory.mktemp("gemma3_refused") / "model", "gemma3")
-    launcher = PDLauncher(model, e2e_log_dir / "hybrid_refused", process_registry)
-    try:
+    with PDLauncher(model, e2e_log_dir / "hybrid_refused", process_registry) as launcher:
         decode = launcher.server("d_on", hixl_connector_config("decode"))
         with pytest.raises(ProcessFailed) as refused:
             decode.wait_healthy(launcher.health_timeout_s)
-    finally:
-        launcher.stop_all()
     assert "this model has 2 (hybrid KV-cache manager)" in str(refused.value)
     assert "--disable-hybrid-kv-cache-manager" in str(refused.value)
