@@ -25,17 +25,14 @@ from hixl_connector.tools.demo.client import (
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 
 from .harness import (
-    BLOCK_BYTES_PER_LAYER,
     BLOCK_SIZE,
     CHAT_MESSAGES,
     MAX_TOKENS,
-    NUM_LAYERS,
-    PROMPT_LENGTHS,
     PROMPTS,
     PDDeployment,
     PDLauncher,
     ProcessRegistry,
-    external_prompt_tokens,
+    every_prompt_pulled,
     hixl_connector_config,
     hixl_counter,
     pulled,
@@ -49,43 +46,21 @@ from .harness import (
 def deployment(
     tiny_model_dir: Path, e2e_log_dir: Path, process_registry: ProcessRegistry
 ) -> Iterator[PDDeployment]:
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "hixl", process_registry)
-    try:
+    with PDLauncher(tiny_model_dir, e2e_log_dir / "hixl", process_registry) as launcher:
         yield launcher.start(hixl_connector_config("prefill"), hixl_connector_config("decode"))
-    finally:
-        launcher.stop_all()
 
 
 def test_completions_token_identical_and_blocks_pulled(
     deployment: PDDeployment, plain_outputs: dict[Any, Generation]
 ) -> None:
-    pulls, blocks, nbytes = pulled(deployment.decode)
-    external = external_prompt_tokens(deployment.decode.url)
-    sync_before = hixl_counter(deployment.decode, "sync_loads")
-    for n, prompt in PROMPTS.items():
-        out = complete(deployment.url, prompt, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
-        assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
-        assert out.prompt_token_ids == prompt
-        expected_blocks = math.ceil(n / BLOCK_SIZE)
-        now = wait_for_pulls(deployment.decode, pulls + 1)
-        assert now[0] == pulls + 1, f"{n}-token prompt: D made {now[0] - pulls} pulls, not 1"
-        assert now[1] - blocks == expected_blocks, f"{n}-token prompt: wrong block count"
-        assert now[2] - nbytes == expected_blocks * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
-        pulls, blocks, nbytes = now
     # After the first read from P links it, every one of these small reads lands in the step
     # that computes the request's first token.
-    read_synchronously = (
-        wait_for_counter(deployment.decode, "sync_loads", sync_before + 1) - sync_before
-    )
+    read_synchronously = every_prompt_pulled(deployment.url, deployment.decode, plain_outputs)
     assert 1 <= read_synchronously <= len(PROMPTS) - 1
     # The counter's name before its rename still counts the same reads (CHANGELOG.md).
     assert hixl_counter(deployment.decode, "in_step_loads") == hixl_counter(
         deployment.decode, "sync_loads"
     )
-    # vLLM's own count of prompt tokens that came from the connector, not local compute: all
-    # of them, but the last of a read in the step, which that step's forward computes.
-    loaded = external_prompt_tokens(deployment.decode.url) - external
-    assert loaded == sum(PROMPT_LENGTHS) - read_synchronously
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -148,8 +123,7 @@ def test_corrupted_kv_changes_the_output(
     decode = hixl_connector_config("decode", test_corrupt_received_kv=True)
     prefill = hixl_connector_config("prefill")
     del prefill["kv_connector_module_path"]
-    launcher = PDLauncher(tiny_model_dir, e2e_log_dir / "corrupt", process_registry)
-    try:
+    with PDLauncher(tiny_model_dir, e2e_log_dir / "corrupt", process_registry) as launcher:
         pd = launcher.start(prefill, decode)
         lengths = (64, 97, 160, 300)
         for n in lengths:
@@ -158,8 +132,6 @@ def test_corrupted_kv_changes_the_output(
         assert wait_for_pulls(pd.decode, len(lengths))[0] == len(lengths)
         # Reads in the step and asynchronous ones alike fed the corrupted KV to the model.
         assert wait_for_counter(pd.decode, "sync_loads", 1) >= 1
-    finally:
-        launcher.stop_all()
 
 
 def test_a_request_that_reaches_decode_without_params_is_counted_and_named(

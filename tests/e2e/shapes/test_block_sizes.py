@@ -7,27 +7,22 @@ The other way round (P's blocks larger) is refused before anything is read, and 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from hixl_connector.tools.demo.client import Generation, chat, complete
+from hixl_connector.tools.demo.client import Generation, chat
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 
 from ..harness import (
-    BLOCK_BYTES_PER_LAYER,
     BLOCK_SIZE,
     CHAT_MESSAGES,
     MAX_TOKENS,
-    NUM_LAYERS,
     PROMPT_LENGTHS,
     PROMPTS,
-    external_prompt_tokens,
+    every_prompt_pulled,
     hixl_counter,
     pulled,
     request_fails,
-    sync_load_requests,
     wait_for_counter,
-    wait_for_pulls,
     wait_kv_idle,
 )
 from .conftest import Fleet
@@ -37,23 +32,10 @@ def test_smaller_prefill_blocks_are_assembled_into_decode_blocks(
     fleet: Fleet, plain_outputs: dict[Any, Generation]
 ) -> None:
     router = fleet.launcher.router("router_bs_32_64", [fleet.p1], [fleet.pd64])
-    pulls, blocks, nbytes = pulled(fleet.pd64)
-    external = external_prompt_tokens(fleet.pd64.url)
-    sync_before = sync_load_requests(fleet.pd64, 1)
-    for n in PROMPT_LENGTHS:
-        out = complete(router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
-        assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
-        now = wait_for_pulls(fleet.pd64, pulls + 1)
-        assert now[0] - pulls == 1, f"{n}-token prompt: {now[0] - pulls} pulls"
-        assert now[1] - blocks == math.ceil(n / (2 * BLOCK_SIZE))
-        # Exactly the prompt's P blocks are read: a last D block the prompt ends in the
-        # first half of takes one P block, not two.
-        assert now[2] - nbytes == math.ceil(n / BLOCK_SIZE) * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
-        pulls, blocks, nbytes = now
-    read_synchronously = sync_load_requests(fleet.pd64, 1) - sync_before
+    read_synchronously = every_prompt_pulled(
+        router.url, fleet.pd64, plain_outputs, decode_block_size=2 * BLOCK_SIZE
+    )
     assert 1 <= read_synchronously <= len(PROMPT_LENGTHS)  # all but the first may be
-    loaded = external_prompt_tokens(fleet.pd64.url) - external
-    assert loaded == sum(PROMPT_LENGTHS) - read_synchronously
     out = chat(router.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
     assert out.token_ids == plain_outputs["chat"].token_ids
     wait_kv_idle(fleet.p1)

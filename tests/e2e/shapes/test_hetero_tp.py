@@ -7,7 +7,6 @@ P's one rank, and P frees only after both D ranks said done.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -22,16 +21,11 @@ from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS, Generation, cha
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME
 
 from ..harness import (
-    BLOCK_BYTES_PER_LAYER,
-    BLOCK_SIZE,
     CHAT_MESSAGES,
     MAX_TOKENS,
-    NUM_LAYERS,
     PROMPT_LENGTHS,
     PROMPTS,
-    external_prompt_tokens,
-    pulled,
-    sync_load_requests,
+    every_prompt_pulled,
     wait_for_pulls,
     wait_kv_idle,
 )
@@ -45,23 +39,8 @@ def test_token_identical_with_exactly_the_model_kv_pulled(
     prefill = fleet.p2 if p_tp == 2 else fleet.p1
     decode = fleet.d2 if d_tp == 2 else fleet.d1
     router = fleet.launcher.router(f"router_tp{p_tp}{d_tp}", [prefill], [decode])
-    pulls, blocks, nbytes = pulled(decode)
-    external = external_prompt_tokens(decode.url)
-    sync_before = sync_load_requests(decode, d_tp)
-    for n in PROMPT_LENGTHS:
-        out = complete(router.url, PROMPTS[n], model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
-        assert out.token_ids == plain_outputs[n].token_ids, f"{n}-token prompt differs"
-        expected_blocks = math.ceil(n / BLOCK_SIZE)
-        # Every D rank pulls its share once; together they hold the model's whole KV.
-        now = wait_for_pulls(decode, pulls + d_tp)
-        assert now[0] - pulls == d_tp, f"{n}-token prompt: {now[0] - pulls} pulls"
-        assert now[1] - blocks == expected_blocks * d_tp
-        assert now[2] - nbytes == expected_blocks * NUM_LAYERS * BLOCK_BYTES_PER_LAYER
-        pulls, blocks, nbytes = now
-    read_synchronously = sync_load_requests(decode, d_tp) - sync_before
+    read_synchronously = every_prompt_pulled(router.url, decode, plain_outputs, decode_ranks=d_tp)
     assert 1 <= read_synchronously <= len(PROMPT_LENGTHS)  # all but the first may be
-    loaded = external_prompt_tokens(decode.url) - external
-    assert loaded == sum(PROMPT_LENGTHS) - read_synchronously
     out = chat(router.url, CHAT_MESSAGES, model=SERVED_MODEL_NAME, max_tokens=MAX_TOKENS)
     assert out.token_ids == plain_outputs["chat"].token_ids
     wait_kv_idle(prefill)
