@@ -12,11 +12,13 @@ import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from hixl_connector import _native
@@ -29,6 +31,11 @@ if str(HERE.parents[1]) not in sys.path:  # the package, also when it is not pip
     sys.path.insert(0, str(HERE.parents[1]))
 PEER_SCRIPT = HERE / "datadist_peer.py"
 PROMPT_SCRIPT = HERE / "prompt_peer.py"
+
+# Hypothesis examples drawn against a module-scoped, linked setup that each example resets.
+OVER_A_LINKED_SETUP = settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 # The native push tests' peer and the client engine that writes into it (Pusher).
@@ -156,12 +163,18 @@ class Client:
     def link(self, peer: Reachable, timeout: int = 5000) -> Any:
         return self.dd.link_clusters([self.cluster_info(peer)], timeout)
 
-    def link_over(self, peer: Reachable, transport: str) -> None:
-        """Links ``peer`` and checks the link runs over ``transport`` (where the back-end says)."""
+    @contextmanager
+    def linked_over(self, peer: Reachable, transport: str) -> Iterator[None]:
+        """Linked to ``peer`` inside the block, over ``transport`` (checked where the back-end
+        says which), and unlinked after it."""
         ok = self.api.LLMStatusCode.LLM_SUCCESS
         assert self.link(peer) == (ok, [ok])
         if hasattr(self.dd, "peer_transport"):
             assert self.dd.peer_transport(peer.cluster_id) == transport
+        try:
+            yield
+        finally:
+            self.unlink(peer)
 
     def unlink(self, peer: Reachable, force: bool = False, timeout: int = 3000) -> Any:
         return self.dd.unlink_clusters([self.cluster_info(peer)], timeout, force)
@@ -253,3 +266,19 @@ def wait_blocked(thread: threading.Thread, timeout_s: float = 5.0) -> None:
         return blocked_polls[0] >= 2 or not thread.is_alive()
 
     wait_until(blocked, timeout_s, f"thread {thread.name} to block")
+
+
+class LinkedSetup:
+    """A client linked to a peer over one transport, and the key of the peer's blocks cache.
+    ``linked`` is a module fixture's body: the setup, linked while the module's tests run."""
+
+    def __init__(self, client: Client, peer: Peer, transport: str) -> None:
+        self.client, self.peer, self.transport = client, peer, transport
+        self.api = client.api
+        self.key = self.api.BlocksCacheKey(peer.cluster_id, 0)
+
+    @classmethod
+    def linked(cls, client: Client, peer: Peer, transport: str) -> Iterator[Self]:
+        setup = cls(client, peer, transport)
+        with client.linked_over(peer, transport):
+            yield setup

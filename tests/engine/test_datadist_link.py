@@ -84,6 +84,17 @@ def test_link_argument_checks_and_codes(api: Any, peer_factory: Any, client_fact
     assert client.dd.link_clusters([wrong_id], 2000)[0] == codes.LLM_LINK_FAILED
 
 
+def _pull_once(api: Any, client: Client, peer: Peer, cache: Any) -> None:
+    client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1, 2], [3, 4])
+
+
+def _cache_linked_to(api: Any, client: Client, peer: Peer) -> Any:
+    """A small blocks cache on ``client``, and ``client`` linked to ``peer``."""
+    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    assert client.link(peer) == (ok(api), [ok(api)])
+    return cache
+
+
 @pytest.mark.parametrize("transport", ["cma", "tcp"])
 def test_unauthenticated_link_refused(
     api: Any, peer_factory: Any, client_factory: Any, transport: str, monkeypatch: Any
@@ -98,14 +109,9 @@ def test_unauthenticated_link_refused(
     )
     monkeypatch.setenv("HIXL_AUTH_TOKEN", TOKEN)  # the token may come from the environment
     client = client_factory(4002, hixl_transport=transport)
-    assert client.link(peer) == (ok(api), [ok(api)])
-    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    cache = _cache_linked_to(api, client, peer)
     client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1], [2])
     client.unlink(peer)
-
-
-def _pull_once(api: Any, client: Client, peer: Peer, cache: Any) -> None:
-    client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1, 2], [3, 4])
 
 
 def test_timeout_then_force_unlink_and_relink_recovers(
@@ -114,9 +120,8 @@ def test_timeout_then_force_unlink_and_relink_recovers(
     peer = peer_factory(50)
     timeout_ms = 500
     client = client_factory(5000, hixl_transport="tcp", sync_kv_timeout=timeout_ms)
-    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    cache = _cache_linked_to(api, client, peer)
     codes = api.LLMStatusCode
-    assert client.link(peer) == (codes.LLM_SUCCESS, [codes.LLM_SUCCESS])
     _pull_once(api, client, peer, cache)
     with stopped(peer.pid):
         start = time.monotonic()
@@ -141,10 +146,8 @@ def test_cma_pull_needs_no_work_from_a_stopped_peer(
     peer = peer_factory(51)
     client = client_factory(5100, hixl_transport="cma", sync_kv_timeout=500)
     cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
-    assert client.link(peer)[0] == api.LLMStatusCode.LLM_SUCCESS
-    with stopped(peer.pid):
+    with client.linked_over(peer, "cma"), stopped(peer.pid):
         _pull_once(api, client, peer, cache)
-    client.unlink(peer)
 
 
 def test_finalized_cache_manager(api: Any, peer_factory: Any, client_factory: Any) -> None:
@@ -169,9 +172,8 @@ def test_unlink_during_a_pull_fails_the_pull_fast(
     """Row 28: a concurrent unlink ends a running pull (CANN: LLM_LINK_BUSY)."""
     peer = peer_factory(52)
     client = client_factory(5200, hixl_transport="tcp", sync_kv_timeout=20000)
-    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    cache = _cache_linked_to(api, client, peer)
     codes = api.LLMStatusCode
-    assert client.link(peer)[0] == codes.LLM_SUCCESS
     with stopped(peer.pid):  # the pull cannot finish while the peer is stopped
         key = api.BlocksCacheKey(peer.cluster_id)
         pull = BlocksPull(key, cache, [1], [2])

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 
 from hixl_connector.datadist import BlocksPull
 
 from . import datadist_peer as layout
-from .datadist_harness import Client, Peer, block_pairs
+from .datadist_harness import OVER_A_LINKED_SETUP, Client, LinkedSetup, Peer, block_pairs
 
 NB = layout.NUM_BLOCKS
 KV = layout.make_tensors("kv", layout.NUM_TENSORS, NB * layout.BLOCK_BYTES)
@@ -26,12 +26,10 @@ CONTIG = layout.make_tensors(
 BB = layout.BLOCK_BYTES
 
 
-class Setup:
+class Setup(LinkedSetup):
     def __init__(self, client: Client, peer: Peer, transport: str) -> None:
-        self.client, self.peer, self.transport = client, peer, transport
-        self.api = client.api
+        super().__init__(client, peer, transport)
         self.cache, self.dst = client.blocks_cache(layout.NUM_TENSORS, NB, layout.BLOCK_SHAPE)
-        self.key = self.api.BlocksCacheKey(peer.cluster_id, 0)
 
     def reset(self) -> None:
         for tensor in self.dst:
@@ -64,16 +62,10 @@ def peer(peer_factory: Any) -> Peer:
 
 @pytest.fixture(scope="module", params=["cma", "tcp"])
 def setup(request: pytest.FixtureRequest, peer: Peer, client_factory: Any) -> Iterator[Setup]:
-    client = client_factory(hixl_transport=request.param)
-    s = Setup(client, peer, request.param)
-    client.link_over(peer, request.param)
-    yield s
-    client.unlink(peer)
+    yield from Setup.linked(client_factory(hixl_transport=request.param), peer, request.param)
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(OVER_A_LINKED_SETUP, max_examples=25)
 @given(pairs=block_pairs(NB))
 def test_random_block_lists_byte_for_byte(setup: Setup, pairs: list[tuple[int, int]]) -> None:
     src, dst = [p[0] for p in pairs], [p[1] for p in pairs]

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 
 from . import datadist_peer as layout
-from .datadist_harness import Client, Peer, block_pairs
+from .datadist_harness import OVER_A_LINKED_SETUP, Client, LinkedSetup, Peer, block_pairs
 
 NB = layout.NUM_BLOCKS
 NT = layout.NUM_TENSORS
@@ -23,19 +23,17 @@ BB = layout.BLOCK_BYTES
 EVERY_BLOCK = list(range(NB))
 
 
-class PushSetup:
+class PushSetup(LinkedSetup):
     """A client with a source cache of its own bytes, a read-back cache, and the model of the
     peer's "kv" cache."""
 
     def __init__(self, client: Client, peer: Peer, transport: str) -> None:
-        self.client, self.peer, self.transport = client, peer, transport
-        self.api = client.api
+        super().__init__(client, peer, transport)
         self.cm = client.dd.cache_manager
         self.src, self.src_tensors = client.blocks_cache(NT, NB, layout.BLOCK_SHAPE)
         for t, tensor in enumerate(self.src_tensors):
             tensor[:] = layout.tensor_bytes(99, transport, t, tensor.nbytes)
         self.back, self.back_tensors = client.blocks_cache(NT, NB, layout.BLOCK_SHAPE)
-        self.key = self.api.BlocksCacheKey(peer.cluster_id, 0)
         self.model = [t.reshape(NB, BB).copy() for t in layout.make_tensors("kv", NT, NB * BB)]
 
     def push(self, pairs: list[tuple[int, int]], **kwargs: Any) -> None:
@@ -64,15 +62,10 @@ def setup(
 ) -> Iterator[PushSetup]:
     peer = peer_factory(21 if request.param == "cma" else 22)
     client = client_factory(hixl_transport=request.param)
-    s = PushSetup(client, peer, request.param)
-    client.link_over(peer, request.param)
-    yield s
-    client.unlink(peer)
+    yield from PushSetup.linked(client, peer, request.param)
 
 
-@settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(OVER_A_LINKED_SETUP, max_examples=20)
 @given(pairs=block_pairs(NB))
 def test_random_block_lists_land_byte_for_byte(
     setup: PushSetup, pairs: list[tuple[int, int]]

@@ -41,6 +41,7 @@ from .wire_client import (
     read_request,
     recv_frame,
     table_serials,
+    welcomed,
 )
 
 MARGIN_S = 0.2
@@ -147,8 +148,7 @@ def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) 
     # Authenticated (no token needed) but asking for memory outside the registered regions.
     base = peer.info["blocks_addrs"][0]
     size = peer.info["blocks_tensor_bytes"]
-    with connect(peer.port) as s:
-        handshake(s, 21)
+    with welcomed(peer.port, 21) as s:
         serial = table_serials(s)[BLOCKS_CACHE_ID]
         s.sendall(read_request(serial + 1000, (base, 64)))  # planned from another table
         assert recv_frame(s) == (STALE, b"")
@@ -172,8 +172,7 @@ def test_hostile_clients_are_refused_and_server_keeps_serving(peer: NativePeer) 
         kind, _ = recv_frame(s)
         assert kind == ERROR
         assert closed_by_server(s, 2.0)
-    with connect(peer.port) as s:
-        handshake(s, 21)
+    with welcomed(peer.port, 21) as s:
         s.sendall(frame(99))  # unknown frame type
         assert closed_by_server(s, 2.0)
     assert peer.stats()["rejected_requests"] >= 9
@@ -191,8 +190,7 @@ def return_path(host: bytes, port: int) -> bytes:
 
 def test_return_path_offers_are_checked(peer: NativePeer) -> None:
     """Only a control connection offers a way back, and only a well-formed one is kept."""
-    with connect(peer.port) as s:
-        handshake(s, 21, channel=CONTROL_CHANNEL)
+    with welcomed(peer.port, 21, channel=CONTROL_CHANNEL) as s:
         s.sendall(return_path(b"", 4242))
         assert recv_frame(s) == (RETURN_PATH_ACK, b"")
         s.sendall(return_path(b"127.0.0.1", 4243))  # a later offer replaces it
@@ -205,14 +203,12 @@ def test_return_path_offers_are_checked(peer: NativePeer) -> None:
         frame(RETURN_PATH, struct.pack("<I", 0) + b"\x92\x10"),  # port cut short
         frame(RETURN_PATH, struct.pack("<I", 0) + struct.pack("<I", 4242) + b"x"),
     ]:
-        with connect(peer.port) as s:
-            handshake(s, 21, channel=CONTROL_CHANNEL)
+        with welcomed(peer.port, 21, channel=CONTROL_CHANNEL) as s:
             s.sendall(bad)
             kind, _ = recv_frame(s)
             assert kind == ERROR
             assert closed_by_server(s, 2.0)
-    with connect(peer.port) as s:
-        handshake(s, 21)  # a data connection
+    with welcomed(peer.port, 21) as s:  # a data connection
         s.sendall(return_path(b"", 4242))
         kind, _ = recv_frame(s)
         assert kind == ERROR
@@ -231,8 +227,7 @@ def test_token_peer_refuses_unauthenticated_clients(token_peer: NativePeer) -> N
     with connect(token_peer.port) as s:
         with pytest.raises(AssertionError):
             handshake(s, 22, token=WRONG_TOKEN)
-    with connect(token_peer.port) as s:
-        handshake(s, 22, token=TOKEN)
+    with welcomed(token_peer.port, 22, token=TOKEN) as s:
         s.sendall(read_request(table_serials(s)[BLOCKS_CACHE_ID], (base, 256)))
         kind, payload = recv_frame(s)
         assert kind == DATA

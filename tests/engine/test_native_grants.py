@@ -39,11 +39,10 @@ from .wire_client import (
     WRITE,
     WRITE_DONE,
     WRITE_READY,
-    connect,
     frame,
-    handshake,
     recv_frame,
     table_serials,
+    welcomed,
     write_request,
 )
 
@@ -159,8 +158,7 @@ def test_a_late_write_for_a_revoked_grant_misses_the_next_one(
 def test_revoke_waits_for_a_write_in_flight(peer: NativePeer) -> None:
     base = peer.info["granted_addrs"][0]
     grant_id = grant(peer, RAW_WRITER, [0])
-    with connect(peer.port) as s:
-        handshake(s, PEER)
+    with welcomed(peer.port, PEER) as s:
         serial = table_serials(s)[GRANTED_CACHE_ID]
         s.sendall(frame(WRITE, write_request(serial, (base, 8))))  # naming no grant
         kind, payload = recv_frame(s)
@@ -174,8 +172,7 @@ def test_revoke_waits_for_a_write_in_flight(peer: NativePeer) -> None:
         assert status == _native.TIMEOUT and "in flight" in text
         assert time.monotonic() - start >= 0.29
         # Withdrawn at once: a new write under it is refused while the first one is held.
-        with connect(peer.port) as other:
-            handshake(other, PEER)
+        with welcomed(peer.port, PEER) as other:
             other.sendall(frame(WRITE, write_request(serial, (base + 64, 8), grant=grant_id)))
             kind, payload = recv_frame(other)
             assert kind == ERROR and refusal(0, grant_id, RAW_WRITER).encode() in payload

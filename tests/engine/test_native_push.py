@@ -47,11 +47,10 @@ from .wire_client import (
     WRITE_DONE,
     WRITE_READY,
     closed_by_server,
-    connect,
     frame,
-    handshake,
     recv_frame,
     table_serials,
+    welcomed,
     write_request,
 )
 
@@ -112,8 +111,7 @@ def test_stopped_peer_times_out_the_push_then_relinks(peer: NativePeer, pusher: 
 
 
 def _serials(peer: NativePeer) -> dict[int, int]:
-    with connect(peer.port) as s:
-        handshake(s, PEER)
+    with welcomed(peer.port, PEER) as s:
         return table_serials(s)
 
 
@@ -122,8 +120,7 @@ def accepted_write(peer: NativePeer, length: int) -> Iterator[socket.socket]:
     """A raw writer's connection whose WRITE of ``length`` bytes at the start of the peer's
     blocks cache the peer accepted (WRITE_READY): what the test sends next is the write's DATA."""
     serial, base = _serials(peer)[BLOCKS_CACHE_ID], peer.info["blocks_addrs"][0]
-    with connect(peer.port) as s:
-        handshake(s, PEER)
+    with welcomed(peer.port, PEER) as s:
         s.sendall(frame(WRITE, write_request(serial, (base, length))))
         assert recv_frame(s)[0] == WRITE_READY
         yield s
@@ -133,9 +130,9 @@ def test_hostile_writes_are_refused_and_nothing_lands(peer: NativePeer) -> None:
     serials = _serials(peer)
     base, tensor_bytes = peer.info["blocks_addrs"][0], peer.info["blocks_tensor_bytes"]
     blocks = serials[BLOCKS_CACHE_ID]
-    with connect(peer.port) as s:
-        handshake(s, PEER)
-        # Past the end of a tensor: refused, and the connection stays in step.
+    with welcomed(
+        peer.port, PEER
+    ) as s:  # Past the end of a tensor: refused, and the connection stays in step.
         s.sendall(frame(WRITE, write_request(blocks, (base + tensor_bytes - 8, 16))))
         kind, payload = recv_frame(s)
         assert kind == ERROR and b"outside the tensors" in payload

@@ -38,6 +38,7 @@ from .wire_client import (
     recv_frame,
     send_hello,
     table_serials,
+    welcomed,
 )
 
 TOKEN = "server-limits-token-0123456789abcdef"
@@ -154,8 +155,7 @@ def test_authenticated_cap_names_its_limit(peer: NativePeer) -> None:
     conns: list[socket.socket] = []
     try:
         for _ in range(MAX_AUTHENTICATED - 1):
-            conns.append(connect(peer.port))
-            handshake(conns[-1], CLUSTER, TOKEN)
+            conns.append(welcomed(peer.port, CLUSTER, TOKEN))
         # Two handshakes pass the check on accept while one slot is left: the first to prove
         # the token takes it, the other gets an ERROR in place of WELCOME.
         first, second = connect(peer.port), connect(peer.port)

@@ -100,6 +100,19 @@ def handshake(
     assert kind == WELCOME
 
 
+def welcomed(
+    port: int, cluster: int, token: str = "", channel: int = DATA_CHANNEL
+) -> socket.socket:
+    """A connection to 127.0.0.1:port that completed the handshake as ``cluster``."""
+    sock = connect(port)
+    try:
+        handshake(sock, cluster, token, channel)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def table_serials(sock: socket.socket) -> dict[int, int]:
     """Asks for the server's cache table; returns {cache id: registration serial}."""
     sock.sendall(frame(TABLE_REQ))
