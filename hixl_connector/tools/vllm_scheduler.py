@@ -10,7 +10,7 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
 
 
-def real_scheduler(
+def vllm_config(
     model_dir: Path,
     kv_role: str,
     *,
@@ -23,11 +23,8 @@ def real_scheduler(
     async_scheduling: bool = False,
     sliding_window: int = 0,
 ) -> Any:
-    """vLLM's Scheduler (AsyncScheduler with ``async_scheduling``) over ``num_blocks`` blocks
-    of BLOCK_SIZE tokens, connector configured by ``extra``; with ``sliding_window``, a
-    hybrid model (layer 0 full attention, layer 1 sliding window, a KV-cache group each)
-    under vLLM's hybrid KV-cache manager."""
-    import torch
+    """vLLM's config of the tiny model on CPU, ``num_blocks`` blocks of BLOCK_SIZE tokens,
+    the HIXL connector in ``kv_role`` configured by ``extra``."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -36,19 +33,8 @@ def real_scheduler(
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
-
-    vllm_config = VllmConfig(
+    config = VllmConfig(
         model_config=ModelConfig(
             model=str(model_dir),
             tokenizer=str(model_dir),
@@ -76,7 +62,46 @@ def real_scheduler(
         ),
         device_config=DeviceConfig("cpu"),
     )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    config.cache_config.num_gpu_blocks = num_blocks
+    return config
+
+
+def real_scheduler(
+    model_dir: Path,
+    kv_role: str,
+    *,
+    engine_id: str,
+    num_blocks: int = 64,
+    async_scheduling: bool = False,
+    sliding_window: int = 0,
+    **options: Any,
+) -> Any:
+    """vLLM's Scheduler (AsyncScheduler with ``async_scheduling``) over ``num_blocks`` blocks
+    of BLOCK_SIZE tokens, ``options`` the rest of ``vllm_config``'s; with ``sliding_window``, a
+    hybrid model (layer 0 full attention, layer 1 sliding window, a KV-cache group each)
+    under vLLM's hybrid KV-cache manager."""
+    import torch
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
+
+    config = vllm_config(
+        model_dir,
+        kv_role,
+        engine_id=engine_id,
+        num_blocks=num_blocks,
+        async_scheduling=async_scheduling,
+        sliding_window=sliding_window,
+        **options,
+    )
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
     )
@@ -99,9 +124,9 @@ def real_scheduler(
         IncarnationFile.create(incarnation_path(engine_id, 0, 0)).close()
     scheduler_class = AsyncScheduler if async_scheduling else Scheduler
     return scheduler_class(
-        vllm_config=vllm_config,
+        vllm_config=config,
         kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+        structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
         log_stats=True,
     )

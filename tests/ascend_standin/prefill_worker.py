@@ -21,15 +21,18 @@ sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the stand-in first, then the
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     import llm_datadist
-    from worker_harness import P_INCARNATION, kv_caches, tp_group, vllm_config
+    from worker_harness import P_INCARNATION, kv_caches, tp_group
 
     from hixl_connector.connector.config import HixlConfig
     from hixl_connector.connector.leases.guarded_read import lease_word
     from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec, WordSpec
     from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
     from hixl_connector.connector.worker.half import HixlWorker
+    from hixl_connector.tools.vllm_scheduler import vllm_config
 
-    config = vllm_config(Path(spec["model_dir"]), "kv_producer", spec["engine_id"], spec["extra"])
+    config = vllm_config(
+        Path(spec["model_dir"]), "kv_producer", engine_id=spec["engine_id"], extra=spec["extra"]
+    )
     with tp_group(config, spec["tp_port"]):
         worker = HixlWorker(config, HixlConfig.from_vllm_config(config), spec["engine_id"])
         caches = kv_caches(fill=True)

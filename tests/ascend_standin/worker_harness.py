@@ -7,46 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from hixl_connector.connector.kv.word_memory import aligned_zeros
+from hixl_connector.tools.vllm_scheduler import BLOCK_SIZE
 
 NUM_LAYERS = 2
 NUM_BLOCKS = 64
-BLOCK_SIZE = 16
 KV_HEADS = 2  # the tiny model's
 HEAD_SIZE = 16
 # The stand-in P's start nonce: its prefill_worker plays P's scheduler and writes it.
 P_INCARNATION = 0x5EED
-
-
-def vllm_config(model_dir: Path, kv_role: str, engine_id: str, extra: dict[str, Any]) -> Any:
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
-
-    kv_transfer = KVTransferConfig(
-        kv_connector="HixlConnector",
-        kv_connector_module_path="hixl_connector",
-        kv_role=kv_role,
-        engine_id=engine_id,
-        kv_connector_extra_config=extra,
-    )
-    config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(model_dir),
-            tokenizer=str(model_dir),
-            dtype="float32",
-            max_model_len=256,
-            enforce_eager=True,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        kv_transfer_config=kv_transfer,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
 
 
 @contextmanager

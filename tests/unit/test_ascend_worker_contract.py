@@ -24,6 +24,7 @@ from loopback import has_ipv6_loopback
 from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
+from hixl_connector.tools.vllm_scheduler import vllm_config
 
 with standin_helpers_importable():
     from harness import (
@@ -37,7 +38,6 @@ with standin_helpers_importable():
         decode_worker,
         expected_block,
         tp_group,
-        vllm_config,
     )
 
 P_BASE, D_BASE = 100_000, 200_000
@@ -93,7 +93,7 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
         "pull_timeout_s": 1.0,
         "handshake_timeout_s": 2.0,
     }
-    config = vllm_config(tiny_model_dir, "kv_consumer", "d-engine", extra)
+    config = vllm_config(tiny_model_dir, "kv_consumer", engine_id="d-engine", extra=extra)
     os.environ["HIXL_STANDIN_TRANSPORT"] = "tcp"  # a stopped peer then times a pull out
     try:
         with standin_on_path() as standin, tp_group(config, free_port()):

@@ -17,9 +17,10 @@ import pytest
 from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
+from hixl_connector.tools.vllm_scheduler import vllm_config
 
 with standin_helpers_importable():
-    from worker_harness import kv_caches, tp_group, vllm_config
+    from worker_harness import kv_caches, tp_group
 
 ADDRESSES_PER_ROUND = 24
 ROUNDS = 2
@@ -52,7 +53,7 @@ def worker(tiny_model_dir: Path) -> Iterator[Any]:
         "heartbeat_s": HEARTBEAT_S,
         "lease_s": 1.0,
     }
-    config = vllm_config(tiny_model_dir, "kv_consumer", "d-bounds", extra)
+    config = vllm_config(tiny_model_dir, "kv_consumer", engine_id="d-bounds", extra=extra)
     with tp_group(config, free_port()):
         hixl = HixlWorker(config, HixlConfig.from_vllm_config(config), "d-bounds")
         try:

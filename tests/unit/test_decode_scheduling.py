@@ -8,8 +8,10 @@ KVConnectorOutput a worker would report (finished_recving, failed_recving, finis
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
@@ -160,13 +162,20 @@ def test_full_local_hit_releases_without_pull(tiny_model_dir: Path) -> None:
     assert meta.to_recv == [] and meta.waiting == [] and meta.done_waiting == []
 
 
-def test_failed_recving_recompute(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="recompute")
+def _failed_read(tiny_model_dir: Path, policy: str) -> tuple[Scheduler, int, dict[str, Any]]:
+    """A 40-token request whose read the worker reports failed under ``policy``: the
+    scheduler, its free blocks before the request, and the requests finished in that step."""
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy=policy)
     idle = free_blocks(scheduler)
     scheduler.add_request(make_request("d5", prompt(40), params=prefill_params(3)))
     step(scheduler)
     _, engine_outputs = step(scheduler, failed_recving={"d5"})
-    assert "d5" not in finished_outputs(engine_outputs)
+    return scheduler, idle, finished_outputs(engine_outputs)
+
+
+def test_failed_recving_recompute(tiny_model_dir: Path) -> None:
+    scheduler, idle, finished = _failed_read(tiny_model_dir, "recompute")
+    assert "d5" not in finished
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"d5": 40}  # the whole prompt, computed locally
     assert metadata(output).to_recv == []  # and no second pull
@@ -175,13 +184,9 @@ def test_failed_recving_recompute(tiny_model_dir: Path) -> None:
 
 
 def test_failed_recving_fail(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", policy="fail")
-    idle = free_blocks(scheduler)
-    scheduler.add_request(make_request("d6", prompt(40), params=prefill_params(3)))
-    step(scheduler)
-    _, engine_outputs = step(scheduler, failed_recving={"d6"})
-    assert finished_outputs(engine_outputs)["d6"].finish_reason == FinishReason.ERROR
-    assert "d6" not in scheduler.requests
+    scheduler, idle, finished = _failed_read(tiny_model_dir, "fail")
+    assert finished["d5"].finish_reason == FinishReason.ERROR
+    assert "d5" not in scheduler.requests
     assert free_blocks(scheduler) == idle
 
 

@@ -18,6 +18,7 @@ import pytest
 from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
+from hixl_connector.tools.vllm_scheduler import vllm_config
 
 with standin_helpers_importable():
     from harness import launch_prefill, ready, stop
@@ -27,7 +28,6 @@ with standin_helpers_importable():
         decode_worker,
         expected_block,
         tp_group,
-        vllm_config,
     )
 
 P_BASE, D_BASE = 300_000, 400_000
@@ -63,7 +63,7 @@ def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
     extra = {"backend": "native", "cluster_id_base": D_BASE, "transport": "auto"}
-    config = vllm_config(tiny_model_dir, "kv_consumer", "d-synchronous", extra)
+    config = vllm_config(tiny_model_dir, "kv_consumer", engine_id="d-synchronous", extra=extra)
     with tp_group(config, free_port()):
         worker, caches = decode_worker(config, "d-synchronous")
         try:

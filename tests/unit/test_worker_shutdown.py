@@ -16,9 +16,10 @@ import pytest
 from standin_imports import standin_helpers_importable
 
 from hixl_connector.tools.demo.processes import free_port
+from hixl_connector.tools.vllm_scheduler import vllm_config
 
 with standin_helpers_importable():
-    from worker_harness import decode_worker, tp_group, vllm_config
+    from worker_harness import decode_worker, tp_group
 
 HANDSHAKE_TIMEOUT_S = 30.0  # far beyond the bound: shutdown must not wait it out
 SHUTDOWN_BOUND_S = 5.0
@@ -64,7 +65,7 @@ def test_shutdown_under_load_is_bounded_and_leaves_nothing(
     from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec, WaitingRead
 
     extra = {"backend": "native", "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
-    config = vllm_config(tiny_model_dir, "kv_consumer", "d-shutdown", extra)
+    config = vllm_config(tiny_model_dir, "kv_consumer", engine_id="d-shutdown", extra=extra)
     with tp_group(config, free_port()):
         fds, threads = open_fds(), hixl_threads()
         worker, _ = decode_worker(config, "d-shutdown")
