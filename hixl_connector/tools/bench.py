@@ -34,6 +34,9 @@ import numpy as np
 
 from hixl_connector.datadist.api.config import MAX_TCP_CONNECTIONS
 from hixl_connector.tools.bench_common import (
+    DTYPE_BYTES,
+    HEAD_DIM,
+    KV_HEADS,
     LAYERS,
     NUM_TENSORS,
     Server,
@@ -45,7 +48,6 @@ from hixl_connector.tools.bench_common import (
 )
 from hixl_connector.tools.bench_report import format_table, plot
 
-KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2
 SERVER_CLUSTER, CLIENT_CLUSTER = 1, 2
 
 

@@ -1,5 +1,6 @@
-"""What the transfer benchmarks (bench, bench-tp) share: pools of one memory kind, the engine
-options of both sides, linking, the handle of a serving process, and the paired ratio."""
+"""What the transfer benchmarks (bench, bench-tp) share: the model's KV shape, pools of one
+memory kind, the engine options of both sides, linking, the handle of a serving process, and
+the paired ratio."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+# An 8B-class model's KV: 32 layers of 8 KV heads of 128 dims in 16-bit.
 LAYERS = 32
 NUM_TENSORS = 2 * LAYERS  # K and V of each layer, one tensor each
+KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2
 READY_TIMEOUT_S = 120.0
 LINK_TIMEOUT_MS = 10000
 HUGE_PAGE = 2 << 20

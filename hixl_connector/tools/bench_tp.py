@@ -35,6 +35,9 @@ import numpy as np
 from hixl_connector.connector.mapping.tp_mapping import plan_rank, unit_ids
 from hixl_connector.datadist import BlocksPull, load_backend
 from hixl_connector.tools.bench_common import (
+    DTYPE_BYTES,
+    HEAD_DIM,
+    KV_HEADS,
     LAYERS,
     NUM_TENSORS,
     Server,
@@ -45,7 +48,7 @@ from hixl_connector.tools.bench_common import (
     median_ratio,
 )
 
-KV_HEADS, HEAD_DIM, DTYPE_BYTES, BLOCK_TOKENS = 8, 128, 2, 16
+BLOCK_TOKENS = 16
 UNIT_BYTES = BLOCK_TOKENS * 2 * HEAD_DIM * DTYPE_BYTES // 2  # one head's K or V of a block
 CLIENT_CLUSTER = 100
 
