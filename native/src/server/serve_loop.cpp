@@ -27,31 +27,6 @@ bool past(Deadline deadline) { return Clock::now() >= deadline; }
 
 }  // namespace
 
-bool Admissions::enter_handshake() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (handshaking_ >= max_handshaking_) return false;
-  handshaking_++;
-  return true;
-}
-
-bool Admissions::connections_full() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return authenticated_ >= max_connections_;
-}
-
-bool Admissions::promote() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (authenticated_ >= max_connections_) return false;
-  handshaking_--;
-  authenticated_++;
-  return true;
-}
-
-void Admissions::leave(bool authenticated) {
-  std::lock_guard<std::mutex> lock(mu_);
-  (authenticated ? authenticated_ : handshaking_)--;
-}
-
 // A connection: its phase, the frame being read, and what is waiting to be sent.
 struct ServeLoop::Conn {
   enum class Phase { kHello, kAuth, kServing };

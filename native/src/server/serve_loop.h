@@ -17,6 +17,7 @@
 
 #include "common/cache_table.h"
 #include "common/handshake.h"
+#include "server/admissions.h"
 #include "server/landed_writes.h"
 #include "common/return_paths.h"
 #include "server/write_grants.h"
@@ -25,29 +26,6 @@
 #include "server/write_intake.h"
 
 namespace hixl {
-
-// The two pools of a server's connections and their caps: connections in the handshake
-// (what a host without the token can hold) and authenticated ones (real links). Shared by a
-// server's loops; each cap counts the connections it protects the server from.
-class Admissions {
- public:
-  Admissions(int max_handshaking, int max_connections)
-      : max_handshaking_(max_handshaking), max_connections_(max_connections) {}
-  int max_handshaking() const { return max_handshaking_; }
-  int max_connections() const { return max_connections_; }
-  bool enter_handshake();
-  bool connections_full() const;
-  // Moves a connection that proved the token to the authenticated pool; false when full.
-  bool promote();
-  void leave(bool authenticated);
-
- private:
-  const int max_handshaking_;
-  const int max_connections_;
-  mutable std::mutex mu_;
-  int handshaking_ = 0;
-  int authenticated_ = 0;
-};
 
 // What every loop of a server shares (owned by the server).
 struct ServeContext {

@@ -10,6 +10,7 @@
 
 #include "common/cache_table.h"
 #include "common/handshake.h"
+#include "server/admissions.h"
 #include "server/serve_loop.h"
 #include "common/stats.h"
 #include "common/wire.h"
