@@ -167,9 +167,11 @@ class HixlTestConnector(HixlConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         blocks = getattr(self._get_connector_metadata(), "test_digest_blocks", {})
-        worker = self._worker
-        if not blocks or worker is None or worker._layout is None:
+        if not blocks or self._worker is None:
             return
+        worker = self._worker
+        # Blocks to digest mean a forward ran, and so the KV was registered.
+        assert worker._layout is not None
         views = worker._layout.views
         for request_id, block_ids in blocks.items():
             logger.warning(
