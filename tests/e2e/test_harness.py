@@ -10,17 +10,26 @@ import hashlib
 import os
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
 
+from hixl_connector.tools.demo import processes
 from hixl_connector.tools.demo.client import Generation, chat, complete, metric_total, read_metrics
-from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed, free_port
+from hixl_connector.tools.demo.processes import (
+    ManagedProcess,
+    ProcessFailed,
+    free_port,
+    free_port_range,
+)
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
+    VLLM_PORT_SPAN,
     VllmServer,
     start_plain_router,
     start_vllm_server,
+    vllm_server_env,
 )
 from hixl_connector.tools.demo.tiny_model import STAMP_NAME, build_tiny_model
 
@@ -225,6 +234,25 @@ def test_a_niced_server_starts_at_full_priority_and_its_group_yields_once_health
         serving = min(19, ours + 10)  # by 10 from the caller's
         assert os.getpriority(os.PRIO_PROCESS, server.pid) == serving
         assert os.getpriority(os.PRIO_PROCESS, child_pid) == serving  # what it spawned
+
+
+def test_no_pick_lands_on_a_port_picked_before_or_in_a_vllm_port_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing binds these ports, as nothing binds a server's side channel before its model
+    # loads: only the record of what was picked keeps the next picks off them. The draws are
+    # steered onto every taken port first; each pick must pass them by.
+    monkeypatch.setattr(processes, "_PICKED", deque(maxlen=256))
+    window = int(vllm_server_env()["VLLM_PORT"])
+    side_channel = free_port_range(2)
+    taken = [*range(window, window + VLLM_PORT_SPAN), side_channel, side_channel + 1]
+    fresh = free_port_range(4)
+    processes._PICKED.pop()  # free, and not picked yet
+    draws = iter(taken + [fresh] + taken + [fresh, fresh + 1] + taken + [fresh + 3])
+    monkeypatch.setattr(processes.random, "randrange", lambda *_: next(draws))
+    assert free_port() == fresh
+    assert free_port_range(2) == fresh + 1  # not fresh: a range may not overlap a pick
+    assert free_port() == fresh + 3
 
 
 def _file_digests(directory: Path) -> dict[str, str]:

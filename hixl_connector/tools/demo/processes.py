@@ -18,7 +18,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -42,47 +44,63 @@ class ProcessFailed(RuntimeError):
 PICK_FLOOR = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
+# What this process picked lately, one range per pick. A server binds its ports only once it
+# is up (a vLLM worker's side channel: after the model loads), so until then they look free to
+# the next pick; and vLLM takes its own ports by scanning upward from VLLM_PORT
+# (``servers.VLLM_PORT_SPAN``). A later pick must land on neither. Bounded, because the servers
+# of old picks have bound their ports or are gone; the bound holds several fleets at once.
+_PICKED: deque[range] = deque(maxlen=256)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` (IPv4 or IPv6) that was free a moment ago."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    """A TCP port on ``host`` (IPv4 or IPv6) that was free a moment ago and that this process
+    has not picked lately."""
+    return free_port_range(1, host)
+
+
+def free_port_range(count: int, host: str = "127.0.0.1", tries: int = 100) -> int:
+    """The first of ``count`` consecutive TCP ports that were free a moment ago and that this
+    process has not picked lately (a server whose ranks listen on ``port + rank``)."""
     try:
         ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = PICK_FLOOR
-    for _ in range(100 if ephemeral_low - PICK_FLOOR >= 1000 else 0):
-        port = random.randrange(PICK_FLOOR, ephemeral_low)
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
+    for _ in range(tries):
+        if ephemeral_low - PICK_FLOOR >= 1000:
+            base = random.randrange(PICK_FLOOR, ephemeral_low - count + 1)
+        else:  # no room below: the OS picks the first
+            base = _bindable_by_the_os(host)
+        ports = range(base, base + count)
+        if ports[-1] > 65535 or _picked_lately(ports) or not _bindable(host, ports):
+            continue
+        _PICKED.append(ports)
+        return base
+    raise ProcessFailed(f"no {count} consecutive free ports found in {tries} tries")
+
+
+def _picked_lately(ports: range) -> bool:
+    return any(ports.start < picked.stop and picked.start < ports.stop for picked in _PICKED)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _bindable(host: str, ports: range) -> bool:
+    with ExitStack() as sockets:
+        for port in ports:
+            sock = sockets.enter_context(socket.socket(_family(host), socket.SOCK_STREAM))
             try:
                 sock.bind((host, port))
             except OSError:
-                continue
-            return port
-    with socket.socket(family, socket.SOCK_STREAM) as sock:  # no room below: the OS picks
+                return False
+    return True
+
+
+def _bindable_by_the_os(host: str) -> int:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def free_port_range(count: int, host: str = "127.0.0.1", tries: int = 100) -> int:
-    """The first of ``count`` consecutive TCP ports that were free a moment ago (a server
-    whose ranks listen on ``port + rank``)."""
-    for _ in range(tries):
-        base = free_port(host)
-        if base + count - 1 > 65535:
-            continue
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base + 1, base + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(sock)
-                sock.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise ProcessFailed(f"no {count} consecutive free ports found in {tries} tries")
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:

@@ -21,12 +21,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hixl_connector.tools.demo.processes import ManagedProcess, ProcessFailed, free_port, http_ok
+from hixl_connector.tools.demo.processes import (
+    ManagedProcess,
+    ProcessFailed,
+    free_port,
+    free_port_range,
+    http_ok,
+)
 
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "tiny-llama"
 DEFAULT_KV_CACHE_BYTES = 128 * 1024 * 1024
 DEFAULT_HEALTH_TIMEOUT_S = 300.0
+# The ports a vLLM server may take upward from its VLLM_PORT: one or two picks (the TP
+# rendezvous), each the next free port, with room for ports found busy.
+VLLM_PORT_SPAN = 16
 # The directory that contains the hixl_connector package, so servers can import the plugin
 # by module path even when the package is not pip-installed.
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
@@ -85,12 +94,15 @@ def vllm_server_env(
     by binding port 0 and closing it, and the workers bind it up to a minute later on a slow
     host; by then an outgoing connection can hold it as its source port (EADDRINUSE, seen in
     CI). A base below the ephemeral range leaves only explicit picks to race for it (see
-    ``processes.PICK_FLOOR``). Not with data parallel: vLLM draws its master ports from the
-    same base, and the engines' own picks would land on them.
+    ``processes.PICK_FLOOR``), and the base opens a window of ``VLLM_PORT_SPAN`` ports that
+    no later pick takes: vLLM scans upward from it, one port per pick, and a server's side
+    channel picked inside the window was bound first by vLLM (EADDRINUSE, seen in CI). Not
+    with data parallel: vLLM draws its master ports from the same base, and the engines' own
+    picks would land on them.
     """
     env = _lean_env(extra_env)
     if "--data-parallel-size" not in extra_args and "VLLM_PORT" not in (extra_env or {}):
-        env["VLLM_PORT"] = str(free_port())
+        env["VLLM_PORT"] = str(free_port_range(VLLM_PORT_SPAN))
     return env
 
 
