@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from hixl_connector.datadist import LLMException, LLMStatusCode, RegisterMemStatus
 from hixl_connector.datadist.native.parity import rank_table
+from hixl_connector.tools.demo.processes import free_port_range
 
 from . import datadist_peer as layout
 from . import rank_table_peer as member
@@ -25,23 +25,6 @@ from .native_peer import stop_peer_process
 
 NB, NT, BB = layout.NUM_BLOCKS, layout.NUM_TENSORS, layout.BLOCK_BYTES
 ROW = layout.CONTIG_ROW_BYTES
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (rank 0 and rank 1 listen there)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return int(port)
-    raise AssertionError("no free port pair")
 
 
 def wait_ok(dd: Any, comm: int, timeout_s: float = 30) -> RegisterMemStatus:
@@ -54,7 +37,7 @@ def wait_ok(dd: Any, comm: int, timeout_s: float = 30) -> RegisterMemStatus:
 
 @pytest.fixture()
 def base_port(monkeypatch: pytest.MonkeyPatch) -> int:
-    port = free_port_pair()
+    port = free_port_range(2)  # rank 0 and rank 1 listen on port and port + 1
     monkeypatch.setenv(rank_table.BASE_PORT_ENV, str(port))
     return port
 
