@@ -87,9 +87,10 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 def _bindable(host: str, ports: range) -> bool:
+    family = _family(host)
     with ExitStack() as sockets:
         for port in ports:
-            sock = sockets.enter_context(socket.socket(_family(host), socket.SOCK_STREAM))
+            sock = sockets.enter_context(socket.socket(family, socket.SOCK_STREAM))
             try:
                 sock.bind((host, port))
             except OSError:
