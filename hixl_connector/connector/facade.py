@@ -80,11 +80,11 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         vllm_interface.check_this_vllm(kv_cache_config)
-        check_movable(kv_cache_config)
+        config = HixlConfig.from_vllm_config(vllm_config)
+        check_movable(kv_cache_config, config.pushes)
         super().__init__(vllm_config, role, kv_cache_config)
         # Blocks of failed receives, for vLLM that takes them as load errors (get_finished).
         self._failed_receive_blocks: set[int] = set()
-        config = HixlConfig.from_vllm_config(vllm_config)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self._scheduler: HixlScheduler | None = None
         self._worker: HixlWorker | None = None

@@ -43,6 +43,14 @@ class RecvSpec:
     lease_slot: int = 0
     lease_word: int = 0
     synchronous: bool = False
+    # A hybrid state model's state slots (state_groups): (group, P's block, local block)
+    # each; apart from the token blocks above, since a state moves by its own bytes.
+    state_block_ids: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def every_local_block(self) -> tuple[int, ...]:
+        """The request's local blocks the read fills, state slots included."""
+        return self.local_block_ids + tuple(local for _, _, local in self.state_block_ids)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ HixlConnector validates the rest:
 - ``test_corrupt_received_kv``: D overwrites what it received with noise before vLLM uses
   it, which must change the output. ``true`` corrupts every layer; a string, only the layers
   whose names start with it (a speculative draft's, say).
+- ``test_state_control``: a hybrid state model's state alone. ``"corrupt"``: D overwrites
+  the state slots it received with noise; ``"skip"``: D never reads them (its slots keep
+  whatever they held). Either must change the output: the state carried the prompt.
 - ``test_log_kv_digests``: the bytes themselves, compared across processes. P logs a digest
   of each request's prompt blocks as its forward left them (every TP rank its own), and D a
   digest of the blocks it received, before vLLM uses them, under P's request id
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from hixl_connector.connector.facade import HixlConnector
@@ -30,7 +34,9 @@ from hixl_connector.connector.worker.receiver import Receiver
 
 CORRUPT = "test_corrupt_received_kv"
 DIGESTS = "test_log_kv_digests"
-CONTROLS = (CORRUPT, DIGESTS)
+STATE = "test_state_control"
+STATE_CONTROLS = ("corrupt", "skip")
+CONTROLS = (CORRUPT, DIGESTS, STATE)
 MODULE = "hixl_test_connector"
 # P: "<side> <request> <rank> <blocks> <sha256>"; side is "prefill" or "decode".
 DIGEST_LOG = "hixl-test kv digest: %s %s %d %d %s"
@@ -63,7 +69,13 @@ class CheckingReceiver:
     # The registered layers (in registration order) to corrupt: all if None, none if ().
     corrupted_layers: tuple[int, ...] | None = ()
     log_digests = False
+    state_control = ""  # one of STATE_CONTROLS, or nothing
     _rank: DecodeRank
+
+    def start(self, spec: RecvSpec, queued_at: float) -> bool:
+        if self.state_control == "skip":
+            spec = replace(spec, state_block_ids=())
+        return super().start(spec, queued_at)  # type: ignore[misc]
 
     def _received(
         self, spec: RecvSpec | PushRecvSpec, nbytes: int, pull_s: float, ready_s: float
@@ -87,6 +99,13 @@ class CheckingReceiver:
             if chosen is None or i // per_layer in chosen:
                 noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
                 view[index] = noise.to(view.dtype)
+        state = self._rank.layout.state
+        if self.state_control == "corrupt" and isinstance(spec, RecvSpec) and state is not None:
+            slots = torch.tensor([local for _, _, local in spec.state_block_ids], dtype=torch.long)
+            for view in state.views:
+                # bf16 noise: valid values in bf16 parts and in the high halves of fp32 ones.
+                noise = torch.randn(view[slots].numel() // 2, dtype=torch.float32) * 5
+                view[slots] = noise.to(torch.bfloat16).view(torch.uint8).view(view[slots].shape)
         super()._received(spec, nbytes, pull_s, ready_s)  # type: ignore[misc]
 
 
@@ -103,7 +122,9 @@ class HixlTestConnector(HixlConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         controls = {key: extra.pop(key, False) for key in CONTROLS}
-        corrupt, digests = controls[CORRUPT], controls[DIGESTS]
+        corrupt, digests, state = controls[CORRUPT], controls[DIGESTS], controls[STATE]
+        if state is not False and state not in STATE_CONTROLS:
+            raise ValueError(f"{STATE} must be one of {STATE_CONTROLS}, got {state!r}")
         if not isinstance(corrupt, (bool, str)) or corrupt == "":
             raise ValueError(f"{CORRUPT} must be a bool or a layer-name prefix, got {corrupt!r}")
         if not isinstance(digests, bool):
@@ -117,7 +138,11 @@ class HixlTestConnector(HixlConnector):
         # Scheduler (P): prompt blocks of requests finished since the last step's metadata.
         self._finished_blocks: dict[str, list[int]] = {}
         if self._worker is not None:
-            checks = {"corrupted_layers": None if corrupt is True else (), "log_digests": digests}
+            checks = {
+                "corrupted_layers": None if corrupt is True else (),
+                "log_digests": digests,
+                "state_control": state or "",
+            }
             self._worker.receiver_cls = type("TestReceiver", (CheckingReceiver, Receiver), checks)
             self._worker.push_receiver_cls = type(
                 "TestPushReceiver", (CheckingReceiver, PushReceiver), checks

@@ -37,7 +37,7 @@ def test_tcp_connections_follow_the_transfer_threads(extra: dict, connections: i
     assert HixlConfig.from_dict(extra, "engine-a").tcp_connections == connections
 
 
-@pytest.mark.parametrize("key", ["test_corrupt_received_kv"])
+@pytest.mark.parametrize("key", ["test_corrupt_received_kv", "test_state_control"])
 def test_the_tests_controls_are_no_user_keys(key: str) -> None:
     with pytest.raises(ValueError, match=f"unknown kv_connector_extra_config key '{key}'"):
         HixlConfig.from_dict({key: 1}, "e")

@@ -237,7 +237,7 @@ def test_prefill_with_fewer_blocks_than_needed_is_refused(tiny_model_dir: Path) 
     scheduler = make_scheduler(tiny_model_dir, "kv_consumer")
     scheduler.add_request(make_request("d8", prompt(40), params=prefill_params(2)))
     (spec,) = metadata(step(scheduler)[0]).to_recv
-    assert "computed 32 tokens, this prompt has 40" in spec.error
+    assert "computed 32 tokens, this prompt needs 40" in spec.error
     assert spec.remote == PREFILL and spec.remote_block_ids == ()  # worker still releases P
     params = prefill_params(2, remote_num_tokens=None)  # no token count: the block list decides
     scheduler.add_request(make_request("d9", prompt(40, 3), params=params))

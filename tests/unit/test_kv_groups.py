@@ -99,14 +99,18 @@ def test_lookahead_slots_of_a_speculative_decoder_are_not_read() -> None:
     assert blocks_to_fill([unhashed], None, [32], 64) == [((0, 1), (7, 8))]
 
 
-def test_state_that_is_not_attention_kv_is_refused_naming_it() -> None:
-    """vLLM's own spec classes: attention KV of every kind moves; a Mamba state group is
-    refused at start, naming the group, the spec and its layers."""
+def test_attention_kv_and_state_move_and_anything_else_is_refused_naming_it() -> None:
+    """vLLM's own spec classes: attention KV of every kind and a state group (pull mode, no
+    prefix caching of the state) move; a state mixed into an attention group, prefix caching
+    of the state, push mode with state and a spec of another kind are refused at start,
+    naming what to change."""
     import torch
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        KVCacheSpec,
         MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
@@ -119,6 +123,9 @@ def test_state_that_is_not_attention_kv_is_refused_naming_it() -> None:
     )
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    aligned = MambaSpec(
+        block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
 
     def config(*specs: Any) -> KVCacheConfig:
         groups = [
@@ -128,14 +135,26 @@ def test_state_that_is_not_attention_kv_is_refused_naming_it() -> None:
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
     uniform = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full, "b": full})
-    for movable in (config(full), config(full, window), config(mla), config(uniform)):
-        check_movable(movable)
+    movable = (config(full), config(full, window), config(mla), config(uniform))
+    for model in (*movable, config(full, mamba), config(full, mamba, mamba)):
+        check_movable(model)
     check_movable(None)  # no KV-cache config: nothing to refuse
-    with pytest.raises(ValueError, match=r"group 1 .* MambaSpec state \(layers.1.0, .*, \.\.\.\)"):
-        check_movable(config(full, mamba))
     mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full, "m": mamba})
-    with pytest.raises(ValueError, match="group 0 .* MambaSpec"):
+    with pytest.raises(ValueError, match=r"group 0 of this model holds MambaSpec \(layers.0.0, "):
         check_movable(config(mixed))
+    with pytest.raises(ValueError, match="mamba_cache_mode 'align'.*--no-enable-prefix-caching"):
+        check_movable(config(full, aligned))
+    with pytest.raises(ValueError, match="'transfer_mode': 'push' does not move the state"):
+        check_movable(config(full, mamba), pushes=True)
+    check_movable(config(full, window), pushes=True)  # no state: push mode moves it
+    assert issubclass(ChunkedLocalAttentionSpec, KVCacheSpec)
+
+    class Unknown(KVCacheSpec):  # a spec of a kind the connector does not know
+        pass
+
+    unknown = Unknown(block_size=16)
+    with pytest.raises(ValueError, match=r"group 1 of this model holds Unknown \(layers.1.0, "):
+        check_movable(config(full, unknown))
 
 
 def test_a_layer_vllm_did_not_register_with_the_connector_is_refused() -> None:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hixl_connector.connector.kv.state_layout import StateLayout, describe_state
 from hixl_connector.connector.mapping.block_slices import SLICE_ELEMENTS
 
 
@@ -47,6 +48,8 @@ class KVLayout:
     slice_bytes: int = 0
     # Each attention layer's name (vLLM's) and the registered layer that holds its KV.
     layer_index: tuple[tuple[str, int], ...] = ()
+    # A hybrid state model's states, in the same buffers (state_layout); None without.
+    state: StateLayout | None = None
 
     @property
     def num_tensors(self) -> int:
@@ -79,6 +82,7 @@ class KVLayout:
             "num_tensors": self.num_tensors,
             "unit_token_bytes": self.unit_bytes // block_size,
             "part_token_bytes": [b // block_size for b in self.part_block_bytes],
+            **(self.state.compatibility_fields() if self.state is not None else {}),
         }
 
 
@@ -101,6 +105,7 @@ def describe_kv_caches(
     num_blocks: int,
     heads_outermost: int = 0,
     groups_share_buffers: bool = False,
+    state_specs: Mapping[str, tuple[int, Any]] | None = None,
 ) -> KVLayout:
     """Derives the engine's view of vLLM's KV caches; refuses layouts it cannot move.
 
@@ -108,13 +113,18 @@ def describe_kv_caches(
     block out head-major (the block's first dimension); 0 when heads do not split a block.
     ``groups_share_buffers``: several KV-cache groups (the hybrid manager), whose layers
     share buffers; otherwise a buffer named twice is refused.
+    ``state_specs``: a hybrid state model's state layers (state_layout.state_layer_specs),
+    which lie in the attention layers' buffers and are described apart.
     """
+    state_specs = state_specs or {}
     if not kv_caches:
         raise ValueError("register_kv_caches got no KV-cache tensors")
     per_layer: list[list[Any]] = []
     seen: dict[tuple[int, ...], tuple[list[tuple[Any, ...]], int]] = {}
     names: list[tuple[str, int]] = []
     for name, entry in kv_caches.items():
+        if name in state_specs:
+            continue
         layer = _block_major_views(entry, num_blocks)
         starts = tuple(int(view.data_ptr()) for view in layer)
         forms = [(view.dtype, tuple(view.shape)) for view in layer]
@@ -176,6 +186,7 @@ def describe_kv_caches(
         head_major=head_major,
         slice_bytes=SLICE_ELEMENTS * int(first.element_size()) if sliced else 0,
         layer_index=tuple(names),
+        state=describe_state(kv_caches, state_specs, addrs, part_bytes[0]),
     )
 
 

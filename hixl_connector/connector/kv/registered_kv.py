@@ -41,6 +41,8 @@ from hixl_connector.datadist import (
 BLOCKS_MODEL_ID = 0
 # The same memory registered again in slices (block_slices), for peers of another block size.
 SLICES_MODEL_ID = 1024
+# A hybrid state model's state pages, registered again in units of whole states (state_layout).
+STATE_MODEL_ID = 1536
 # P's lease words, and the scratch words D reads them into (leases.guarded_read).
 LEASE_WORDS_MODEL_ID = 2048
 SCRATCH_WORDS_MODEL_ID = 2049
@@ -86,6 +88,7 @@ class RegisteredKV:
     lease_word_memory: WordMemory | None = None  # ... and the words themselves
     push_words: RegisteredCache | None = None  # D, push mode: where P's last writes land
     push_word_memory: WordMemory | None = None  # ... and the words themselves
+    state: RegisteredCache | None = None  # the state pages in units, where a model has state
 
     def guarded_reads(self) -> GuardedReads[BlocksPull]:
         """This decode engine's guarded reads (leases.guarded_read): its scratch rows, each
@@ -110,6 +113,22 @@ class RegisteredKV:
         if sliced and self.slices is None:
             raise ValueError("this engine registered no slices of its KV caches")
         targets = (self.slices,) if sliced and self.slices is not None else self.caches
+        return self._pulls(targets, reads)
+
+    def state_pulls(
+        self, reads: Sequence[tuple[int, Sequence[int], Sequence[int]]]
+    ) -> list[BlocksPull]:
+        """This engine's pulls of the state units of ``reads`` (state_layout), as
+        ``block_pulls`` does for blocks."""
+        if self.state is None:
+            raise ValueError("this engine registered no state: its model has none")
+        return self._pulls((self.state,), reads)
+
+    def _pulls(
+        self,
+        targets: Sequence[RegisteredCache],
+        reads: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+    ) -> list[BlocksPull]:
         blocks = []
         for remote_cluster_id, src, dst in reads:
             chunks = (
@@ -191,6 +210,7 @@ class RegisteredKV:
                 ("lease words", self.lease_words),
                 ("scratch rows", self.scratch),
                 ("push words", self.push_words),
+                ("state", self.state),
             )
             if cache is not None
         ]
@@ -314,6 +334,12 @@ def register_kv(
             )
             for p in kv_parts
         )
+        state = None
+        if layout.state is not None:
+            regions = layout.state.regions
+            units = layout.num_blocks * layout.state.page_units
+            registration = Registration(STATE_MODEL_ID, regions, layout.state.unit_bytes, 1, units)
+            state = _register(api, datadist, cluster_id, registration, placement)
         slices = None
         if layout.slice_bytes:
             registration = Registration(
@@ -357,6 +383,7 @@ def register_kv(
         lease_word_memory,
         push_words,
         push_word_memory,
+        state,
     )
 
 

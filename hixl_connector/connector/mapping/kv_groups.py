@@ -8,7 +8,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
-from hixl_connector.connector.mapping.blocks import blocks_for_tokens, remote_at_positions
+from hixl_connector.connector.mapping.blocks import (
+    NULL_BLOCK_ID,
+    blocks_for_tokens,
+    remote_at_positions,
+)
+from hixl_connector.connector.mapping.state_groups import (
+    NO_STATE,
+    NO_STATE_CACHE,
+    StateGroups,
+    is_state_spec,
+    state_groups,
+    state_slot,
+)
 from hixl_connector.connector.transfer_params import RemotePrefill
 
 # (positions, block ids) of one group's blocks to fill; a position is the block's index
@@ -47,23 +59,42 @@ def blocks_left_behind(num_prompt_tokens: int, window: int, block_size: int) -> 
     return max(0, num_prompt_tokens - window) // block_size
 
 
-def check_movable(kv_cache_config: Any) -> None:
-    """Refuses, at start, a model with KV-cache state the connector cannot move: it reads
-    attention KV (full, sliding-window, MLA), blocks of tokens; a per-request state such as
-    Mamba's cannot be read block by block, and must not be silently left behind."""
+def check_movable(kv_cache_config: Any, pushes: bool = False) -> None:
+    """Refuses, at start, a model with KV-cache groups the connector cannot move, naming the
+    setting to change: it reads attention KV (full, sliding-window, MLA) block by block, and
+    the state of a hybrid state model (state_groups) by its slot, in pull mode and without
+    prefix caching of the state."""
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = group.kv_cache_spec
         for layer_spec in list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]:
-            if not any(cls.__name__ == "AttentionSpec" for cls in type(layer_spec).__mro__):
-                layers = ", ".join(group.layer_names[:3]) + (
-                    ", ..." if len(group.layer_names) > 3 else ""
-                )
-                raise ValueError(
-                    f"hixl_connector moves attention KV only; KV-cache group {index} of this "
-                    f"model holds {type(layer_spec).__name__} state ({layers}), which is not "
-                    "kept in blocks of tokens and cannot be pulled. Serve this model without "
-                    "P/D disaggregation"
-                )
+            # A state layer moves by its slot, so only in a group of state layers.
+            if is_state_spec(layer_spec) == is_state_spec(spec) and (
+                is_state_spec(spec)
+                or any(cls.__name__ == "AttentionSpec" for cls in type(layer_spec).__mro__)
+            ):
+                continue
+            layers = ", ".join(group.layer_names[:3]) + (
+                ", ..." if len(group.layer_names) > 3 else ""
+            )
+            raise ValueError(
+                f"hixl_connector moves attention KV and Mamba-style state; KV-cache group "
+                f"{index} of this model holds {type(layer_spec).__name__} ({layers}), which "
+                "it cannot move. Serve this model without P/D disaggregation"
+            )
+    states = state_groups(kv_cache_config)
+    if not states:
+        return
+    if states.cache_mode != NO_STATE_CACHE:
+        raise ValueError(
+            f"this hybrid state model runs with mamba_cache_mode {states.cache_mode!r} (prefix "
+            "caching of its state), which hixl_connector does not read yet: start vLLM with "
+            "--no-enable-prefix-caching (mamba_cache_mode 'none')"
+        )
+    if pushes:
+        raise ValueError(
+            "kv_connector_extra_config 'transfer_mode': 'push' does not move the state of a "
+            "hybrid state model yet: use 'transfer_mode': 'pull' for this model"
+        )
 
 
 def check_every_layer_registered(kv_cache_config: Any, registered: Iterable[str]) -> None:
@@ -99,38 +130,51 @@ def blocks_to_fill(
     groups: Sequence[Sequence[Any]],
     local_hit: int | None,
     block_sizes: Sequence[int],
-    prompt_tokens: int,
+    num_tokens: int,
+    states: StateGroups = NO_STATE,
 ) -> list[Unfilled]:
-    """Each group's blocks of a request that its read fills: only blocks that hold prompt
-    tokens, never the slots vLLM adds past the prompt (a speculative decoder's lookahead
-    tokens, allocated with a synchronous load). An asynchronous load (``local_hit`` None)
-    fills the blocks vLLM has not cached; vLLM caches a synchronous load's blocks at once, so
-    one (of a single group) fills those past the ``local_hit`` tokens of the local prefix
-    cache."""
+    """Each group's blocks of a request that its read of ``num_tokens`` prompt tokens
+    (state_groups.tokens_to_load) fills: only blocks that hold those tokens, never the slots
+    vLLM adds past them (a speculative decoder's lookahead tokens, allocated with a
+    synchronous load); of a state group, the slot of its state alone. An asynchronous load
+    (``local_hit`` None) fills the blocks vLLM has not cached; vLLM caches a synchronous
+    load's blocks at once, so one (of a single group) fills those past the ``local_hit``
+    tokens of the local prefix cache."""
     if local_hit is None:
         return [
-            _uncached(group[: blocks_for_tokens(prompt_tokens, size)])
-            for group, size in zip(groups, block_sizes, strict=True)
+            _state_slot(group, num_tokens, size, states)
+            if index in states
+            else _uncached(group[: blocks_for_tokens(num_tokens, size)])
+            for index, (group, size) in enumerate(zip(groups, block_sizes, strict=True))
         ]
     (group,) = groups
     size = block_sizes[0]
-    end = min(len(group), blocks_for_tokens(prompt_tokens, size))
+    end = min(len(group), blocks_for_tokens(num_tokens, size))
     positions = tuple(range(local_hit // size, end))
     return [(positions, tuple(group[p].block_id for p in positions))]
 
 
 def remote_blocks_to_read(
     prefill: RemotePrefill,
-    prompt_tokens: int,
+    num_tokens: int,
     unfilled: Sequence[Unfilled],
     block_sizes: tuple[int, ...],
-) -> tuple[tuple[int, ...], int]:
-    """(P's block ids to read, P blocks per local block) for the ``unfilled`` blocks of each
-    group; raises ValueError when P's params cannot fill them."""
-    if prefill.num_tokens is not None and prefill.num_tokens < prompt_tokens:
+    states: StateGroups = NO_STATE,
+) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(P's block ids to read, per group, and P blocks per local block) for the
+    ``unfilled`` blocks of each group, a read of ``num_tokens`` prompt tokens; raises
+    ValueError when P's params cannot fill them."""
+    if prefill.num_tokens is not None and prefill.num_tokens < num_tokens:
         raise ValueError(
-            f"the prefill side computed {prefill.num_tokens} tokens, this prompt has "
-            f"{prompt_tokens}: not the same prompt"
+            f"the prefill side computed {prefill.num_tokens} tokens, this prompt needs "
+            f"{num_tokens}: not the same prompt"
+        )
+    if states and prefill.num_tokens is not None and prefill.num_tokens != num_tokens:
+        # A state holds every token P computed: it must be the state D continues from.
+        raise ValueError(
+            f"the prefill side computed the state after {prefill.num_tokens} tokens, this "
+            f"decode side continues from the state after {num_tokens}: not the same prompt, "
+            "or a prefill side that does not stop before the prompt's last token"
         )
     if len(prefill.block_ids) != len(unfilled):
         raise ValueError(
@@ -141,20 +185,42 @@ def remote_blocks_to_read(
     # P's block size is checked again at the handshake, against what P registered.
     p_sizes = prefill.block_sizes or block_sizes
     ratio = blocks_per_block(p_sizes, block_sizes)
-    prompt_blocks = blocks_for_tokens(prompt_tokens, p_sizes[0])
+    prompt_blocks = blocks_for_tokens(num_tokens, p_sizes[0])
     if ratio > 1 and len(prefill.block_ids[0]) < prompt_blocks:
         raise ValueError(
             f"the prefill side offers {len(prefill.block_ids[0])} blocks of "
-            f"{p_sizes[0]} tokens for a {prompt_tokens}-token prompt"
+            f"{p_sizes[0]} tokens for a {num_tokens}-token prompt"
         )
     # Every group is moved with its own block ids; one pull takes them all, since a block
     # id names the same bytes in every registered tensor.
-    remote = tuple(
-        block
-        for (positions, _), offered in zip(unfilled, prefill.block_ids, strict=True)
-        for block in remote_at_positions(offered, positions, ratio)
-    )
-    return remote, ratio
+    return tuple(
+        _remote_state(offered, positions)
+        if index in states
+        else remote_at_positions(offered, positions, ratio)
+        for index, ((positions, _), offered) in enumerate(
+            zip(unfilled, prefill.block_ids, strict=True)
+        )
+    ), ratio
+
+
+def _remote_state(offered: Sequence[int], positions: Sequence[int]) -> tuple[int, ...]:
+    """P's state slot for D's (P offers its state's slot alone)."""
+    if not positions:
+        return ()
+    if len(offered) != 1 or offered[0] == NULL_BLOCK_ID:
+        raise ValueError(
+            f"the prefill side offers state blocks {list(offered)}; one state slot expected"
+        )
+    return (offered[0],)
+
+
+def _state_slot(group: Sequence[Any], num_tokens: int, size: int, states: StateGroups) -> Unfilled:
+    """A state group's slot that holds the state after ``num_tokens`` tokens (none when
+    nothing is loaded)."""
+    if num_tokens == 0:
+        return (), ()
+    position = state_slot(len(group), num_tokens, size, states)
+    return (position,), (group[position].block_id,)
 
 
 def _uncached(group: Sequence[Any]) -> Unfilled:

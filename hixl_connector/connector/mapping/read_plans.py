@@ -41,6 +41,11 @@ class ReadPlans:
         self._plans: dict[int, RankPlan] = {}  # P's tp_size -> this rank's reads
         self._runs: dict[int, tuple[SliceRun, ...]] = {}  # P's block size -> slice runs
 
+    @property
+    def tp_size(self) -> int:
+        """This engine's TP size."""
+        return self._tp_size
+
     def rank_plan(self, p_tp: int) -> RankPlan:
         """Which P ranks this rank reads (and which heads), for a P engine of TP ``p_tp``;
         raises TPMismatch when the sizes cannot be mapped."""

@@ -25,6 +25,7 @@ from hixl_connector.connector.mapping.kv_groups import (
     blocks_to_fill,
     remote_blocks_to_read,
 )
+from hixl_connector.connector.mapping.state_groups import NO_STATE, StateGroups, tokens_to_load
 from hixl_connector.connector.metadata import PushRecvSpec, RecvSpec, ReleaseSpec, WaitingRead
 from hixl_connector.connector.scheduler.misconfig import Misconfigurations
 from hixl_connector.connector.scheduler.sync_loads import SyncLoads
@@ -74,9 +75,12 @@ class DecodeSide:
         group_block_sizes: Sequence[int],
         misconfigured: Misconfigurations,
         push: bool = False,
+        states: StateGroups = NO_STATE,
     ) -> None:
         self.loads = loads  # which reads go in the step that computes the first token
         self._group_block_sizes = tuple(group_block_sizes)
+        # A hybrid state model's state groups: D loads all but the prompt's last token.
+        self._states = states
         self._misconfigured = misconfigured
         self._push = push
         # Requests whose RecvSpec went out and whose KV has not been reported yet.
@@ -112,6 +116,11 @@ class DecodeSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        if self._states:
+            # The state after all but the last token, read asynchronously (a read in the
+            # step reads one group); this step's forward computes the last token.
+            count = tokens_to_load(request.num_prompt_tokens, True) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         count = request.num_prompt_tokens - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -133,8 +142,9 @@ class DecodeSide:
         request_id = request.request_id
         local_hit = self.loads.allocated(request_id)
         synchronous = local_hit is not None
+        tokens = tokens_to_load(request.num_prompt_tokens, bool(self._states))
         unfilled = blocks_to_fill(
-            blocks.blocks, local_hit, self._group_block_sizes, request.num_prompt_tokens
+            blocks.blocks, local_hit, self._group_block_sizes, tokens, self._states
         )
         asked = self._ask(request_id, params)
         if asked.pushed:
@@ -156,7 +166,7 @@ class DecodeSide:
             return
         try:
             remote, ratio = remote_blocks_to_read(
-                prefill, request.num_prompt_tokens, unfilled, self._group_block_sizes
+                prefill, tokens, unfilled, self._group_block_sizes, self._states
             )
         except ValueError as exc:
             self._fail_later(
@@ -173,8 +183,23 @@ class DecodeSide:
                 remote_request_id=prefill.remote_request_id,
                 lease_id=prefill.lease_id,
                 remote=prefill.remote,
-                local_block_ids=local,
-                remote_block_ids=remote,
+                local_block_ids=tuple(
+                    block
+                    for index, (_, group) in enumerate(unfilled)
+                    if index not in self._states
+                    for block in group
+                ),
+                remote_block_ids=tuple(
+                    block
+                    for index, group in enumerate(remote)
+                    if index not in self._states
+                    for block in group
+                ),
+                state_block_ids=tuple(
+                    (index, p_block, d_block)
+                    for index in self._states.indices
+                    for p_block, d_block in zip(remote[index], unfilled[index][1], strict=True)
+                ),
                 blocks_per_block=ratio,
                 lease_slot=prefill.lease_slot,
                 lease_word=lease_word(

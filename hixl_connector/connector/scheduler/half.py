@@ -18,6 +18,7 @@ from hixl_connector.connector.mapping.kv_groups import (
     group_windows,
     one_group_block_bytes,
 )
+from hixl_connector.connector.mapping.state_groups import state_groups
 from hixl_connector.connector.metadata import HixlConnectorMetadata
 from hixl_connector.connector.scheduler.decode_side import DecodeSide, DecodeStep
 from hixl_connector.connector.scheduler.misconfig import Misconfigurations
@@ -54,6 +55,7 @@ class HixlScheduler:
         tp_size = parallel.tensor_parallel_size
         self._group_block_sizes = group_block_sizes(vllm_config, kv_cache_config)
         push = config.pushes
+        states = state_groups(kv_cache_config)
         self.misconfigured = Misconfigurations()
         self.decode: DecodeSide | None = None
         self.prefill: PrefillSide | None = None
@@ -64,7 +66,9 @@ class HixlScheduler:
                 self._group_block_sizes[0],
                 tp_size,
             )
-            self.decode = DecodeSide(loads, self._group_block_sizes, self.misconfigured, push)
+            self.decode = DecodeSide(
+                loads, self._group_block_sizes, self.misconfigured, push, states
+            )
         if kv_transfer_config.is_kv_producer:
             dp_rank = parallel.data_parallel_index
             # As many lease slots as P's workers allocated lease words: one per block.
@@ -79,6 +83,7 @@ class HixlScheduler:
                 self._group_block_sizes,
                 num_blocks,
                 group_windows(kv_cache_config),
+                states,
             )
 
     def on_new_request(self, request: Request) -> None:

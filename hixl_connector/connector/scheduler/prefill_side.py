@@ -17,6 +17,12 @@ from hixl_connector.connector.endpoints import RemoteEndpoint, rank_address
 from hixl_connector.connector.leases.guarded_read import lease_word
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID, blocks_for_tokens
 from hixl_connector.connector.mapping.kv_groups import blocks_left_behind
+from hixl_connector.connector.mapping.state_groups import (
+    NO_STATE,
+    StateGroups,
+    state_slot,
+    tokens_to_load,
+)
 from hixl_connector.connector.metadata import PromptBlocks, SendSpec, WordSpec
 from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
 from hixl_connector.connector.scheduler.block_tables import BlockTable, BlockTables, resumed_ids
@@ -55,8 +61,11 @@ class PrefillSide:
         group_block_sizes: Sequence[int],
         num_blocks: int,
         group_windows: Sequence[int] = (),
+        states: StateGroups = NO_STATE,
     ) -> None:
         self._group_block_sizes = tuple(group_block_sizes)
+        # A hybrid state model's state groups: P stops before the prompt's last token.
+        self._states = states
         self._group_windows = tuple(group_windows) or (0,) * len(self._group_block_sizes)
         self._mode = config.transfer_mode
         self._push = config.pushes
@@ -93,6 +102,8 @@ class PrefillSide:
 
     def follow(self, request: Request) -> None:
         """A request to prefill for a remote decode (``do_remote_decode``)."""
+        if self._states:
+            _stop_before_last_token(request)
         self._prompt_lengths[request.request_id] = request.num_prompt_tokens
         self._tables.follow(request.request_id)
 
@@ -240,10 +251,14 @@ class PrefillSide:
     ) -> tuple[tuple[int, ...], ...]:
         """Each group's blocks that hold the prompt. D needs the prompt's KV only; blocks past
         it hold P's generated tokens (when the router asked P for more than one) and must not
-        be offered."""
+        be offered. A state group offers the slot of its state after the prompt alone."""
         return tuple(
-            tuple(group[: blocks_for_tokens(num_prompt_tokens, block_size)])
-            for group, block_size in zip(block_ids, self._group_block_sizes, strict=True)
+            (group[state_slot(len(group), num_prompt_tokens, block_size, self._states)],)
+            if index in self._states
+            else tuple(group[: blocks_for_tokens(num_prompt_tokens, block_size)])
+            for index, (group, block_size) in enumerate(
+                zip(block_ids, self._group_block_sizes, strict=True)
+            )
         )
 
     def finished_sending(self, request_id: str) -> None:
@@ -270,6 +285,33 @@ class PrefillSide:
         lease_id = self._next_lease_id
         self._next_lease_id = (lease_id + 1) % LEASE_ID_MODULUS
         return lease_id
+
+
+# Set in a truncated request's params, so that a preempted request is truncated once.
+TRUNCATED = "_p_side_truncated"
+
+
+def _stop_before_last_token(request: Request) -> None:
+    """A state model's prompt, truncated to what P computes for D (state_groups.tokens_to_load),
+    and P asked for one token, as NixlConnector does (its flag is this one). Left whole: a
+    one-token prompt, a request truncated before (preempted), and one that skips reading the
+    prefix cache (prompt logprobs), which D computes whole."""
+    params = request.kv_transfer_params
+    keep = tokens_to_load(request.num_prompt_tokens, True)
+    skips_cache = getattr(request, "get_skip_reading_prefix_cache", lambda: False)()
+    if params is None or params.get(TRUNCATED) or keep < 1 or skips_cache:
+        return
+    dropped = request.num_prompt_tokens - keep
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-dropped:]
+    elif request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:-dropped]
+    else:
+        return
+    del request._all_token_ids[-dropped:]
+    request.num_prompt_tokens = keep
+    request.max_tokens = 1
+    params[TRUNCATED] = True
 
 
 def _still_held(published: BlockTable, held: BlockTable) -> bool:

@@ -25,6 +25,7 @@ from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.endpoints import rank_address
 from hixl_connector.connector.kv.layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.kv.registered_kv import RegisteredKV, register_kv
+from hixl_connector.connector.kv.state_layout import state_layer_specs
 from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.link_reports import LinkReport, LinkReporter
 from hixl_connector.connector.mapping.block_slices import SliceRun
@@ -108,6 +109,7 @@ class HixlWorker:
             num_blocks,
             int(heads) if head_major else 0,
             groups_share_buffers=len(describe_groups(self._kv_cache_config)) > 1,
+            state_specs=state_layer_specs(self._kv_cache_config),
         )
         incarnation = None
         if self._is_producer:  # where P's scheduler writes its start nonce

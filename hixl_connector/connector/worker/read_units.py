@@ -8,6 +8,7 @@ land straight in their slots here.
 from __future__ import annotations
 
 from hixl_connector.connector.kv.layout import KVLayout
+from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.mapping.block_slices import blocks_per_block, slice_ids
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
 from hixl_connector.connector.mapping.tp_mapping import HeadRead, unit_ids
@@ -43,10 +44,35 @@ def peer_units(
     return peer.cluster_id, src, dst
 
 
+def state_reads(
+    peers: dict[int, Peer], spec: RecvSpec, tp: tuple[int, int], state: StateLayout | None
+) -> list[Read]:
+    """The request's state slots (state_layout): the state's units of each, from the P rank
+    of this rank's index. A state is read between equal TP sizes only (a rank's state is its
+    heads' and its slice of every conv sub-projection)."""
+    if not spec.state_block_ids:
+        return []
+    rank, size = tp
+    if state is None:
+        raise UnreadableRequest(
+            f"request {spec.remote_request_id} names state slots, and this engine's model "
+            "has no state"
+        )
+    if spec.remote.tp_size != size:
+        raise UnreadableRequest(
+            f"prefill engine {spec.remote.engine_id} runs tp_size {spec.remote.tp_size}, this "
+            f"engine {size}: a hybrid state model's state is read between equal TP sizes only"
+        )
+    src = [u for group, block, _ in spec.state_block_ids for u in state.units(group, block)]
+    dst = [u for group, _, block in spec.state_block_ids for u in state.units(group, block)]
+    return [(peers[rank].cluster_id, src, dst)]
+
+
 def check_block_ids(readers: list[Peer], spec: RecvSpec) -> None:
     """Block ids beyond a P rank's cache are refused before anything is read (the words
     would refuse them too, but only after the read failed on them)."""
-    highest = max(spec.remote_block_ids, default=-1)
+    states = [block for _, block, _ in spec.state_block_ids]
+    highest = max((*spec.remote_block_ids, *states), default=-1)
     for peer in readers:
         if highest >= peer.payload.num_blocks:
             raise LeaseError(

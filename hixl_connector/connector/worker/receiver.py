@@ -53,6 +53,7 @@ from hixl_connector.connector.worker.read_units import (
     check_block_ids,
     check_block_sizes,
     peer_units,
+    state_reads,
 )
 
 logger = logging.getLogger(__name__)
@@ -258,8 +259,11 @@ class Receiver:
                 peer_units(peers[read.p_rank], read, spec, self._rank.layout, self._rank.plans)
                 for read in plan.reads
             ]
+            tp = (self._rank.tp_rank, self._rank.plans.tp_size)
+            states = state_reads(peers, spec, tp, self._rank.layout.state)
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
             blocks = self._rank.kv.block_pulls(reads, spec.blocks_per_block > 1)
+            blocks += self._rank.kv.state_pulls(states) if states else []
             pull = self._guarded.batch(words, blocks, row)
             handle, started = self._submit(spec, pull)
         except Exception as e:
@@ -270,6 +274,9 @@ class Receiver:
         layout = self._rank.layout
         unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
         nbytes = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
+        if layout.state is not None:
+            state_units = sum(len(src) for _, src, _ in states)
+            nbytes += state_units * layout.state.unit_bytes * len(layout.state.regions)
         flight = _InFlight(spec, peers, readers, pull, handle, nbytes, queued_at, started)
         with self._lock:
             self._in_flight.append(flight)
@@ -330,11 +337,11 @@ class Receiver:
 
     def _received(self, spec: RecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` are in place, vouched for by P: reports them."""
-        self._rank.outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
+        self._rank.outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.every_local_block))
         if spec.synchronous:
             self._rank.outcomes.record("sync_loads")
         else:
-            self._rank.outcomes.finish(spec.request_id, True, spec.local_block_ids)
+            self._rank.outcomes.finish(spec.request_id, True, spec.every_local_block)
         self._lease_client.notify("done", self._release(spec))
 
     def _fail(self, spec: RecvSpec, peers: dict[int, Peer], error: Exception) -> None:
@@ -359,9 +366,9 @@ class Receiver:
         """Tells vLLM: a failed receive, or for a synchronous read its blocks (vLLM's
         kv_load_failure_policy decides either way)."""
         if spec.synchronous:
-            self._rank.outcomes.invalidate(spec.local_block_ids)
+            self._rank.outcomes.invalidate(spec.every_local_block)
         else:
-            self._rank.outcomes.finish(spec.request_id, False, spec.local_block_ids)
+            self._rank.outcomes.finish(spec.request_id, False, spec.every_local_block)
 
     @staticmethod
     def _release(spec: RecvSpec) -> ReleaseSpec:

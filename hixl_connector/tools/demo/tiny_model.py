@@ -54,7 +54,9 @@ _SEED_CORPUS = 1234
 _SEED_WEIGHTS = 0
 _INIT_STD = 0.2
 # llama-kv4: the llama with 4 KV heads instead of 2, an incompatible peer for the handshake.
-ARCHITECTURES = ("llama", "gemma3", "llama-kv4", "llama-wide", "deepseek-v2")
+ARCHITECTURES = ("llama", "gemma3", "llama-kv4", "llama-wide", "deepseek-v2", "nemotron-h")
+# Nemotron-H's layers: Mamba2 state, attention, MLPs.
+NEMOTRON_H_LAYERS = ("mamba", "attention", "mlp", "mamba", "mlp")
 WIDE_LAYERS = 8
 WIDE_MAX_POSITIONS = 16384
 _WIDE_INIT_STD = 0.05
@@ -118,8 +120,11 @@ def _shared_config(tokenizer: Any) -> dict[str, Any]:
     )
 
 
-def _save_random(model_class: Any, config: Any, out_dir: Path, std: float, std_1d: float) -> None:
-    """Draws every matrix from N(0, std), and every vector from N(0, std_1d) unless 0."""
+def _save_random(
+    model_class: Any, config: Any, out_dir: Path, std: float, std_1d: float, bf16: bool = False
+) -> None:
+    """Draws every matrix from N(0, std), and every vector from N(0, std_1d) unless 0; with
+    ``bf16``, saved in bfloat16 (what vLLM's CPU state kernels run in)."""
     import torch
 
     torch.manual_seed(_SEED_WEIGHTS)
@@ -130,6 +135,9 @@ def _save_random(model_class: Any, config: Any, out_dir: Path, std: float, std_1
                 param.normal_(0.0, std)
             elif std_1d:
                 param.normal_(0.0, std_1d)
+    if bf16:
+        model = model.to(torch.bfloat16)
+        model.config.torch_dtype = model.config.dtype = "bfloat16"
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
 
@@ -165,6 +173,24 @@ def _build_deepseek_v2(out_dir: Path, tokenizer: Any) -> None:
         moe_intermediate_size=64,
     )
     _save_random(DeepseekV2ForCausalLM, config, out_dir, _INIT_STD, 0.0)
+
+
+def _build_nemotron_h(out_dir: Path, tokenizer: Any) -> None:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        **{**_shared_config(tokenizer), "torch_dtype": "bfloat16"},
+        layers_block_type=list(NEMOTRON_H_LAYERS),
+        head_dim=32,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=64,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=128,
+        mlp_hidden_act="relu2",
+    )
+    _save_random(NemotronHForCausalLM, config, out_dir, _INIT_STD, 0.0, bf16=True)
 
 
 def _build_model(out_dir: Path, tokenizer: Any, kv_heads: int = 2) -> None:
@@ -230,6 +256,8 @@ def build_tiny_model(model_dir: str | os.PathLike[str], architecture: str = "lla
             _build_deepseek_v2(staging, tokenizer)
         elif architecture == "llama-wide":
             _build_wide(staging, tokenizer)
+        elif architecture == "nemotron-h":
+            _build_nemotron_h(staging, tokenizer)
         else:
             _build_model(staging, tokenizer, kv_heads=4 if architecture == "llama-kv4" else 2)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())

@@ -1,0 +1,210 @@
+"""state_groups and the reads of a hybrid state model's state: the N-1 counts, the state slot
+(no prefix caching, align, scratch slots), the state's bytes and units, and what D's scheduler
+reads of P's state slot."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hixl_connector.connector.endpoints import RemoteEndpoint
+from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
+from hixl_connector.connector.mapping.kv_groups import blocks_to_fill, remote_blocks_to_read
+from hixl_connector.connector.mapping.state_groups import (
+    StateGroups,
+    state_bytes,
+    state_groups,
+    state_slot,
+    state_unit_bytes,
+    state_units,
+    tokens_to_load,
+)
+from hixl_connector.connector.transfer_params import RemotePrefill
+
+NONE = StateGroups((1,), "none", 0)
+
+
+@dataclass(frozen=True)
+class Block:
+    block_id: int
+    block_hash: object = None
+    is_null: bool = False
+
+
+@given(st.integers(0, 10_000), st.booleans())
+def test_a_state_model_loads_all_but_the_last_prompt_token(tokens: int, state: bool) -> None:
+    loaded = tokens_to_load(tokens, state)
+    assert loaded == (max(tokens - 1, 0) if state else tokens)
+    # D computes what is not loaded: for a state model, exactly the last token.
+    assert tokens - loaded == (1 if state and tokens else 0)
+
+
+def test_a_negative_token_count_is_refused() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        tokens_to_load(-1, True)
+
+
+@given(st.integers(1, 4096), st.integers(0, 3), st.integers(1, 4096))
+def test_without_prefix_caching_the_state_is_the_first_slot_before_the_scratch_slots(
+    tokens: int, scratch: int, block_size: int
+) -> None:
+    groups = StateGroups((0,), "none", scratch)
+    assert state_slot(1 + scratch, tokens, block_size, groups) == 0
+    with pytest.raises(ValueError, match="no state slot"):
+        state_slot(scratch, tokens, block_size, groups)  # only scratch slots: none to read
+
+
+@given(st.integers(1, 4096), st.integers(0, 3), st.sampled_from([16, 32, 64, 528]))
+def test_with_aligned_prefix_caching_the_state_is_the_slot_of_the_last_tokens_block(
+    tokens: int, scratch: int, block_size: int
+) -> None:
+    groups = StateGroups((0,), "align", scratch)
+    position = math.ceil(tokens / block_size) - 1
+    row = position + 1 + scratch  # null placeholders, the state, the scratch slots
+    assert state_slot(row, tokens, block_size, groups) == position
+    assert position == (tokens - 1) // block_size
+    with pytest.raises(ValueError, match="no state slot"):
+        state_slot(row - 1, tokens, block_size, groups)  # the state would be a scratch slot
+
+
+def test_no_state_before_a_token_nor_in_an_unknown_cache_mode() -> None:
+    with pytest.raises(ValueError, match="no state after 0 tokens"):
+        state_slot(1, 0, 16, NONE)
+    with pytest.raises(ValueError, match="mamba_cache_mode 'all'"):
+        state_slot(4, 10, 16, StateGroups((0,), "all", 0))
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 64), min_size=1, max_size=3), min_size=1, max_size=2),
+    st.lists(st.sampled_from([1, 2, 4]), min_size=2, max_size=2),
+)
+def test_a_state_layers_bytes_are_its_parts_in_page_order(
+    shapes: list[list[int]], sizes: list[int]
+) -> None:
+    layer = state_bytes(shapes, sizes[: len(shapes)])
+    assert layer.parts == tuple(math.prod(s) * z for s, z in zip(shapes, sizes, strict=False))
+    assert layer.nbytes == sum(layer.parts)
+
+
+def test_state_parts_and_dtypes_must_pair() -> None:
+    with pytest.raises(ValueError, match="state shapes"):
+        state_bytes([(4, 8), (2,)], [2])
+    with pytest.raises(ValueError, match="state shapes"):
+        state_bytes([], [])
+
+
+@given(st.lists(st.integers(1, 1 << 16), min_size=1, max_size=3), st.integers(0, 1 << 12))
+def test_the_state_unit_makes_every_state_and_the_page_whole_and_is_the_largest(
+    states: list[int], padding: int
+) -> None:
+    page = max(states) + padding
+    unit = state_unit_bytes(page, states)
+    assert page % unit == 0 and all(size % unit == 0 for size in states)
+    assert all(page % bigger or any(s % bigger for s in states) for bigger in (unit * 2, unit * 3))
+
+
+def test_a_state_larger_than_its_page_is_refused() -> None:
+    with pytest.raises(ValueError, match="states of"):
+        state_unit_bytes(1024, [1025])
+    with pytest.raises(ValueError, match="states of"):
+        state_unit_bytes(1024, [0])
+
+
+@given(st.integers(0, 1000), st.integers(1, 64), st.data())
+def test_a_blocks_state_units_are_the_leading_units_of_its_page_and_never_its_padding(
+    block: int, page_units: int, data: st.DataObject
+) -> None:
+    count = data.draw(st.integers(1, page_units))
+    units = state_units(block, page_units, count)
+    assert list(units) == list(range(block * page_units, block * page_units + count))
+    # Never another block's page.
+    assert units.start >= block * page_units and units.stop <= (block + 1) * page_units
+
+
+def test_state_units_out_of_the_page_are_refused() -> None:
+    with pytest.raises(ValueError, match="state units"):
+        state_units(0, 4, 5)
+    with pytest.raises(ValueError, match="state units"):
+        state_units(-1, 4, 1)
+
+
+def test_the_state_groups_of_a_kv_cache_config() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    mamba = MambaSpec(
+        block_size=512, shapes=((4, 8),), dtypes=(torch.float32,), num_speculative_blocks=2
+    )
+    groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate((mamba, full, mamba))]
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    found = state_groups(config)
+    assert found == StateGroups((0, 2), "none", 2) and 2 in found and 1 not in found
+    assert not state_groups(None) and not state_groups(KVCacheConfig(8, [], groups[1:2]))
+    aligned = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    mixed = [KVCacheGroupSpec(["a"], mamba), KVCacheGroupSpec(["b"], aligned)]
+    with pytest.raises(ValueError, match="differ in mamba_cache_mode"):
+        state_groups(KVCacheConfig(8, [], mixed))
+
+
+def _row(ids: list[int]) -> list[Block]:
+    return [Block(i, is_null=i == NULL_BLOCK_ID) for i in ids]
+
+
+@given(st.integers(1, 300), st.integers(0, 2))
+def test_d_fills_the_token_blocks_of_n_minus_1_tokens_and_the_state_slot_alone(
+    prompt: int, scratch: int
+) -> None:
+    tokens = tokens_to_load(prompt, True)
+    groups = StateGroups((1,), "none", scratch)
+    attention = _row(list(range(10, 10 + math.ceil(prompt / 16))))
+    state = _row([50 + i for i in range(1 + scratch)])
+    filled = blocks_to_fill([attention, state], None, [16, 4096], tokens, groups)
+    wanted = math.ceil(tokens / 16)
+    assert filled[0] == (tuple(range(wanted)), tuple(range(10, 10 + wanted)))
+    # The state after N-1 tokens, never a scratch slot; nothing at all for a 1-token prompt.
+    assert filled[1] == (((0,), (50,)) if tokens else ((), ()))
+
+
+def test_d_reads_ps_one_state_slot_for_its_own() -> None:
+    endpoint = RemoteEndpoint("p", "127.0.0.1", 1, 1, 0, 1)
+
+    def prefill(num_tokens: int, state: tuple[int, ...]) -> RemotePrefill:
+        return RemotePrefill(endpoint, "r", 7, 0, ((1, 2, 3), state), num_tokens, (16, 4096))
+
+    unfilled = [((0, 1, 2), (20, 21, 22)), ((0,), (60,))]
+    remote, ratio = remote_blocks_to_read(prefill(40, (9,)), 40, unfilled, (16, 4096), NONE)
+    assert remote == ((1, 2, 3), (9,)) and ratio == 1
+    # P's state is after exactly the tokens D continues from: one more or less is refused.
+    for computed, reason in ((39, "this prompt needs 40"), (41, "state after 41 tokens")):
+        with pytest.raises(ValueError, match=reason):
+            remote_blocks_to_read(prefill(computed, (9,)), 40, unfilled, (16, 4096), NONE)
+    for offered in ((), (9, 10), (NULL_BLOCK_ID,)):
+        with pytest.raises(ValueError, match="one state slot expected"):
+            remote_blocks_to_read(prefill(40, offered), 40, unfilled, (16, 4096), NONE)
+    # A model without state reads a longer prefill as before.
+    plain = [((0, 1, 2), (20, 21, 22)), ((0, 1), (60, 61))]
+    remote, _ = remote_blocks_to_read(
+        RemotePrefill(endpoint, "r", 7, 0, ((1, 2, 3), (8, 9)), 41, (16, 16)),
+        40,
+        plain,
+        (16, 16),
+    )
+    assert remote == ((1, 2, 3), (8, 9))
+
+
+def test_a_state_group_is_no_config_of_attention_shape() -> None:
+    """A plain SimpleNamespace spec is no state: only vLLM's MambaSpec (by name) is."""
+    spec = SimpleNamespace(block_size=16)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    assert not state_groups(config)
