@@ -22,6 +22,7 @@ def vllm_config(
     max_num_batched_tokens: int = MAX_MODEL_LEN,
     async_scheduling: bool = False,
     sliding_window: int = 0,
+    state: bool = False,
 ) -> Any:
     """vLLM's config of the tiny model on CPU, ``num_blocks`` blocks of BLOCK_SIZE tokens,
     the HIXL connector in ``kv_role`` configured by ``extra``."""
@@ -43,14 +44,14 @@ def vllm_config(
             seed=0,
             enforce_eager=True,
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=not state),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=MAX_MODEL_LEN,
             is_encoder_decoder=False,
             async_scheduling=async_scheduling,
-            disable_hybrid_kv_cache_manager=not sliding_window,
+            disable_hybrid_kv_cache_manager=not (sliding_window or state),
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HixlConnector",
@@ -74,12 +75,14 @@ def real_scheduler(
     num_blocks: int = 64,
     async_scheduling: bool = False,
     sliding_window: int = 0,
+    state: bool = False,
     **options: Any,
 ) -> Any:
     """vLLM's Scheduler (AsyncScheduler with ``async_scheduling``) over ``num_blocks`` blocks
     of BLOCK_SIZE tokens, ``options`` the rest of ``vllm_config``'s; with ``sliding_window``, a
     hybrid model (layer 0 full attention, layer 1 sliding window, a KV-cache group each)
-    under vLLM's hybrid KV-cache manager."""
+    under vLLM's hybrid KV-cache manager; with ``state``, a hybrid state model (layer 0 full
+    attention, layer 1 a Mamba2 state without prefix caching, one slot per request)."""
     import torch
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -87,6 +90,7 @@ def real_scheduler(
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.structured_output import StructuredOutputManager
@@ -100,6 +104,7 @@ def real_scheduler(
         num_blocks=num_blocks,
         async_scheduling=async_scheduling,
         sliding_window=sliding_window,
+        state=state,
         **options,
     )
     spec = FullAttentionSpec(
@@ -115,6 +120,13 @@ def real_scheduler(
             sliding_window=sliding_window,
         )
         groups = [KVCacheGroupSpec(["layers.0"], spec), KVCacheGroupSpec(["layers.1"], window)]
+    if state:
+        mamba = MambaSpec(
+            block_size=MAX_MODEL_LEN,
+            shapes=((3, 64), (4, 16, 8)),
+            dtypes=(torch.float32, torch.float32),
+        )
+        groups = [KVCacheGroupSpec(["layers.0"], spec), KVCacheGroupSpec(["layers.1"], mamba)]
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
@@ -127,7 +139,8 @@ def real_scheduler(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK_SIZE,
+        # Scheduling steps in whole blocks of every group (vLLM takes their LCM).
+        block_size=MAX_MODEL_LEN if state else BLOCK_SIZE,
         log_stats=True,
     )
 

@@ -63,6 +63,7 @@ def make_scheduler(
     extra: dict[str, Any] | None = None,
     sliding_window: int = 0,
     max_num_batched_tokens: int | None = None,
+    state: bool = False,
 ) -> Scheduler:
     """vLLM's scheduler with the connector (tools.vllm_scheduler), scheduling as
     ASYNC_SCHEDULING says."""
@@ -75,6 +76,7 @@ def make_scheduler(
         extra={**EXTRA_CONFIG, **(extra or {})},
         async_scheduling=ASYNC_SCHEDULING,
         sliding_window=sliding_window,
+        state=state,
         **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}),
     )
 

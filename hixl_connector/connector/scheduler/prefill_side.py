@@ -253,13 +253,23 @@ class PrefillSide:
         it hold P's generated tokens (when the router asked P for more than one) and must not
         be offered. A state group offers the slot of its state after the prompt alone."""
         return tuple(
-            (group[state_slot(len(group), num_prompt_tokens, block_size, self._states)],)
+            self._state_block(group, num_prompt_tokens, block_size)
             if index in self._states
             else tuple(group[: blocks_for_tokens(num_prompt_tokens, block_size)])
             for index, (group, block_size) in enumerate(
                 zip(block_ids, self._group_block_sizes, strict=True)
             )
         )
+
+    def _state_block(
+        self, row: Sequence[int], num_prompt_tokens: int, block_size: int
+    ) -> tuple[int, ...]:
+        """The slot of a state group's row that holds the state after the prompt; none
+        where the row holds no state (a preempted request's, freed)."""
+        try:
+            return (row[state_slot(len(row), num_prompt_tokens, block_size, self._states)],)
+        except ValueError:
+            return ()
 
     def finished_sending(self, request_id: str) -> None:
         """Every rank cleared the lease's word before reporting it: the slot is free."""

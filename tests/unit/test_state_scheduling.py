@@ -1,0 +1,137 @@
+"""A hybrid state model under vLLM's own scheduler (layer 0 full attention, layer 1 a Mamba2
+state without prefix caching): P computes the prompt but its last token, once even when
+preempted, and offers its state slot; D loads that many tokens and the state slot, then
+computes the last token itself; what cannot be the state D continues from is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm.v1.request import RequestStatus
+from vllm_harness import (
+    BLOCK_SIZE,
+    finished_outputs,
+    group_block_ids,
+    hixl,
+    make_request,
+    make_scheduler,
+    metadata,
+    prefill_params,
+    prompt,
+    runner_output,
+    step,
+)
+
+from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
+
+
+def remote_decode(request_id: str, tokens: int, **sampling: object) -> object:
+    return make_request(
+        request_id, prompt(tokens), max_tokens=4, params=dict(PREFILL_LEG_PARAMS), **sampling
+    )
+
+
+@pytest.mark.parametrize("tokens", [2, 16, 17, 40])
+def test_p_computes_all_but_the_last_token_and_offers_its_state_slot(
+    tiny_model_dir: Path, tokens: int
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="p-state", state=True)
+    scheduler.add_request(remote_decode("p1", tokens))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"p1": tokens - 1}
+    attention, state = group_block_ids(scheduler, "p1")
+    finished = finished_outputs(scheduler.update_from_output(output, runner_output(output)))
+    params = finished["p1"].kv_transfer_params
+    # One token out (P's sample is never used), the state after the prompt but its last
+    # token, its slot alone, and the attention blocks of those tokens.
+    assert len(finished["p1"].new_token_ids) == 1
+    assert params["remote_num_tokens"] == tokens - 1
+    assert params["remote_block_ids"] == [attention[: -(-(tokens - 1) // BLOCK_SIZE)], state[:1]]
+
+
+def test_a_one_token_prompt_and_prompt_logprobs_are_computed_whole(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="p-state-1", state=True)
+    scheduler.add_request(remote_decode("one", 1))
+    scheduler.add_request(remote_decode("logprobs", 20, prompt_logprobs=1))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"one": 1, "logprobs": 20}
+
+
+def test_a_preempted_prompt_is_truncated_once(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(
+        tiny_model_dir,
+        "kv_producer",
+        engine_id="p-state-2",
+        state=True,
+        max_num_batched_tokens=16,
+    )
+    request = remote_decode("p1", 40)
+    scheduler.add_request(request)
+    output = scheduler.schedule()  # the first chunk of the 39 tokens P computes
+    assert output.num_scheduled_tokens == {"p1": 16}
+    scheduler.update_from_output(output, runner_output(output, partial={"p1"}))
+    scheduler._preempt_request(request, 0.0)  # as vLLM does when it runs out of blocks
+    assert request.status == RequestStatus.PREEMPTED
+    # Seen again (a vLLM that announces a resumed request anew): not truncated again.
+    hixl(scheduler).on_new_request(request)
+    assert request.num_prompt_tokens == 39
+    scheduled = 0
+    for _ in range(6):
+        output = scheduler.schedule()
+        scheduled += output.num_scheduled_tokens.get("p1", 0)
+        last = scheduled >= 39
+        outputs = scheduler.update_from_output(
+            output, runner_output(output, partial=set() if last else {"p1"})
+        )
+        if last:
+            break
+    assert scheduled == 39
+    assert finished_outputs(outputs)["p1"].kv_transfer_params["remote_num_tokens"] == 39
+
+
+@pytest.mark.parametrize("tokens", [2, 17, 40])
+def test_d_loads_all_but_the_last_token_with_ps_state_slot(
+    tiny_model_dir: Path, tokens: int
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=True)
+    loaded = tokens - 1
+    params = prefill_params(-(-loaded // BLOCK_SIZE), remote_num_tokens=loaded)
+    params["remote_block_ids"] = [params["remote_block_ids"][0], [7]]
+    scheduler.add_request(make_request("d1", prompt(tokens), params=params))
+    (spec,) = metadata(step(scheduler)[0]).to_recv
+    attention, state = group_block_ids(scheduler, "d1")
+    assert spec.error == ""
+    assert spec.local_block_ids == tuple(attention[: -(-loaded // BLOCK_SIZE)])
+    assert spec.remote_block_ids == tuple(params["remote_block_ids"][0])
+    assert spec.state_block_ids == ((1, 7, state[0]),)
+    # vLLM counts N-1 tokens as computed once they arrive, and computes the last itself.
+    request = scheduler.requests["d1"]
+    assert request.num_computed_tokens == loaded
+    step(scheduler, finished_recving={"d1"})
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {"d1": 1}
+
+
+def test_d_refuses_a_state_that_holds_another_number_of_tokens(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=True)
+    # A P that did not stop before the last token: its state already holds it.
+    params = prefill_params(3, remote_num_tokens=40)
+    params["remote_block_ids"] = [params["remote_block_ids"][0], [7]]
+    scheduler.add_request(make_request("d2", prompt(40), params=params))
+    (spec,) = metadata(step(scheduler)[0]).to_recv
+    assert "the state after 40 tokens" in spec.error and "after 39" in spec.error
+    assert spec.remote_block_ids == () and spec.state_block_ids == ()
+
+
+def test_d_computes_a_one_token_prompt_and_releases_p(tiny_model_dir: Path) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=True)
+    params = prefill_params(1, remote_num_tokens=1)
+    params["remote_block_ids"] = [params["remote_block_ids"][0], [7]]
+    scheduler.add_request(make_request("d3", prompt(1), params=params))
+    output, _ = step(scheduler)
+    meta = metadata(output)
+    assert meta.to_recv == [] and [r.request_id for r in meta.to_release] == ["d3"]
+    assert output.num_scheduled_tokens == {"d3": 1}
