@@ -54,7 +54,16 @@ _SEED_CORPUS = 1234
 _SEED_WEIGHTS = 0
 _INIT_STD = 0.2
 # llama-kv4: the llama with 4 KV heads instead of 2, an incompatible peer for the handshake.
-ARCHITECTURES = ("llama", "gemma3", "llama-kv4", "llama-wide", "deepseek-v2", "nemotron-h")
+ARCHITECTURES = (
+    "llama",
+    "gemma3",
+    "llama-kv4",
+    "llama-wide",
+    "deepseek-v2",
+    "nemotron-h",
+    "qwen3-next",
+    "lfm2",
+)
 # Nemotron-H's layers: Mamba2 state, attention, MLPs.
 NEMOTRON_H_LAYERS = ("mamba", "attention", "mlp", "mamba", "mlp")
 WIDE_LAYERS = 8
@@ -193,6 +202,64 @@ def _build_nemotron_h(out_dir: Path, tokenizer: Any) -> None:
     _save_random(NemotronHForCausalLM, config, out_dir, _INIT_STD, 0.0, bf16=True)
 
 
+def _build_qwen3_next(out_dir: Path, tokenizer: Any) -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **{**_shared_config(tokenizer), "torch_dtype": "bfloat16"},
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        head_dim=64,
+        # vLLM's CPU Gated DeltaNet kernel takes key and value head dims of 64 or 128.
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=4,
+        # Experts on every layer: vLLM's Qwen3-Next wants one MoE layer at least.
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+    _save_random(Qwen3NextForCausalLM, config, out_dir, _INIT_STD, 0.0, bf16=True)
+
+
+def _build_lfm2(out_dir: Path, tokenizer: Any) -> None:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(
+        # One query and one KV head: vLLM 0.32's CPU rotary op mis-rotates the 3-D query and
+        # key vLLM's LFM2 attention hands it when heads > 1 (outputs then depend on how the
+        # prefill is chunked); with one head both forms agree.
+        **{
+            **_shared_config(tokenizer),
+            "torch_dtype": "bfloat16",
+            "tie_word_embeddings": True,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+        },
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention"] * 2,
+        conv_L_cache=3,
+        conv_bias=False,
+        block_auto_adjust_ff_dim=False,
+        block_multiple_of=64,
+        block_ffn_dim_multiplier=1.0,
+        norm_eps=1e-5,
+    )
+    # vLLM reads these two (released LFM2 configs carry them); transformers does not.
+    config.conv_dim = config.block_dim = config.hidden_size
+    _save_random(Lfm2ForCausalLM, config, out_dir, _INIT_STD, 0.0, bf16=True)
+
+
 def _build_model(out_dir: Path, tokenizer: Any, kv_heads: int = 2) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -258,6 +325,10 @@ def build_tiny_model(model_dir: str | os.PathLike[str], architecture: str = "lla
             _build_wide(staging, tokenizer)
         elif architecture == "nemotron-h":
             _build_nemotron_h(staging, tokenizer)
+        elif architecture == "qwen3-next":
+            _build_qwen3_next(staging, tokenizer)
+        elif architecture == "lfm2":
+            _build_lfm2(staging, tokenizer)
         else:
             _build_model(staging, tokenizer, kv_heads=4 if architecture == "llama-kv4" else 2)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 from ..harness import (
+    BLOCK_SIZE,
     MAX_TOKENS,
     NamedFleet,
     PDLauncher,
@@ -40,28 +42,58 @@ from .named_fleets import NIXL_CONFIG, greedy, nixl_env, serve_named_fleet
 # One-token prompts load nothing (D computes them); the others cross block boundaries.
 LENGTHS = (1, 2, 17, 64, 97, 160)
 PROMPTS = {n: token_prompt(n, seed=3000 + n) for n in LENGTHS}
-# In bf16, as the model is saved; the state's prefix cache ("align") is not read: every
+# In bf16, as the models are saved; the state's prefix cache ("align") is not read: every
 # server runs without prefix caching.
 SERVER_ARGS = ("--dtype", "bfloat16", "--no-enable-prefix-caching")
-# Nemotron-H's two Mamba2 layers, each a state group of its own beside the attention layer:
-# a conv state of (kernel 4 - 1) x (inner 256 + 2 groups x state 64) in bf16, then an ssm
-# state of 8 heads x 32 x 64 in fp32.
-STATE_GROUPS = 2
-STATE_BYTES = 3 * (256 + 2 * 2 * 64) * 2 + 8 * 32 * 64 * 4
-# Attention bytes per token: 2 KV heads x (K and V of 32) in bf16.
-ATTENTION_TOKEN_BYTES = 2 * 2 * 32 * 2
+
+
+@dataclass(frozen=True)
+class StateModel:
+    """A tiny hybrid state model and the bytes a read of it moves."""
+
+    architecture: str
+    state_groups: int  # state slots a request has: one per state group
+    regions: int  # the shared buffers: layers per KV-cache group
+    state_bytes: int  # one state layer's state: conv state, then ssm state (in bf16, fp32)
+    attention_token_bytes: int  # one attention layer's KV of one token
+    oracle: str  # the P/D pair D's outputs must equal: NIXL's, where NIXL moves this state
+
+
+MODELS = {
+    # Mamba2: 2 state layers (a group each) beside 1 attention layer; conv state of
+    # (kernel 4 - 1) x (inner 256 + 2 groups x state 64) in bf16, ssm state 8 heads x 32 x 64
+    # in fp32; attention: 2 KV heads x (K and V of 32) in bf16.
+    "mamba2": StateModel("nemotron-h", 2, 1, 3 * 512 * 2 + 8 * 32 * 64 * 4, 2 * 2 * 32 * 2, "nixl"),
+    # Gated DeltaNet: 2 linear-attention layers (one group) beside 2 attention layers; conv
+    # state of 3 x (2 x 128 keys + 256 values) in bf16, recurrent state 4 value heads x 64 x 64
+    # in fp32; attention: 2 KV heads x (K and V of 64) in bf16.
+    "gdn": StateModel("qwen3-next", 1, 2, 3 * 512 * 2 + 4 * 64 * 64 * 4, 2 * 2 * 64 * 2, "nixl"),
+    # Short convolutions: 2 conv layers (one group) beside 2 attention layers; conv state of
+    # (L_cache 3 - 1) x 128 in bf16, no ssm state; attention: 1 KV head x (K and V of 128).
+    # NIXL does not move short-conv state: the oracle is a plain server.
+    "short_conv": StateModel("lfm2", 1, 2, 2 * 128 * 2, 1 * 2 * 128 * 2, "plain"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> StateModel:
+    return MODELS[request.param]
 
 
 @pytest.fixture(scope="module")
 def fleet(
-    tmp_path_factory: pytest.TempPathFactory, e2e_log_dir: Path, process_registry: ProcessRegistry
+    model: StateModel,
+    tmp_path_factory: pytest.TempPathFactory,
+    e2e_log_dir: Path,
+    process_registry: ProcessRegistry,
 ) -> Iterator[NamedFleet]:
     if not REPORTS_FAILED_RECEIVES:
         pytest.skip("this vLLM refuses the hybrid manager with the connector")
-    if importlib.util.find_spec("nixl") is None:
+    if model.oracle == "nixl" and importlib.util.find_spec("nixl") is None:
         pytest.skip("the state model oracle needs NIXL (bash .ci/setup installs it)")
-    model = build_tiny_model(tmp_path_factory.mktemp("nemotron_h") / "model", "nemotron-h")
-    launcher = PDLauncher(model, e2e_log_dir / "state_models", process_registry)
+    name = model.architecture
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(name) / "model", name)
+    launcher = PDLauncher(model_dir, e2e_log_dir / f"state_{name}", process_registry)
 
     def start_servers() -> dict[str, VllmServer]:
         configs = {
@@ -70,9 +102,9 @@ def fleet(
             "d_hixl": hixl_connector_config("decode"),
             "d_corrupt": hixl_connector_config("decode", test_state_control="corrupt"),
             "d_skip": hixl_connector_config("decode", test_state_control="skip"),
-            "p_nixl": NIXL_CONFIG,
-            "d_nixl": NIXL_CONFIG,
         }
+        if model.oracle == "nixl":
+            configs |= {"p_nixl": NIXL_CONFIG, "d_nixl": NIXL_CONFIG}
         return {
             name: launcher.server(name, config, args=SERVER_ARGS, env=nixl_env(name))
             for name, config in configs.items()
@@ -82,9 +114,17 @@ def fleet(
         "hixl": ("p_hixl", "d_hixl"),
         "corrupt": ("p_hixl", "d_corrupt"),
         "skip": ("p_hixl", "d_skip"),
-        "nixl": ("p_nixl", "d_nixl"),
     }
+    if model.oracle == "nixl":
+        pairs["nixl"] = ("p_nixl", "d_nixl")
     yield from serve_named_fleet(launcher, start_servers, pairs)
+
+
+def reference(fleet: NamedFleet, model: StateModel, n: int) -> list[int]:
+    """The oracle's output for the ``n``-token prompt."""
+    if model.oracle == "nixl":
+        return generate(fleet.routers["nixl"], n)
+    return greedy(fleet.servers["plain"].url, PROMPTS[n], MAX_TOKENS)
 
 
 def generate(router: RouterProcess, n: int) -> list[int]:
@@ -92,34 +132,35 @@ def generate(router: RouterProcess, n: int) -> list[int]:
 
 
 def attention_block_size(server: VllmServer) -> int:
-    """The attention block size vLLM chose: it raises it until an attention page holds a
-    state page (the log names it)."""
+    """The attention block size vLLM chose: it raises the configured one until an attention
+    page holds a state page, and says so."""
     log = server.log_path.read_text(errors="replace")
     marker = "Setting attention block size to "
-    assert marker in log, "vLLM did not say which attention block size it chose"
-    return int(log.split(marker)[1].split()[0])
+    return int(log.split(marker)[1].split()[0]) if marker in log else BLOCK_SIZE
 
 
-def test_token_identical_to_nixl_with_the_state_read(fleet: NamedFleet) -> None:
+def test_token_identical_to_the_oracle_with_the_state_read(
+    fleet: NamedFleet, model: StateModel
+) -> None:
     decode = fleet.servers["d_hixl"]
-    reference = {n: generate(fleet.routers["nixl"], n) for n in LENGTHS}
+    expected = {n: reference(fleet, model, n) for n in LENGTHS}
     # Varied outputs: the random weights do not collapse to one repeated token.
-    assert all(len(set(tokens)) >= MAX_TOKENS // 5 for tokens in reference.values())
+    assert all(len(set(tokens)) >= MAX_TOKENS // 5 for tokens in expected.values())
     block_size = attention_block_size(decode)
     pulls, blocks, nbytes = pulled(decode)
     external = external_prompt_tokens(decode.url)
     for n in LENGTHS:
-        assert generate(fleet.routers["hixl"], n) == reference[n], f"{n}-token prompt differs"
+        assert generate(fleet.routers["hixl"], n) == expected[n], f"{n}-token prompt differs"
         if n == 1:  # D computes a one-token prompt: nothing to read
             continue
         now = wait_for_pulls(decode, pulls + 1)
         # N-1 tokens of attention KV, and the state slot of each state group: its state's
         # bytes, not the page (padded up to the attention page) they lie in.
         token_blocks = math.ceil((n - 1) / block_size)
-        assert now[1] - blocks == token_blocks + STATE_GROUPS, f"{n}-token prompt: blocks"
-        page = block_size * ATTENTION_TOKEN_BYTES
-        assert page > STATE_BYTES
-        read = token_blocks * page + STATE_GROUPS * STATE_BYTES
+        assert now[1] - blocks == token_blocks + model.state_groups, f"{n}-token: blocks"
+        page = block_size * model.attention_token_bytes
+        assert page > model.state_bytes
+        read = (token_blocks * page + model.state_groups * model.state_bytes) * model.regions
         assert now[2] - nbytes == read, f"{n}-token prompt: bytes"
         pulls, blocks, nbytes = now
     # vLLM's own count of the prompt tokens that came through the connector: all but the
@@ -131,7 +172,7 @@ def test_token_identical_to_nixl_with_the_state_read(fleet: NamedFleet) -> None:
 
 
 def test_the_state_carried_the_prompt_corrupted_or_missing_it_changes_the_output(
-    fleet: NamedFleet,
+    fleet: NamedFleet, model: StateModel
 ) -> None:
     for control in ("corrupt", "skip"):
         decode = fleet.servers[f"d_{control}"]
@@ -139,7 +180,7 @@ def test_the_state_carried_the_prompt_corrupted_or_missing_it_changes_the_output
         differ = [
             n
             for n in (64, 97, 160)
-            if generate(fleet.routers[control], n) != generate(fleet.routers["nixl"], n)
+            if generate(fleet.routers[control], n) != reference(fleet, model, n)
         ]
         assert differ == [64, 97, 160], f"{control}: only {differ} changed"
         assert wait_for_pulls(decode, pulls + 3)[0] == pulls + 3
