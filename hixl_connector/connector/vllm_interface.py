@@ -51,12 +51,22 @@ def minor_version(version: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def check_supported(version: str, kv_cache_groups: int, reports_failed_receives: bool) -> None:
+def check_supported(
+    version: str, kv_cache_groups: int, reports_failed_receives: bool, state: bool = False
+) -> None:
     """Refuses, naming what to change, a vLLM or a model shape the connector cannot serve
-    safely on it."""
+    safely on it (``state``: a hybrid state model's, whose state groups vLLM keeps only
+    under the hybrid KV-cache manager)."""
     if not OLDEST <= minor_version(version) <= NEWEST:
         raise UnsupportedVllm(
             f"hixl_connector supports vLLM {SUPPORTED_RANGE}; this is vLLM {version}"
+        )
+    if state and not reports_failed_receives:
+        raise UnsupportedVllm(
+            f"vLLM {version} reports a failed KV read by block id, which its scheduler maps "
+            "in the first KV-cache group only, and a hybrid state model (Mamba2, Gated "
+            "DeltaNet, short convolutions) has several: serve it disaggregated on a vLLM that "
+            "has KVConnectorTransferResults (such as 0.32)"
         )
     if kv_cache_groups > 1 and not reports_failed_receives:
         raise UnsupportedVllm(
@@ -72,8 +82,11 @@ def check_this_vllm(kv_cache_config: Any) -> None:
     """check_supported for the running vLLM and the KV-cache config it gave the connector."""
     import vllm
 
-    groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    check_supported(str(vllm.__version__), groups, REPORTS_FAILED_RECEIVES)
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    state = any(
+        cls.__name__ == "MambaSpec" for g in groups for cls in type(g.kv_cache_spec).__mro__
+    )
+    check_supported(str(vllm.__version__), len(groups), REPORTS_FAILED_RECEIVES, state)
 
 
 def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> Any:

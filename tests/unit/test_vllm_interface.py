@@ -50,6 +50,14 @@ def test_the_versions_users_run() -> None:
         check_supported("0.35.0", 1, True)
 
 
+def test_a_state_model_is_refused_where_failed_reads_are_reported_by_block_id() -> None:
+    """vLLM keeps a state model's state in groups of its own: an older vLLM, which maps a
+    failed read's blocks in the first group only, would lose the failure."""
+    check_supported("0.32.0+cpu", 3, True, state=True)
+    with pytest.raises(UnsupportedVllm, match="vLLM 0.27.1 .* hybrid state model .* 0.32"):
+        check_supported("0.27.1", 3, False, state=True)
+
+
 def test_unreadable_version_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedVllm, match="cannot read the vLLM version 'dev'"):
         minor_version("dev")

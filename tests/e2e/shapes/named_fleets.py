@@ -3,7 +3,8 @@ starting a NamedFleet, the NIXL oracle's servers, and greedy completions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from hixl_connector.tools.demo.client import complete
 from hixl_connector.tools.demo.processes import free_port
@@ -19,6 +20,17 @@ def nixl_env(name: str) -> dict[str, str]:
     """The environment of server ``name``: a NIXL server (its name says "nixl") gets a side
     channel port of its own."""
     return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if "nixl" in name else {}
+
+
+def start_named(
+    launcher: PDLauncher, configs: Mapping[str, Mapping[str, Any] | None], args: Sequence[str]
+) -> dict[str, VllmServer]:
+    """A server per name with its --kv-transfer-config (None: a plain server), all with
+    ``args``; a NIXL server gets its side channel port (nixl_env)."""
+    return {
+        name: launcher.server(name, config, args=args, env=nixl_env(name))
+        for name, config in configs.items()
+    }
 
 
 def serve_named_fleet(

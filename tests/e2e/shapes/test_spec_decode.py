@@ -39,7 +39,7 @@ from ..harness import (
     wait_kv_idle,
 )
 from .conftest import hixl_connector_config
-from .named_fleets import NIXL_CONFIG, greedy, nixl_env, serve_named_fleet
+from .named_fleets import NIXL_CONFIG, greedy, serve_named_fleet, start_named
 
 SPECULATIVE_TOKENS = 3
 MAX_TOKENS = 24
@@ -78,10 +78,7 @@ def fleet(
             "p_nixl": NIXL_CONFIG,
             "d_nixl": NIXL_CONFIG,
         }
-        return {
-            name: launcher.server(name, config, args=args, env=nixl_env(name))
-            for name, config in configs.items()
-        }
+        return start_named(launcher, configs, args)
 
     pairs = {
         "hixl": ("p_hixl", "d_hixl"),

@@ -38,7 +38,7 @@ from ..harness import (
     wait_for_pulls,
     wait_kv_idle,
 )
-from .named_fleets import NIXL_CONFIG, greedy, nixl_env, serve_named_fleet
+from .named_fleets import NIXL_CONFIG, greedy, serve_named_fleet, start_named
 
 # One-token prompts load nothing (D computes them); the others cross block boundaries.
 LENGTHS = (1, 2, 17, 64, 97, 160)
@@ -110,10 +110,7 @@ def fleet(
         }
         if model.oracle == "nixl":
             configs |= {"p_nixl": NIXL_CONFIG, "d_nixl": NIXL_CONFIG}
-        return {
-            name: launcher.server(name, config, args=SERVER_ARGS, env=nixl_env(name))
-            for name, config in configs.items()
-        }
+        return start_named(launcher, configs, SERVER_ARGS)
 
     pairs = {
         "hixl": ("p_hixl", "d_hixl"),
