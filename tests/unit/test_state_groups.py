@@ -14,7 +14,11 @@ from hypothesis import strategies as st
 
 from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
-from hixl_connector.connector.mapping.kv_groups import blocks_to_fill, remote_blocks_to_read
+from hixl_connector.connector.mapping.kv_groups import (
+    blocks_to_fill,
+    group_block_sizes,
+    remote_blocks_to_read,
+)
 from hixl_connector.connector.mapping.state_groups import (
     StateGroups,
     state_bytes,
@@ -157,6 +161,27 @@ def test_the_state_groups_of_a_kv_cache_config() -> None:
         state_groups(KVCacheConfig(8, [], mixed))
 
 
+def test_a_state_group_takes_the_attention_block_size_not_max_model_len() -> None:
+    """Without prefix caching of the state, vLLM gives a state group max_model_len as its
+    block size; it says nothing of the one slot, and P and D may differ in it."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    full = FullAttentionSpec(block_size=160, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    groups = [
+        KVCacheGroupSpec([f"m{size}"], MambaSpec(size, ((4, 8),), (torch.float32,)))
+        for size in (4096, 8192)
+    ]
+    config = KVCacheConfig(8, [], [groups[0], KVCacheGroupSpec(["a"], full), groups[1]])
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=32))
+    assert group_block_sizes(vllm_config, config) == (160, 160, 160)
+
+
 def _row(ids: list[int]) -> list[Block]:
     return [Block(i, is_null=i == NULL_BLOCK_ID) for i in ids]
 
@@ -189,6 +214,14 @@ def test_d_reads_ps_one_state_slot_for_its_own() -> None:
     for computed, reason in ((39, "this prompt needs 40"), (41, "state after 41 tokens")):
         with pytest.raises(ValueError, match=reason):
             remote_blocks_to_read(prefill(computed, (9,)), 40, unfilled, (16, 4096), NONE)
+    with pytest.raises(ValueError, match="lack remote_num_tokens"):
+        remote_blocks_to_read(
+            RemotePrefill(endpoint, "r", 7, 0, ((1, 2, 3), (9,)), None),
+            40,
+            unfilled,
+            (16, 16),
+            NONE,
+        )
     for offered in ((), (9, 10), (NULL_BLOCK_ID,)):
         with pytest.raises(ValueError, match="one state slot expected"):
             remote_blocks_to_read(prefill(40, offered), 40, unfilled, (16, 4096), NONE)

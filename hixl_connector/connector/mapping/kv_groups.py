@@ -29,11 +29,17 @@ Unfilled = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, ...]:
-    """Tokens per block of each KV-cache group (hybrid models have several groups)."""
+    """Tokens per block of each KV-cache group (hybrid models have several groups). A state
+    group takes the attention groups' block size: its own (max_model_len without prefix
+    caching of the state) says nothing of its one slot, and would make P and D of different
+    max_model_len differ; with prefix caching of the state, vLLM aligns it to theirs."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return tuple(int(group.kv_cache_spec.block_size) for group in groups) or (
-        int(vllm_config.cache_config.block_size),
-    )
+    states = [is_state_spec(group.kv_cache_spec) for group in groups]
+    sizes = [int(group.kv_cache_spec.block_size) for group in groups]
+    attention = [size for size, state in zip(sizes, states, strict=True) if not state]
+    if attention:
+        sizes = [attention[0] if state else size for size, state in zip(sizes, states, strict=True)]
+    return tuple(sizes) or (int(vllm_config.cache_config.block_size),)
 
 
 def group_windows(kv_cache_config: Any) -> tuple[int, ...]:
@@ -169,7 +175,12 @@ def remote_blocks_to_read(
             f"the prefill side computed {prefill.num_tokens} tokens, this prompt needs "
             f"{num_tokens}: not the same prompt"
         )
-    if states and prefill.num_tokens is not None and prefill.num_tokens != num_tokens:
+    if states and prefill.num_tokens is None:
+        raise ValueError(
+            "the prefill side's params lack remote_num_tokens: a state is read only when it "
+            "is known to hold the tokens this decode side continues from"
+        )
+    if states and prefill.num_tokens != num_tokens:
         # A state holds every token P computed: it must be the state D continues from.
         raise ValueError(
             f"the prefill side computed the state after {prefill.num_tokens} tokens, this "

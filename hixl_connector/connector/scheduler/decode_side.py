@@ -143,10 +143,16 @@ class DecodeSide:
         local_hit = self.loads.allocated(request_id)
         synchronous = local_hit is not None
         tokens = tokens_to_load(request.num_prompt_tokens, bool(self._states))
-        unfilled = blocks_to_fill(
-            blocks.blocks, local_hit, self._group_block_sizes, tokens, self._states
-        )
         asked = self._ask(request_id, params)
+        try:
+            unfilled = blocks_to_fill(
+                blocks.blocks, local_hit, self._group_block_sizes, tokens, self._states
+            )
+        except ValueError as exc:  # a state row without the slot of the state read
+            self._fail_later(
+                request_id, asked.prefill, (), f"request {request_id}: {exc}", synchronous
+            )
+            return
         if asked.pushed:
             self._push_recv(request_id, asked, unfilled, external)
             return

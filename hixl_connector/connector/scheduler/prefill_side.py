@@ -308,7 +308,12 @@ def _stop_before_last_token(request: Request) -> None:
     prefix cache (prompt logprobs), which D computes whole."""
     params = request.kv_transfer_params
     keep = tokens_to_load(request.num_prompt_tokens, True)
-    skips_cache = getattr(request, "get_skip_reading_prefix_cache", lambda: False)()
+    # Whether vLLM reads no KV from a connector for it: 0.34 names it skip_reading_external_kv
+    # (prompt logprobs and skip_reading_prefix_cache alike), 0.32 and 0.33
+    # skip_reading_prefix_cache.
+    skips_cache = getattr(request, "skip_reading_external_kv", None)
+    if skips_cache is None:
+        skips_cache = getattr(request, "skip_reading_prefix_cache", False)
     if params is None or params.get(TRUNCATED) or keep < 1 or skips_cache:
         return
     dropped = request.num_prompt_tokens - keep

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +172,22 @@ def test_token_identical_to_the_oracle_with_the_state_read(
     assert loaded == sum(n - 1 for n in LENGTHS)
     wait_kv_idle(fleet.servers["p_hixl"])
     wait_kv_idle(decode)
+
+
+def test_at_concurrency_4_every_output_is_the_oracles_and_nothing_is_left_in_use(
+    fleet: NamedFleet, model: StateModel
+) -> None:
+    """Reads of several requests' states at once, each landing in its own slot: every
+    output equals the oracle's, and P and D hold no block afterwards."""
+    lengths = [n for n in LENGTHS if n > 1] * 2
+    expected = {n: reference(fleet, model, n) for n in set(lengths)}
+    url = fleet.routers["hixl"].url
+    with ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda n: greedy(url, PROMPTS[n], MAX_TOKENS), lengths))
+    for n, tokens in zip(lengths, outputs, strict=True):
+        assert tokens == expected[n], f"{n}-token prompt differs under concurrency"
+    wait_kv_idle(fleet.servers["p_hixl"])
+    wait_kv_idle(fleet.servers["d_hixl"])
 
 
 def test_the_state_carried_the_prompt_corrupted_or_missing_it_changes_the_output(
