@@ -34,8 +34,9 @@ took after P's prefill.
 
 ``--modes nixl`` adds P and D with vLLM's NixlConnector (not for ``lfm2``, whose state NIXL
 does not move). The hybrid state models (``nemotron-h``: Mamba2, ``qwen3-next``: Gated
-DeltaNet, ``lfm2``: short convolutions) run in bf16 without prefix caching, every deployment
-alike. Beside TTFT, each deployment's decode step (ITL p50) is printed against plain's.
+DeltaNet, ``lfm2``: short convolutions) run in bf16 without prefix caching (vLLM 0.32's CPU
+Mamba2 kernel fails with it), every deployment alike. Beside TTFT, each deployment's decode
+step (ITL p50) is printed against plain's.
 
 ``--prompts`` is per deployment and level, split over the rounds. ``--sync-load-bytes``
 sets D's ``sync_load_bytes`` (0: every read asynchronous), to compare reads in the step of
@@ -71,8 +72,8 @@ from hixl_connector.tools.demo.servers import (
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 HEALTH_TIMEOUT_S = 300.0
-# Hybrid state models, served in bf16 without prefix caching of the state (which the
-# connector does not read yet), by every deployment alike.
+# Hybrid state models, served in bf16 without prefix caching by every deployment alike: vLLM
+# 0.32's CPU Mamba2 kernel fails with it on, and no prompt of a bench repeats.
 STATE_MODELS = ("nemotron-h", "qwen3-next", "lfm2")
 STATE_MODEL_ARGS = ("--dtype", "bfloat16", "--no-enable-prefix-caching")
 BENCH_MODELS = ("llama", "llama-wide", *STATE_MODELS)

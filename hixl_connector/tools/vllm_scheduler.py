@@ -22,7 +22,7 @@ def vllm_config(
     max_num_batched_tokens: int = MAX_MODEL_LEN,
     async_scheduling: bool = False,
     sliding_window: int = 0,
-    state: bool = False,
+    state: str = "",
 ) -> Any:
     """vLLM's config of the tiny model on CPU, ``num_blocks`` blocks of BLOCK_SIZE tokens,
     the HIXL connector in ``kv_role`` configured by ``extra``."""
@@ -44,7 +44,11 @@ def vllm_config(
             seed=0,
             enforce_eager=True,
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=not state),
+        cache_config=CacheConfig(
+            block_size=BLOCK_SIZE,
+            enable_prefix_caching=state != "none",
+            mamba_cache_mode=state or "none",
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -75,14 +79,15 @@ def real_scheduler(
     num_blocks: int = 64,
     async_scheduling: bool = False,
     sliding_window: int = 0,
-    state: bool = False,
+    state: str = "",
     **options: Any,
 ) -> Any:
     """vLLM's Scheduler (AsyncScheduler with ``async_scheduling``) over ``num_blocks`` blocks
     of BLOCK_SIZE tokens, ``options`` the rest of ``vllm_config``'s; with ``sliding_window``, a
     hybrid model (layer 0 full attention, layer 1 sliding window, a KV-cache group each)
-    under vLLM's hybrid KV-cache manager; with ``state``, a hybrid state model (layer 0 full
-    attention, layer 1 a Mamba2 state without prefix caching, one slot per request)."""
+    under vLLM's hybrid KV-cache manager; with ``state`` (a mamba_cache_mode), a hybrid state
+    model (layer 0 full attention, layer 1 a Mamba2 state): "none", one slot per request and
+    no prefix caching; "align", prefix caching and a state per block of tokens."""
     import torch
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -122,9 +127,10 @@ def real_scheduler(
         groups = [KVCacheGroupSpec(["layers.0"], spec), KVCacheGroupSpec(["layers.1"], window)]
     if state:
         mamba = MambaSpec(
-            block_size=MAX_MODEL_LEN,
+            block_size=MAX_MODEL_LEN if state == "none" else BLOCK_SIZE,
             shapes=((3, 64), (4, 16, 8)),
             dtypes=(torch.float32, torch.float32),
+            mamba_cache_mode=state,
         )
         groups = [KVCacheGroupSpec(["layers.0"], spec), KVCacheGroupSpec(["layers.1"], mamba)]
     kv_cache_config = KVCacheConfig(
@@ -140,7 +146,7 @@ def real_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
         # Scheduling steps in whole blocks of every group (vLLM takes their LCM).
-        block_size=MAX_MODEL_LEN if state else BLOCK_SIZE,
+        block_size=MAX_MODEL_LEN if state == "none" else BLOCK_SIZE,
         log_stats=True,
     )
 

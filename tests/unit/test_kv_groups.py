@@ -100,10 +100,10 @@ def test_lookahead_slots_of_a_speculative_decoder_are_not_read() -> None:
 
 
 def test_attention_kv_and_state_move_and_anything_else_is_refused_naming_it() -> None:
-    """vLLM's own spec classes: attention KV of every kind and a state group (pull mode, no
-    prefix caching of the state) move; a state mixed into an attention group, prefix caching
-    of the state, push mode with state and a spec of another kind are refused at start,
-    naming what to change."""
+    """vLLM's own spec classes: attention KV of every kind and a state group (pull mode, with
+    or without prefix caching of the state) move; a state mixed into an attention group, a
+    cache mode the connector does not know, push mode with state and a spec of another kind
+    are refused at start, naming what to change."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -142,8 +142,12 @@ def test_attention_kv_and_state_move_and_anything_else_is_refused_naming_it() ->
     mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full, "m": mamba})
     with pytest.raises(ValueError, match=r"group 0 of this model holds MambaSpec \(layers.0.0, "):
         check_movable(config(mixed))
-    with pytest.raises(ValueError, match="mamba_cache_mode 'align'.*--no-enable-prefix-caching"):
-        check_movable(config(full, aligned))
+    check_movable(config(full, aligned))  # prefix caching of the state
+    unknown_mode = MambaSpec(
+        block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="all"
+    )
+    with pytest.raises(ValueError, match="mamba_cache_mode 'all', which hixl_connector does"):
+        check_movable(config(full, unknown_mode))
     with pytest.raises(ValueError, match="'transfer_mode': 'push' does not move the state"):
         check_movable(config(full, mamba), pushes=True)
     check_movable(config(full, window), pushes=True)  # no state: push mode moves it

@@ -6,8 +6,10 @@ computes the last token itself; what cannot be the state D continues from is ref
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
@@ -26,38 +28,77 @@ from vllm_harness import (
 from hixl_connector.tools.demo.client import PREFILL_LEG_PARAMS
 
 
+@pytest.fixture(autouse=True, params=["none", "align"])
+def cache_mode(request: pytest.FixtureRequest) -> str:
+    """Each test without prefix caching of the state (one slot) and with it (a slot per
+    block, the state at the block of the last token)."""
+    global MODE
+    MODE = request.param
+    return MODE
+
+
+MODE = "none"
+
+
+def state_position(tokens: int) -> int:
+    """Where the state after ``tokens`` tokens sits in a row (state_groups.state_slot)."""
+    return 0 if MODE == "none" else (tokens - 1) // BLOCK_SIZE
+
+
 def remote_decode(request_id: str, tokens: int, **sampling: object) -> object:
     return make_request(
         request_id, prompt(tokens), max_tokens=4, params=dict(PREFILL_LEG_PARAMS), **sampling
     )
 
 
+def prefill(scheduler: Scheduler, request_id: str, steps: int = 6) -> tuple[int, Any, list]:
+    """Steps until P finished the request: (tokens it scheduled, its last output, its blocks
+    of each group as the last step left them)."""
+    scheduled = 0
+    for _ in range(steps):
+        output = scheduler.schedule()
+        scheduled += output.num_scheduled_tokens.get(request_id, 0)
+        blocks = group_block_ids(scheduler, request_id)
+        request = scheduler.requests[request_id]
+        partial = set() if scheduled >= request.num_prompt_tokens else {request_id}
+        finished = finished_outputs(
+            scheduler.update_from_output(output, runner_output(output, partial=partial))
+        )
+        if request_id in finished:
+            return scheduled, finished[request_id], blocks
+    raise AssertionError(f"{request_id} did not finish in {steps} steps")
+
+
 @pytest.mark.parametrize("tokens", [2, 16, 17, 40])
 def test_p_computes_all_but_the_last_token_and_offers_its_state_slot(
     tiny_model_dir: Path, tokens: int
 ) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="p-state", state=True)
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="p-state", state=MODE)
     scheduler.add_request(remote_decode("p1", tokens))
-    output = scheduler.schedule()
-    assert output.num_scheduled_tokens == {"p1": tokens - 1}
-    attention, state = group_block_ids(scheduler, "p1")
-    finished = finished_outputs(scheduler.update_from_output(output, runner_output(output)))
-    params = finished["p1"].kv_transfer_params
+    scheduled, finished, (attention, state) = prefill(scheduler, "p1")
+    assert scheduled == tokens - 1
+    params = finished.kv_transfer_params
     # One token out (P's sample is never used), the state after the prompt but its last
     # token, its slot alone, and the attention blocks of those tokens.
-    assert len(finished["p1"].new_token_ids) == 1
+    assert len(finished.new_token_ids) == 1
     assert params["remote_num_tokens"] == tokens - 1
-    assert params["remote_block_ids"] == [attention[: -(-(tokens - 1) // BLOCK_SIZE)], state[:1]]
+    slot = state_position(tokens - 1)
+    assert params["remote_block_ids"] == [
+        attention[: -(-(tokens - 1) // BLOCK_SIZE)],
+        state[slot : slot + 1],
+    ]
+    assert state[slot] != 0  # the state slot, never a null placeholder
 
 
 def test_a_one_token_prompt_and_prompt_logprobs_are_computed_whole(
     tiny_model_dir: Path,
 ) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="p-state-1", state=True)
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="p-state-1", state=MODE)
     scheduler.add_request(remote_decode("one", 1))
     scheduler.add_request(remote_decode("logprobs", 20, prompt_logprobs=1))
-    output = scheduler.schedule()
-    assert output.num_scheduled_tokens == {"one": 1, "logprobs": 20}
+    for request_id, tokens in (("one", 1), ("logprobs", 20)):
+        request = scheduler.requests[request_id]
+        assert request.num_prompt_tokens == tokens and request.max_tokens == 4
 
 
 def test_a_preempted_prompt_is_truncated_once(tiny_model_dir: Path) -> None:
@@ -65,7 +106,7 @@ def test_a_preempted_prompt_is_truncated_once(tiny_model_dir: Path) -> None:
         tiny_model_dir,
         "kv_producer",
         engine_id="p-state-2",
-        state=True,
+        state=MODE,
         max_num_batched_tokens=16,
     )
     request = remote_decode("p1", 40)
@@ -96,7 +137,7 @@ def test_a_preempted_prompt_is_truncated_once(tiny_model_dir: Path) -> None:
 def test_d_loads_all_but_the_last_token_with_ps_state_slot(
     tiny_model_dir: Path, tokens: int
 ) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=True)
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=MODE)
     loaded = tokens - 1
     params = prefill_params(-(-loaded // BLOCK_SIZE), remote_num_tokens=loaded)
     params["remote_block_ids"] = [params["remote_block_ids"][0], [7]]
@@ -106,7 +147,7 @@ def test_d_loads_all_but_the_last_token_with_ps_state_slot(
     assert spec.error == ""
     assert spec.local_block_ids == tuple(attention[: -(-loaded // BLOCK_SIZE)])
     assert spec.remote_block_ids == tuple(params["remote_block_ids"][0])
-    assert spec.state_block_ids == ((1, 7, state[0]),)
+    assert spec.state_block_ids == ((1, 7, state[state_position(loaded)]),)
     # vLLM counts N-1 tokens as computed once they arrive, and computes the last itself.
     request = scheduler.requests["d1"]
     assert request.num_computed_tokens == loaded
@@ -116,7 +157,7 @@ def test_d_loads_all_but_the_last_token_with_ps_state_slot(
 
 
 def test_d_refuses_a_state_that_holds_another_number_of_tokens(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=True)
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=MODE)
     # A P that did not stop before the last token: its state already holds it.
     params = prefill_params(3, remote_num_tokens=40)
     params["remote_block_ids"] = [params["remote_block_ids"][0], [7]]
@@ -127,7 +168,7 @@ def test_d_refuses_a_state_that_holds_another_number_of_tokens(tiny_model_dir: P
 
 
 def test_d_computes_a_one_token_prompt_and_releases_p(tiny_model_dir: Path) -> None:
-    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=True)
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=MODE)
     params = prefill_params(1, remote_num_tokens=1)
     params["remote_block_ids"] = [params["remote_block_ids"][0], [7]]
     scheduler.add_request(make_request("d3", prompt(1), params=params))

@@ -63,7 +63,7 @@ def make_scheduler(
     extra: dict[str, Any] | None = None,
     sliding_window: int = 0,
     max_num_batched_tokens: int | None = None,
-    state: bool = False,
+    state: str = "",
 ) -> Scheduler:
     """vLLM's scheduler with the connector (tools.vllm_scheduler), scheduling as
     ASYNC_SCHEDULING says."""

@@ -14,6 +14,7 @@ from hixl_connector.connector.mapping.blocks import (
     remote_at_positions,
 )
 from hixl_connector.connector.mapping.state_groups import (
+    ALIGNED_STATE_CACHE,
     NO_STATE,
     NO_STATE_CACHE,
     StateGroups,
@@ -68,8 +69,7 @@ def blocks_left_behind(num_prompt_tokens: int, window: int, block_size: int) -> 
 def check_movable(kv_cache_config: Any, pushes: bool = False) -> None:
     """Refuses, at start, a model with KV-cache groups the connector cannot move, naming the
     setting to change: it reads attention KV (full, sliding-window, MLA) block by block, and
-    the state of a hybrid state model (state_groups) by its slot, in pull mode and without
-    prefix caching of the state."""
+    the state of a hybrid state model (state_groups) by its slot, in pull mode."""
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = group.kv_cache_spec
         for layer_spec in list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]:
@@ -90,11 +90,11 @@ def check_movable(kv_cache_config: Any, pushes: bool = False) -> None:
     states = state_groups(kv_cache_config)
     if not states:
         return
-    if states.cache_mode != NO_STATE_CACHE:
+    if states.cache_mode not in (NO_STATE_CACHE, ALIGNED_STATE_CACHE):
         raise ValueError(
-            f"this hybrid state model runs with mamba_cache_mode {states.cache_mode!r} (prefix "
-            "caching of its state), which hixl_connector does not read yet: start vLLM with "
-            "--no-enable-prefix-caching (mamba_cache_mode 'none')"
+            f"this hybrid state model runs with mamba_cache_mode {states.cache_mode!r}, which "
+            "hixl_connector does not read: use 'none' (--no-enable-prefix-caching) or "
+            "'align' (prefix caching on)"
         )
     if pushes:
         raise ValueError(

@@ -84,6 +84,8 @@ class HixlScheduler:
                 num_blocks,
                 group_windows(kv_cache_config),
                 states,
+                # vLLM resolves the hash block size after it built the connector (0.34).
+                lambda: _block_hashes(vllm_config, kv_cache_config),
             )
 
     def on_new_request(self, request: Request) -> None:
@@ -184,3 +186,13 @@ class HixlScheduler:
     def _wants_remote_prefill(request: Request) -> bool:
         params = request.kv_transfer_params
         return bool(params and params.get("do_remote_prefill"))
+
+
+def _block_hashes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int] | None:
+    """(hash block size, lookahead tokens) of a vLLM whose requests drop the block hashes
+    of tokens they lose (0.34: ``truncate_block_hashes``); None where it has no hash block
+    size of its own."""
+    size = getattr(kv_cache_config, "hash_block_size", None)
+    if not size:
+        return None
+    return int(size), int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)

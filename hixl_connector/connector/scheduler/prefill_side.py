@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,10 +62,14 @@ class PrefillSide:
         num_blocks: int,
         group_windows: Sequence[int] = (),
         states: StateGroups = NO_STATE,
+        block_hashes: Callable[[], tuple[int, int] | None] = lambda: None,
     ) -> None:
         self._group_block_sizes = tuple(group_block_sizes)
         # A hybrid state model's state groups: P stops before the prompt's last token.
         self._states = states
+        # (hash block size, lookahead tokens) where vLLM's requests drop the block hashes of
+        # the tokens they lose (0.34); None before.
+        self._block_hashes = block_hashes
         self._group_windows = tuple(group_windows) or (0,) * len(self._group_block_sizes)
         self._mode = config.transfer_mode
         self._push = config.pushes
@@ -103,7 +107,7 @@ class PrefillSide:
     def follow(self, request: Request) -> None:
         """A request to prefill for a remote decode (``do_remote_decode``)."""
         if self._states:
-            _stop_before_last_token(request)
+            _stop_before_last_token(request, self._block_hashes())
         self._prompt_lengths[request.request_id] = request.num_prompt_tokens
         self._tables.follow(request.request_id)
 
@@ -301,7 +305,7 @@ class PrefillSide:
 TRUNCATED = "_p_side_truncated"
 
 
-def _stop_before_last_token(request: Request) -> None:
+def _stop_before_last_token(request: Request, block_hashes: tuple[int, int] | None) -> None:
     """A state model's prompt, truncated to what P computes for D (state_groups.tokens_to_load),
     and P asked for one token, as NixlConnector does (its flag is this one). Left whole: a
     one-token prompt, a request truncated before (preempted), and one that skips reading the
@@ -326,6 +330,10 @@ def _stop_before_last_token(request: Request) -> None:
     del request._all_token_ids[-dropped:]
     request.num_prompt_tokens = keep
     request.max_tokens = 1
+    truncate_hashes = getattr(request, "truncate_block_hashes", None)
+    if truncate_hashes is not None and block_hashes is not None:
+        # A full block's hash must not name the token P no longer has (prefix caching).
+        truncate_hashes(*block_hashes)
     params[TRUNCATED] = True
 
 

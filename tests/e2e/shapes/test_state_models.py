@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hixl_connector.connector.vllm_interface import REPORTS_FAILED_RECEIVES
-from hixl_connector.tools.demo.client import Generation, complete
+from hixl_connector.tools.demo.client import Generation, complete, metric_total, read_metrics
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
@@ -44,9 +44,8 @@ from .named_fleets import NIXL_CONFIG, greedy, serve_named_fleet, start_named
 # One-token prompts load nothing (D computes them); the others cross block boundaries.
 LENGTHS = (1, 2, 17, 64, 97, 160)
 PROMPTS = {n: token_prompt(n, seed=3000 + n) for n in LENGTHS}
-# In bf16, as the models are saved; the state's prefix cache ("align") is not read: every
-# server runs without prefix caching.
-SERVER_ARGS = ("--dtype", "bfloat16", "--no-enable-prefix-caching")
+# In bf16, as the models are saved.
+BF16 = ("--dtype", "bfloat16")
 # How far the first output token's logprob may lie from a plain server's (bf16 rounding of
 # the last prompt token, computed as a decode step here and in the prefill there).
 FIRST_LOGPROB_TOLERANCE = 0.1
@@ -63,13 +62,22 @@ class StateModel:
     state_bytes: int  # one state layer's state: conv state, then ssm state (in bf16, fp32)
     attention_token_bytes: int  # one attention layer's KV of one token
     oracle: str  # the P/D pair D's outputs must equal: NIXL's, where NIXL moves this state
+    # vLLM's default, prefix caching of the state ("align"), or none; vLLM 0.32's CPU Mamba2
+    # kernel fails a prefill that crosses a block with prefix caching on.
+    prefix_caching: bool = True
+
+    @property
+    def server_args(self) -> tuple[str, ...]:
+        return BF16 if self.prefix_caching else (*BF16, "--no-enable-prefix-caching")
 
 
 MODELS = {
     # Mamba2: 2 state layers (a group each) beside 1 attention layer; conv state of
     # (kernel 4 - 1) x (inner 256 + 2 groups x state 64) in bf16, ssm state 8 heads x 32 x 64
     # in fp32; attention: 2 KV heads x (K and V of 32) in bf16.
-    "mamba2": StateModel("nemotron-h", 2, 1, 3 * 512 * 2 + 8 * 32 * 64 * 4, 2 * 2 * 32 * 2, "nixl"),
+    "mamba2": StateModel(
+        "nemotron-h", 2, 1, 3 * 512 * 2 + 8 * 32 * 64 * 4, 2 * 2 * 32 * 2, "nixl", False
+    ),
     # Gated DeltaNet: 2 linear-attention layers (one group) beside 2 attention layers; conv
     # state of 3 x (2 x 128 keys + 256 values) in bf16, recurrent state 4 value heads x 64 x 64
     # in fp32; attention: 2 KV heads x (K and V of 64) in bf16.
@@ -111,7 +119,7 @@ def fleet(
         }
         if model.oracle == "nixl":
             configs |= {"p_nixl": NIXL_CONFIG, "d_nixl": NIXL_CONFIG}
-        return start_named(launcher, configs, SERVER_ARGS)
+        return start_named(launcher, configs, model.server_args)
 
     pairs = {
         "hixl": ("p_hixl", "d_hixl"),
@@ -172,6 +180,34 @@ def test_token_identical_to_the_oracle_with_the_state_read(
     assert loaded == sum(n - 1 for n in LENGTHS)
     wait_kv_idle(fleet.servers["p_hixl"])
     wait_kv_idle(decode)
+
+
+def test_with_prefix_caching_a_repeated_prompt_reads_nothing_d_holds(
+    fleet: NamedFleet, model: StateModel
+) -> None:
+    """With prefix caching of the state, D caches what it read: the state after a whole
+    block, and that block's KV. A prompt one token longer than a block, sent again, hits
+    both, so D reads nothing and computes the last token from its own state. Without it,
+    the prompt is read again."""
+    decode = fleet.servers["d_hixl"]
+    block_size = attention_block_size(decode)
+    prompt = token_prompt(block_size + 1, seed=4000)
+    url = fleet.routers["hixl"].url
+    pulls = pulled(decode)[0]
+    first = greedy(url, prompt, MAX_TOKENS)
+    wait_for_pulls(decode, pulls + 1)
+    hits = prefix_cache_hits(decode)
+    assert greedy(url, prompt, MAX_TOKENS) == first
+    wait_kv_idle(fleet.servers["p_hixl"])  # D answered P: read, or released
+    if model.prefix_caching:
+        assert prefix_cache_hits(decode) - hits >= block_size
+        assert pulled(decode)[0] == pulls + 1, "a repeated prompt was read again"
+    else:
+        wait_for_pulls(decode, pulls + 2)
+
+
+def prefix_cache_hits(server: VllmServer) -> float:
+    return metric_total(read_metrics(server.url), "vllm:prefix_cache_hits_total")
 
 
 def test_at_concurrency_4_every_output_is_the_oracles_and_nothing_is_left_in_use(
