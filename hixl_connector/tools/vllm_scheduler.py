@@ -136,6 +136,8 @@ def real_scheduler(
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
+    if hasattr(kv_cache_config, "hash_block_size"):  # 0.34: the engine core resolves it
+        kv_cache_config.hash_block_size = BLOCK_SIZE
     if kv_role != "kv_consumer" and not incarnation_path(engine_id, 0, 0).exists():
         # What P's worker does when it registers its KV caches, before vLLM builds the
         # scheduler (which writes its incarnation there, then unlinks the file).

@@ -45,7 +45,7 @@ def state_position(tokens: int) -> int:
     return 0 if MODE == "none" else (tokens - 1) // BLOCK_SIZE
 
 
-def remote_decode(request_id: str, tokens: int, **sampling: object) -> object:
+def remote_decode(request_id: str, tokens: int, **sampling: object) -> Any:
     return make_request(
         request_id, prompt(tokens), max_tokens=4, params=dict(PREFILL_LEG_PARAMS), **sampling
     )
@@ -74,7 +74,11 @@ def test_p_computes_all_but_the_last_token_and_offers_its_state_slot(
     tiny_model_dir: Path, tokens: int
 ) -> None:
     scheduler = make_scheduler(tiny_model_dir, "kv_producer", engine_id="p-state", state=MODE)
-    scheduler.add_request(remote_decode("p1", tokens))
+    request = remote_decode("p1", tokens)
+    scheduler.add_request(request)
+    if MODE == "align" and hasattr(request, "truncate_block_hashes"):
+        # vLLM 0.34 hashes blocks by a size of its own: no hash names the dropped token.
+        assert len(request.block_hashes) == (tokens - 1) // BLOCK_SIZE
     scheduled, finished, (attention, state) = prefill(scheduler, "p1")
     assert scheduled == tokens - 1
     params = finished.kv_transfer_params
