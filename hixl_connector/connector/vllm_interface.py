@@ -31,6 +31,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base
 
+from hixl_connector.connector.mapping.state_groups import is_state_spec
+
 OLDEST = (0, 23)
 NEWEST = (0, 34)
 SUPPORTED_RANGE = f"{OLDEST[0]}.{OLDEST[1]}.0 to {NEWEST[0]}.{NEWEST[1]}.x"
@@ -83,9 +85,7 @@ def check_this_vllm(kv_cache_config: Any) -> None:
     import vllm
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    state = any(
-        cls.__name__ == "MambaSpec" for g in groups for cls in type(g.kv_cache_spec).__mro__
-    )
+    state = any(is_state_spec(group.kv_cache_spec) for group in groups)
     check_supported(str(vllm.__version__), len(groups), REPORTS_FAILED_RECEIVES, state)
 
 

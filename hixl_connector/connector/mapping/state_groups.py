@@ -96,7 +96,7 @@ def state_slot(row_length: int, num_tokens: int, block_size: int, groups: StateG
         position = math.ceil(num_tokens / block_size) - 1
     else:
         raise ValueError(f"mamba_cache_mode {groups.cache_mode!r} is not one the connector reads")
-    if position >= row_length - groups.speculative_blocks or position >= row_length:
+    if position >= row_length - groups.speculative_blocks:
         raise ValueError(
             f"a state row of {row_length} slots ({groups.speculative_blocks} of them scratch) "
             f"has no state slot for {num_tokens} tokens at position {position}"

@@ -1,5 +1,6 @@
 """What the shape tests with fleets of their own (MLA, speculative decoding, hybrid) share:
-starting a NamedFleet, the NIXL oracle's servers, and greedy completions."""
+starting a NamedFleet, the NIXL oracle's servers (configured as bench-serve's
+``NIXL_CONFIG``), and greedy completions."""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ from hixl_connector.tools.demo.processes import free_port
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
 
 from ..harness import NamedFleet, PDLauncher
-
-# vLLM's NixlConnector on CPU: KV in host memory, moved by UCX.
-NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
 def nixl_env(name: str) -> dict[str, str]:

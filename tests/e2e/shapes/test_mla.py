@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from hixl_test_connector import DIGEST_LOG
 
+from hixl_connector.tools.bench_serve import NIXL_CONFIG
 from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
 from hixl_connector.tools.demo.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_model
 
@@ -42,7 +43,7 @@ from ..harness import (
     wait_for_pulls,
     wait_kv_idle,
 )
-from .named_fleets import NIXL_CONFIG, greedy, nixl_env, serve_named_fleet
+from .named_fleets import greedy, nixl_env, serve_named_fleet
 
 # vLLM's CPU platform serves MLA with 16-token blocks only.
 MLA_BLOCK_SIZE = 16

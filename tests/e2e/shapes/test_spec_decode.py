@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from hixl_connector.tools.bench_serve import NIXL_CONFIG
 from hixl_connector.tools.demo.client import metric_total, read_metrics
 from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
 
@@ -39,7 +40,7 @@ from ..harness import (
     wait_kv_idle,
 )
 from .conftest import hixl_connector_config
-from .named_fleets import NIXL_CONFIG, greedy, serve_named_fleet, start_named
+from .named_fleets import greedy, serve_named_fleet, start_named
 
 SPECULATIVE_TOKENS = 3
 MAX_TOKENS = 24

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hixl_connector.connector.vllm_interface import REPORTS_FAILED_RECEIVES
+from hixl_connector.tools.bench_serve import NIXL_CONFIG
 from hixl_connector.tools.demo.client import Generation, complete, metric_total, read_metrics
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
@@ -39,7 +40,7 @@ from ..harness import (
     wait_for_pulls,
     wait_kv_idle,
 )
-from .named_fleets import NIXL_CONFIG, greedy, serve_named_fleet, start_named
+from .named_fleets import greedy, serve_named_fleet, start_named
 
 # One-token prompts load nothing (D computes them); the others cross block boundaries.
 LENGTHS = (1, 2, 17, 64, 97, 160)
