@@ -7,9 +7,12 @@ HixlConnector validates the rest:
 - ``test_corrupt_received_kv``: D overwrites what it received with noise before vLLM uses
   it, which must change the output. ``true`` corrupts every layer; a string, only the layers
   whose names start with it (a speculative draft's, say).
-- ``test_state_control``: a hybrid state model's state alone. ``"corrupt"``: D overwrites
-  the state slots it received with noise; ``"skip"``: D never reads them (its slots keep
-  whatever they held). Either must change the output: the state carried the prompt.
+- ``test_state_control``: ``true`` lets a request turn a control of a hybrid state model's
+  state alone on for itself, through its id (the X-Request-Id it was sent with):
+  ``state_control_id("corrupt")``: D overwrites the state slots it received with noise;
+  ``state_control_id("skip")``: D never reads them (its slots keep whatever they held).
+  Either must change the output: the state carried the prompt. Other requests on the same
+  server are read as by the production connector.
 - ``test_log_kv_digests``: the bytes themselves, compared across processes. P logs a digest
   of each request's prompt blocks as its forward left them (every TP rank its own), and D a
   digest of the blocks it received, before vLLM uses them, under P's request id
@@ -36,6 +39,8 @@ CORRUPT = "test_corrupt_received_kv"
 DIGESTS = "test_log_kv_digests"
 STATE = "test_state_control"
 STATE_CONTROLS = ("corrupt", "skip")
+# A request id holding this and a control's name: that control, for that request.
+STATE_CONTROL_MARK = "hixl-test-state-"
 CONTROLS = (CORRUPT, DIGESTS, STATE)
 MODULE = "hixl_test_connector"
 # P: "<side> <request> <rank> <blocks> <sha256>"; side is "prefill" or "decode".
@@ -50,6 +55,18 @@ def with_controls(config: dict[str, Any]) -> dict[str, Any]:
     if not set(CONTROLS) & set(config.get("kv_connector_extra_config", {})):
         return config
     return {**config, "kv_connector": "HixlTestConnector", "kv_connector_module_path": MODULE}
+
+
+def state_control_id(control: str, unique: str) -> str:
+    """An X-Request-Id that turns state ``control`` on for its request (``unique``: the rest
+    of the id)."""
+    assert control in STATE_CONTROLS, control
+    return f"{STATE_CONTROL_MARK}{control}-{unique}"
+
+
+def state_control(request_id: str) -> str:
+    """The state control ``request_id`` asks for (one of STATE_CONTROLS), or ""."""
+    return next((c for c in STATE_CONTROLS if f"{STATE_CONTROL_MARK}{c}-" in request_id), "")
 
 
 def digest(views: Sequence[Any], block_ids: Sequence[int]) -> str:
@@ -69,11 +86,11 @@ class CheckingReceiver:
     # The registered layers (in registration order) to corrupt: all if None, none if ().
     corrupted_layers: tuple[int, ...] | None = ()
     log_digests = False
-    state_control = ""  # one of STATE_CONTROLS, or nothing
+    state_controls = False  # a request may ask for a state control (state_control_id)
     _rank: DecodeRank
 
     def start(self, spec: RecvSpec, queued_at: float) -> bool:
-        if self.state_control == "skip":
+        if self.state_controls and state_control(spec.request_id) == "skip":
             spec = replace(spec, state_block_ids=())
         return super().start(spec, queued_at)  # type: ignore[misc]
 
@@ -100,7 +117,8 @@ class CheckingReceiver:
                 noise = torch.randn(view[index].shape, dtype=torch.float32) * 5
                 view[index] = noise.to(view.dtype)
         state = self._rank.layout.state
-        if self.state_control == "corrupt" and isinstance(spec, RecvSpec) and state is not None:
+        corrupt_state = self.state_controls and state_control(spec.request_id) == "corrupt"
+        if corrupt_state and isinstance(spec, RecvSpec) and state is not None:
             slots = torch.tensor([local for _, _, local in spec.state_block_ids], dtype=torch.long)
             for view in state.views:
                 # bf16 noise: valid values in bf16 parts and in the high halves of fp32 ones.
@@ -123,8 +141,8 @@ class HixlTestConnector(HixlConnector):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         controls = {key: extra.pop(key, False) for key in CONTROLS}
         corrupt, digests, state = controls[CORRUPT], controls[DIGESTS], controls[STATE]
-        if state is not False and state not in STATE_CONTROLS:
-            raise ValueError(f"{STATE} must be one of {STATE_CONTROLS}, got {state!r}")
+        if not isinstance(state, bool):
+            raise ValueError(f"{STATE} must be a bool, got {state!r}")
         if not isinstance(corrupt, (bool, str)) or corrupt == "":
             raise ValueError(f"{CORRUPT} must be a bool or a layer-name prefix, got {corrupt!r}")
         if not isinstance(digests, bool):
@@ -141,7 +159,7 @@ class HixlTestConnector(HixlConnector):
             checks = {
                 "corrupted_layers": None if corrupt is True else (),
                 "log_digests": digests,
-                "state_control": state or "",
+                "state_controls": state,
             }
             self._worker.receiver_cls = type("TestReceiver", (CheckingReceiver, Receiver), checks)
             self._worker.push_receiver_cls = type(

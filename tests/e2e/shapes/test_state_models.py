@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hixl_test_connector import STATE_CONTROLS, state_control_id
 
 from hixl_connector.connector.vllm_interface import REPORTS_FAILED_RECEIVES
 from hixl_connector.tools.bench_serve import NIXL_CONFIG
-from hixl_connector.tools.demo.client import Generation, complete, metric_total, read_metrics
+from hixl_connector.tools.demo.client import (
+    PREFILL_LEG_PARAMS,
+    Generation,
+    complete,
+    metric_total,
+    read_metrics,
+    send_leg,
+)
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
@@ -114,19 +123,14 @@ def fleet(
         configs = {
             "plain": None,
             "p_hixl": hixl_connector_config("prefill"),
-            "d_hixl": hixl_connector_config("decode"),
-            "d_corrupt": hixl_connector_config("decode", test_state_control="corrupt"),
-            "d_skip": hixl_connector_config("decode", test_state_control="skip"),
+            # The controls are per request (state_control_id): one D serves them all.
+            "d_hixl": hixl_connector_config("decode", test_state_control=True),
         }
         if model.oracle == "nixl":
             configs |= {"p_nixl": NIXL_CONFIG, "d_nixl": NIXL_CONFIG}
         return start_named(launcher, configs, model.server_args)
 
-    pairs = {
-        "hixl": ("p_hixl", "d_hixl"),
-        "corrupt": ("p_hixl", "d_corrupt"),
-        "skip": ("p_hixl", "d_skip"),
-    }
+    pairs = {"hixl": ("p_hixl", "d_hixl")}
     if model.oracle == "nixl":
         pairs["nixl"] = ("p_nixl", "d_nixl")
     yield from serve_named_fleet(launcher, start_servers, pairs)
@@ -134,9 +138,13 @@ def fleet(
 
 def reference(fleet: NamedFleet, model: StateModel, n: int) -> list[int]:
     """The oracle's output for the ``n``-token prompt."""
-    if model.oracle == "nixl":
-        return generate(fleet.routers["nixl"], n)
-    return greedy(fleet.servers["plain"].url, PROMPTS[n], MAX_TOKENS)
+    return oracle(fleet, model, PROMPTS[n])
+
+
+def oracle(fleet: NamedFleet, model: StateModel, prompt: list[int]) -> list[int]:
+    """The oracle's output for ``prompt``."""
+    server = fleet.routers["nixl"] if model.oracle == "nixl" else fleet.servers["plain"]
+    return greedy(server.url, prompt, MAX_TOKENS)
 
 
 def generate(router: RouterProcess, n: int) -> list[int]:
@@ -230,16 +238,38 @@ def test_at_concurrency_4_every_output_is_the_oracles_and_nothing_is_left_in_use
 def test_the_state_carried_the_prompt_corrupted_or_missing_it_changes_the_output(
     fleet: NamedFleet, model: StateModel
 ) -> None:
-    for control in ("corrupt", "skip"):
-        decode = fleet.servers[f"d_{control}"]
-        pulls = pulled(decode)[0]
-        differ = [
-            n
-            for n in (64, 97, 160)
-            if generate(fleet.routers[control], n) != reference(fleet, model, n)
-        ]
-        assert differ == [64, 97, 160], f"{control}: only {differ} changed"
-        assert wait_for_pulls(decode, pulls + 3)[0] == pulls + 3
+    """Each control on prompts of its own: D caches what it read (prefix caching), and a
+    corrupted state must not be what a later test's prompt hits. The legs go to P and D as
+    vllm-router sends them, under an X-Request-Id of the test's (the router makes its own);
+    without a control, the same legs give the oracle's output."""
+    for offset, control in enumerate(("", *STATE_CONTROLS)):
+        prompts = [token_prompt(n, seed=5000 + 1000 * offset + n) for n in (64, 97, 160)]
+        expected = [oracle(fleet, model, prompt) for prompt in prompts]
+        outputs = pull_directly(fleet, prompts, control)
+        same = [len(p) for p, o, e in zip(prompts, outputs, expected, strict=True) if o == e]
+        if control:
+            assert not same, f"{control}: the {same}-token prompts did not change"
+        else:
+            assert len(same) == len(prompts), "the legs without a control differ"
+
+
+def pull_directly(fleet: NamedFleet, prompts: list[list[int]], control: str) -> list[list[int]]:
+    """D's outputs of ``prompts``, each pulled from P under state ``control`` (or none)."""
+    prefill, decode = fleet.servers["p_hixl"], fleet.servers["d_hixl"]
+    pulls = pulled(decode)[0]
+    outputs = []
+    for prompt in prompts:
+        unique = uuid.uuid4().hex
+        request_id = state_control_id(control, unique) if control else unique
+        legs = {"model": SERVED_MODEL_NAME, "request_id": request_id}
+        answer = send_leg(prefill.url, prompt, PREFILL_LEG_PARAMS, max_tokens=1, **legs)
+        assert answer.kv_transfer_params, f"P answered no kv_transfer_params: {answer.raw}"
+        params = answer.kv_transfer_params
+        outputs.append(
+            send_leg(decode.url, prompt, params, max_tokens=MAX_TOKENS, **legs).token_ids
+        )
+    assert wait_for_pulls(decode, pulls + len(prompts))[0] == pulls + len(prompts)
+    return outputs
 
 
 def test_a_plain_server_agrees_on_the_first_token_and_its_logprob(
