@@ -81,7 +81,7 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         vllm_interface.check_this_vllm(kv_cache_config)
         config = HixlConfig.from_vllm_config(vllm_config)
-        check_movable(kv_cache_config, config.pushes)
+        check_movable(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         # Blocks of failed receives, for vLLM that takes them as load errors (get_finished).
         self._failed_receive_blocks: set[int] = set()

@@ -100,7 +100,8 @@ class PromptBlocks:
 class PushRecvSpec:
     """D, push mode: P writes the prompt's blocks at ``positions`` into ``local_block_ids``
     under grants of this rank's, ``groups`` of them in each KV-cache group in order (()
-    for one group). No blocks: D takes none, so P frees its own at once.
+    for one group), and its states into ``state_block_ids``. No blocks: D takes none, so P
+    frees its own at once.
 
     ``remote`` is P as the router names it in a concurrent push (engine id, host, port,
     tp_size): its cluster id and incarnation (0 here) come from P's handshake."""
@@ -111,6 +112,14 @@ class PushRecvSpec:
     positions: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     groups: tuple[int, ...] = ()
+    # A hybrid state model's state slots (state_groups): (group, local block) each, which
+    # P fills from its own slot of that group; a state group has no ``positions``.
+    state_block_ids: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def every_local_block(self) -> tuple[int, ...]:
+        """The request's local blocks P writes, state slots included."""
+        return self.local_block_ids + tuple(local for _, local in self.state_block_ids)
 
     @property
     def remote_request_id(self) -> str:

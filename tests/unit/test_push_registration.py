@@ -56,6 +56,8 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
         rank=draw(st.integers(0, 65535)),
         consumers=draw(st.integers(1, 65535)),
         groups=groups,
+        states=tuple((group, draw(ids)) for group in draw(st.sets(st.integers(0, 64), max_size=3))),
+        state_grant=draw(st.integers(0, 2**63 - 1)),
     )
 
 
@@ -109,6 +111,14 @@ GOOD = PushRegistration("cmpl-x-0", 9, (0, 1), (5, 6), (11,), (3, 12), 30.0).to_
         ({"groups": [0] * 65 + [2]}, "groups"),
         ({"groups": "2"}, "groups"),
         ({"groups": [1, 1], "slices": [2, [[0, 0, 0, 1]]]}, "2 KV-cache groups and slices"),
+        ({"states": 3}, "'states' must be a list"),
+        ({"states": [[1, 2]] * 65}, "'states' must be a list"),
+        ({"states": [[1]]}, "\\[group, block\\] pairs"),
+        ({"states": [[1, 2, 3]]}, "states"),
+        ({"states": [[1, -2]]}, "states"),
+        ({"states": [[1, 2], [1, 3]]}, "a state group twice"),
+        ({"state_grant": -1}, "state_grant"),
+        ({"state_grant": 2**63}, "state_grant"),
     ],
 )
 def test_hostile_registrations_are_refused_naming_the_field(

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.mapping.block_slices import SliceRun
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
 from hixl_connector.connector.mapping.tp_mapping import (
@@ -30,6 +31,7 @@ from hixl_connector.connector.push.request_push import (
     pushed_slices,
     pushed_units,
     source_blocks,
+    state_pairs,
 )
 from hixl_connector.connector.push.sender import ComputedLayers
 from hixl_connector.connector.push.serial_jobs import SerialJobs
@@ -70,6 +72,30 @@ def test_source_blocks_of_several_groups_are_each_groups_own_never_the_null_bloc
         source_blocks([full, window], _registration((0, 1)), 1)
     with pytest.raises(ValueError, match="blocks of 2 KV-cache group.s., this engine has 1"):
         source_blocks([full], both, 1)
+
+
+# Two state groups (1 and 2) of 3 and 2 units a block, pages of 16 units.
+STATE = StateLayout((0,), 16 * 256, 256, ((1, 3), (2, 2)), (), ())
+
+
+def test_state_pairs_are_the_units_of_ps_slot_into_ds_of_each_state_group() -> None:
+    """P offers a state group's slot alone; D names its own slot per group, no position."""
+    offered = [(10, 11), (40,), (50,)]
+    both = replace(_registration((0, 1)), groups=(2, 0, 0), states=((1, 7), (2, 8)))
+    src = [*range(40 * 16, 40 * 16 + 3), *range(50 * 16, 50 * 16 + 2)]
+    dst = [*range(7 * 16, 7 * 16 + 3), *range(8 * 16, 8 * 16 + 2)]
+    assert state_pairs(offered, both, STATE) == (src, dst)
+    assert state_pairs(offered, _registration((0, 1)), None) == ([], [])  # no state named
+    with pytest.raises(ValueError, match="this engine's model has no state"):
+        state_pairs(offered, both, None)
+    with pytest.raises(ValueError, match="group 0 a state group; it is not one here"):
+        state_pairs(offered, replace(both, states=((0, 7),)), STATE)
+    with pytest.raises(ValueError, match="group 3 a state group"):
+        state_pairs(offered, replace(both, states=((3, 7),)), STATE)
+    with pytest.raises(ValueError, match="P holds no state slot of group 2"):
+        state_pairs([(10, 11), (40,), ()], both, STATE)
+    with pytest.raises(ValueError, match="P holds no state slot of group 1"):
+        state_pairs([(10, 11), (NULL_BLOCK_ID,), (50,)], both, STATE)
 
 
 @given(

@@ -13,7 +13,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm_harness import (
     BLOCK_SIZE,
+    PUSH_IDENTITY,
+    PUSH_MODE,
     finished_outputs,
+    free_blocks,
     group_block_ids,
     hixl,
     make_request,
@@ -180,3 +183,68 @@ def test_d_computes_a_one_token_prompt_and_releases_p(tiny_model_dir: Path) -> N
     meta = metadata(output)
     assert meta.to_recv == [] and [r.request_id for r in meta.to_release] == ["d3"]
     assert output.num_scheduled_tokens == {"d3": 1}
+
+
+@pytest.mark.parametrize("tokens", [2, 17, 40])
+def test_a_pushed_d_registers_the_tokens_blocks_by_position_and_its_state_slot_apart(
+    tiny_model_dir: Path, tokens: int
+) -> None:
+    """Push mode: D names the blocks of N-1 tokens by prompt position and its state slot by
+    group (no position: P writes its own slot's state there)."""
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=MODE, extra=PUSH_MODE)
+    request_id = "cmpl-s-0-0badcafe"
+    scheduler.add_request(make_request(request_id, prompt(tokens), params=dict(PUSH_IDENTITY)))
+    (spec,) = metadata(step(scheduler)[0]).to_push_recv
+    attention, state = group_block_ids(scheduler, request_id)
+    loaded = -(-(tokens - 1) // BLOCK_SIZE)
+    assert spec.positions == tuple(range(loaded)) and spec.groups == (loaded, 0)
+    assert spec.local_block_ids == tuple(attention[:loaded])
+    assert spec.state_block_ids == ((1, state[state_position(tokens - 1)]),)
+    assert spec.every_local_block == (*attention[:loaded], state[state_position(tokens - 1)])
+    assert scheduler.requests[request_id].num_computed_tokens == tokens - 1
+    step(scheduler, finished_recving={request_id})
+    output, _ = step(scheduler)
+    assert output.num_scheduled_tokens == {request_id: 1}  # D computes the last token
+
+
+def test_a_pushing_p_hands_its_workers_the_state_slot_of_the_truncated_prompt(
+    tiny_model_dir: Path,
+) -> None:
+    scheduler = make_scheduler(tiny_model_dir, "kv_producer", state=MODE, extra=PUSH_MODE)
+    scheduler.add_request(remote_decode("p1", 40))
+    scheduled, _, blocks = prefill(scheduler, "p1")
+    assert scheduled == 39
+    (send,) = metadata(step(scheduler)[0]).to_send
+    attention, state = blocks
+    assert send.block_ids == (
+        tuple(attention[: -(-39 // BLOCK_SIZE)]),
+        (state[state_position(39)],),
+    )
+
+
+@pytest.mark.usefixtures("scheduling")  # asynchronous too: 0.32's AsyncScheduler
+def test_an_aborted_read_keeps_its_state_slot_until_the_read_ends(tiny_model_dir: Path) -> None:
+    """No step rewrites the state slot a read may still land in: vLLM frees it, with the
+    tokens' blocks, only once the worker reported the read, under either scheduler."""
+    scheduler = make_scheduler(tiny_model_dir, "kv_consumer", state=MODE)
+    idle = free_blocks(scheduler)
+
+    def params() -> dict[str, Any]:
+        offered = prefill_params(-(-39 // BLOCK_SIZE), remote_num_tokens=39)
+        return {**offered, "remote_block_ids": [offered["remote_block_ids"][0], [7]]}
+
+    scheduler.add_request(make_request("d4", prompt(40), params=params()))
+    (spec,) = metadata(step(scheduler)[0]).to_recv
+    held = idle - free_blocks(scheduler)
+    assert spec.state_block_ids and held >= len(spec.every_local_block)
+    scheduler.finish_requests("d4", RequestStatus.FINISHED_ABORTED)
+    output, _ = step(scheduler)
+    assert metadata(output).to_cancel == ["d4"]
+    # Another request, and more steps: none is given the blocks the read may write.
+    scheduler.add_request(make_request("d5", prompt(40, 1), params=params()))
+    for _ in range(3):
+        step(scheduler)
+    other = {block for group in group_block_ids(scheduler, "d5") for block in group}
+    assert other and not other & set(spec.every_local_block)
+    step(scheduler, finished_recving={"d4"})
+    assert "d4" not in scheduler.requests

@@ -66,10 +66,10 @@ def blocks_left_behind(num_prompt_tokens: int, window: int, block_size: int) -> 
     return max(0, num_prompt_tokens - window) // block_size
 
 
-def check_movable(kv_cache_config: Any, pushes: bool = False) -> None:
+def check_movable(kv_cache_config: Any) -> None:
     """Refuses, at start, a model with KV-cache groups the connector cannot move, naming the
     setting to change: it reads attention KV (full, sliding-window, MLA) block by block, and
-    the state of a hybrid state model (state_groups) by its slot, in pull mode."""
+    the state of a hybrid state model (state_groups) by its slot."""
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = group.kv_cache_spec
         for layer_spec in list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]:
@@ -95,11 +95,6 @@ def check_movable(kv_cache_config: Any, pushes: bool = False) -> None:
             f"this hybrid state model runs with mamba_cache_mode {states.cache_mode!r}, which "
             "hixl_connector does not read: use 'none' (--no-enable-prefix-caching) or "
             "'align' (prefix caching on)"
-        )
-    if pushes:
-        raise ValueError(
-            "kv_connector_extra_config 'transfer_mode': 'push' does not move the state of a "
-            "hybrid state model yet: use 'transfer_mode': 'pull' for this model"
         )
 
 

@@ -59,7 +59,9 @@ class Writer:
     """One P rank registered with for a request: what it may write here, and its word."""
 
     peer: Peer
-    grants: list[int] = field(default_factory=list)
+    grants: list[int] = field(default_factory=list)  # every grant it holds, the word's last
+    cache_grants: tuple[int, ...] = ()  # of them, each registered KV cache's, in order
+    state_grant: int = 0  # of them, the state units' (where it writes states)
     slot: int | None = None  # None: it writes nothing here (a replica nobody reads)
 
 
@@ -96,14 +98,22 @@ def grant_writer(
     blocks: Sequence[int],
     heads: Sequence[HeadRun],
     sliced: bool,
+    state_units: Sequence[int] = (),
 ) -> None:
     """Grants ``writer`` the KV heads ``heads`` of ``blocks`` in every registered KV cache
-    (their slices, where ``sliced``: P's blocks are smaller), then a cleared push word, last."""
+    (their slices, where ``sliced``: P's blocks are smaller) and ``state_units`` of the
+    registered state, then a cleared push word, last."""
     cluster_id = writer.peer.cluster_id
     parts = (kv.slices,) if sliced and kv.slices is not None else kv.caches
     for part in parts:
         units = granted_units(blocks, heads, kv.caches[0].units_per_block, part)
         writer.grants.append(kv.grant(cluster_id, part, units))
+    writer.cache_grants = tuple(writer.grants)
+    if state_units:
+        if kv.state is None:
+            raise ValueError("this engine registered no state: its model has none")
+        writer.state_grant = kv.grant(cluster_id, kv.state, state_units)
+        writer.grants.append(writer.state_grant)
     writer.slot = words.take()
     assert kv.push_words is not None
     writer.grants.append(kv.grant(cluster_id, kv.push_words, [writer.slot]))

@@ -6,8 +6,9 @@ incarnation from a first-contact handshake when the router named P only by addre
 (``push.contact``, kept per address until a push with it fails); then, for each P rank this
 rank mirrors a KV head of (as a pull would read them: tp_mapping), link it (PeerRegistry),
 grant its cluster those heads of the request's blocks in every registered KV cache (where
-P's blocks are smaller: their slices, with where each slice of P's blocks lands) and one push
-word of its own, clear the word, and register all of it with that rank (``push_register``).
+P's blocks are smaller: their slices, with where each slice of P's blocks lands), a hybrid
+state model's state slots in the state registration (equal TP sizes only), and one push word
+of its own, clear the word, and register all of it with that rank (``push_register``).
 Each P rank writes its heads, then its lease word into its push word. `collect` (on the step
 thread) looks at the words: once every one is set, every block landed, and the request is
 reported received; an idle step sleeps until a write lands in D's engine
@@ -92,7 +93,7 @@ class PushReceiver:
 
     def start(self, spec: PushRecvSpec, queued_at: float) -> None:
         """Registers the request's blocks with P (on the pool)."""
-        if spec.local_block_ids:
+        if spec.every_local_block:
             with self._lock:
                 self._started.add(spec.request_id)
         self._pool.submit(self._register, spec, queued_at)
@@ -268,7 +269,7 @@ class PushReceiver:
                 self._endpoints.forget(spec.remote)
             self._give_up(awaited, str(e))
             return
-        if not spec.local_block_ids:
+        if not spec.every_local_block:
             return  # P was told to free its blocks: nothing to wait for
         with self._lock:
             if spec.request_id not in self._cancelled:
@@ -287,24 +288,25 @@ class PushReceiver:
             plan = self._rank.plans.rank_plan(spec.remote.tp_size)
         except ValueError as e:
             raise PushRefused(f"prefill engine {endpoint.engine_id}: {e}") from None
+        states = self._state_units(spec, spec.remote.tp_size)
         for p_rank in plan.notify:
             writer = Writer(self._rank.peers.get(endpoint.rank(p_rank)))
             awaited.writers.append(writer)
             heads = tuple(HeadRun(r.src_head, r.dst_head, r.count) for r in plan.reads_from(p_rank))
-            takes = bool(spec.local_block_ids and heads)
+            takes = bool(spec.every_local_block and heads)
             if takes:
                 if awaited.slices is None:
                     awaited.slices = self._slices(writer.peer)
                 sliced = awaited.slices is not None
                 grant_writer(
-                    self._rank.kv, self._words, writer, spec.local_block_ids, heads, sliced
+                    self._rank.kv, self._words, writer, spec.local_block_ids, heads, sliced, states
                 )
             message = PushRegistration(
                 request=spec.base_request_id,
                 cluster_id=self._rank.cluster_id,
                 positions=spec.positions if takes else (),
                 blocks=spec.local_block_ids if takes else (),
-                grants=tuple(writer.grants[:-1]),
+                grants=writer.cache_grants,
                 word=(writer.slot or 0, writer.grants[-1] if writer.grants else 0),
                 wait_s=self._rank.config.pull_timeout_s,
                 slices=awaited.slices if takes else None,
@@ -313,6 +315,8 @@ class PushReceiver:
                 rank=self._rank.tp_rank,
                 consumers=plan.consumers[p_rank],
                 groups=spec.groups if takes else (),
+                states=spec.state_block_ids if takes else (),
+                state_grant=writer.state_grant,
             )
             try:
                 writer.peer.client.request(message.to_dict())
@@ -321,6 +325,23 @@ class PushReceiver:
                 self._lose(writer.peer, spec.remote, reason)
                 raise PeerLost(reason) from e
         self._rank.outcomes.record("push_registrations")
+
+    def _state_units(self, spec: PushRecvSpec, p_tp_size: int) -> list[int]:
+        """The units of the request's state slots (state_layout), which P writes whole:
+        between equal TP sizes only, as a pull reads them (read_units.state_reads)."""
+        if not spec.state_block_ids:
+            return []
+        state = self._rank.layout.state
+        if state is None:
+            raise PushRefused(
+                f"request {spec.request_id} names state slots, and this engine's model has none"
+            )
+        if p_tp_size != self._rank.plans.tp_size:
+            raise PushRefused(
+                f"prefill TP size {p_tp_size}, decode TP size {self._rank.plans.tp_size}: a "
+                "hybrid state model's state is moved between equal TP sizes only"
+            )
+        return [u for group, block in spec.state_block_ids for u in state.units(group, block)]
 
     def _slices(self, peer: Peer) -> Slices | None:
         """Where P's blocks are smaller, the slices of its blocks that make up one of this
@@ -347,20 +368,20 @@ class PushReceiver:
             self._pool.submit(self._give_up, awaited, f"revoke failed: {e}")
             return
         spec = awaited.spec
-        nbytes = (
-            len(spec.local_block_ids)
-            * self._rank.layout.block_bytes
-            * self._rank.layout.num_tensors
-        )
+        layout = self._rank.layout
+        nbytes = len(spec.local_block_ids) * layout.block_bytes * layout.num_tensors
+        if layout.state is not None:
+            states = sum(len(layout.state.units(g, b)) for g, b in spec.state_block_ids)
+            nbytes += states * layout.state.unit_bytes * len(layout.state.regions)
         self._received(spec, nbytes, now - awaited.registered_at, now - awaited.registered_at)
 
     def _received(self, spec: PushRecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:
         """The blocks of ``spec`` hold P's KV for it: reports them."""
         with self._lock:
             self._started.discard(spec.request_id)
-        self._rank.outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.local_block_ids))
+        self._rank.outcomes.record_pull(pull_s, ready_s, nbytes, len(spec.every_local_block))
         self._rank.outcomes.record("push_receives")
-        self._rank.outcomes.finish(spec.request_id, True, spec.local_block_ids)
+        self._rank.outcomes.finish(spec.request_id, True, spec.every_local_block)
 
     def _give_up(self, awaited: _Awaited, reason: str) -> None:
         """Revokes (waiting for any write under way), then reports a failed receive."""
@@ -374,14 +395,14 @@ class PushReceiver:
         with self._lock:
             self._cancelled.discard(spec.request_id)
             self._started.discard(spec.request_id)
-        if not spec.local_block_ids:
+        if not spec.every_local_block:
             if reason:
                 logger.warning("hixl: request %s: P not told to free: %s", spec.request_id, reason)
             return
         if reason != "aborted":
             logger.error("hixl: KV push for request %s failed: %s", spec.request_id, reason)
         self._rank.outcomes.record("failed_push_receives")
-        self._rank.outcomes.finish(spec.request_id, False, spec.local_block_ids)
+        self._rank.outcomes.finish(spec.request_id, False, spec.every_local_block)
 
     def _revoke(self, awaited: _Awaited) -> None:
         """Revokes every writer's grants (guarded_write), then forgets the writers."""

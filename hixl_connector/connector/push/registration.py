@@ -24,6 +24,12 @@ Under vLLM's hybrid KV-cache manager a request has blocks in each KV-cache group
 sliding-window group only those still in its window): ``groups`` says how many of the
 positions and blocks, in order, belong to each group. Layers of different groups share
 D's registered KV caches, so one grant per cache covers the blocks of every group.
+
+A hybrid state model's state groups have no positions (``groups`` counts 0 for them): D
+names its state slot of each (``states``: [group, D's block]) and grants its state units
+(``state_grant``); P writes there the state of its own slot of that group, whole, after
+the prompt was computed (a state layer is final only after P's last chunk) and before the
+word. Between equal TP sizes only.
 """
 
 from __future__ import annotations
@@ -113,6 +119,9 @@ class PushRegistration:
     # How many of ``positions`` (and ``blocks``) belong to each KV-cache group, in order;
     # () for one group.
     groups: tuple[int, ...] = ()
+    # (state group, D's block) for each state slot P fills, under ``state_grant``.
+    states: tuple[tuple[int, int], ...] = ()
+    state_grant: int = 0
 
     def group_positions(self) -> tuple[tuple[int, ...], ...]:
         """``positions`` split by KV-cache group."""
@@ -128,6 +137,8 @@ class PushRegistration:
             "rank": self.rank,
             "consumers": self.consumers,
             "groups": list(self.groups),
+            "states": [list(state) for state in self.states],
+            "state_grant": self.state_grant,
             "type": MESSAGE_TYPE,
             "request": self.request,
             "cluster_id": self.cluster_id,
@@ -187,6 +198,20 @@ class PushRegistration:
             )
         if len(groups) > 1 and slices is not None:
             raise ValueError(f"{where} names {len(groups)} KV-cache groups and slices")
+        states = data.get("states", [])
+        if not isinstance(states, (list, tuple)) or len(states) > MAX_KV_CACHE_GROUPS:
+            raise ValueError(
+                f"{where} field 'states' must be a list of at most {MAX_KV_CACHE_GROUPS} "
+                "[group, block] pairs"
+            )
+        slots = [_ints(where, "states", state, 2, 2**31) for state in states]
+        if any(len(slot) != 2 for slot in slots):
+            raise ValueError(f"{where} field 'states' must hold [group, block] pairs")
+        groups_named = [group for group, _ in slots]
+        if len(set(groups_named)) != len(groups_named):
+            raise ValueError(f"{where} names a state group twice: {groups_named}")
+        state_grant = data.get("state_grant", 0)
+        check_field(where, "state_grant", state_grant, int, 0, MAX_GRANT)
         return cls(
             request=request,
             cluster_id=check_field(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
@@ -201,6 +226,8 @@ class PushRegistration:
             rank=check_field(where, "rank", data, int, 0, MAX_RANKS),
             consumers=check_field(where, "consumers", data, int, 1, MAX_RANKS),
             groups=groups,
+            states=tuple((group, block) for group, block in slots),
+            state_grant=state_grant,
         )
 
 

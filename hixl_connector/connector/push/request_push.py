@@ -20,7 +20,12 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 
-from hixl_connector.connector.kv.registered_kv import PUSH_WORDS_MODEL_ID, RegisteredKV
+from hixl_connector.connector.kv.registered_kv import (
+    PUSH_WORDS_MODEL_ID,
+    STATE_MODEL_ID,
+    RegisteredKV,
+)
+from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.mapping.block_slices import slice_ids
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
@@ -67,6 +72,31 @@ def source_blocks(
                     raise ValueError(f"D asks for prompt block {i}, which left P's window")
                 source.append(blocks[i] if i < len(blocks) else NULL_BLOCK_ID)
     return tuple(source)
+
+
+def state_pairs(
+    prompt_blocks: Sequence[Sequence[int]],
+    registration: PushRegistration,
+    state: StateLayout | None,
+) -> tuple[list[int], list[int]]:
+    """The units of P's state slots (``prompt_blocks``: P offers a state group's slot
+    alone) and of D's slots they land in, for the state groups D registered; raises
+    ValueError where D's registration does not fit this engine or this prompt."""
+    moved: tuple[list[int], list[int]] = ([], [])
+    if not registration.states:
+        return moved
+    if state is None:
+        raise ValueError("D names state slots, and this engine's model has no state")
+    counts = registration.groups
+    for group, d_block in registration.states:
+        if group >= len(prompt_blocks) or (counts and counts[group]):
+            raise ValueError(f"D names KV-cache group {group} a state group; it is not one here")
+        offered = prompt_blocks[group]
+        if len(offered) != 1 or offered[0] == NULL_BLOCK_ID:
+            raise ValueError(f"P holds no state slot of group {group} for this prompt")
+        moved[0].extend(state.units(group, offered[0]))
+        moved[1].extend(state.units(group, d_block))
+    return moved
 
 
 def head_runs(registration: PushRegistration, p_units: int) -> tuple[tuple[HeadRun, ...], int]:
@@ -136,13 +166,14 @@ def layer_ranges(layers: Iterable[int]) -> list[range]:
 
 
 class RequestPush:
-    """Created once P knows D's registration; ``src`` is what ``source_blocks`` returned for
-    it and the prompt's blocks, or () for a push that begins once the prefill finished
-    (``finish`` takes the blocks from the finished prefill then)."""
+    """Created once P knows D's registration; ``kv``: this engine's registered KV and where
+    its states lie (None: no state); ``src`` is what ``source_blocks`` returned for it and
+    the prompt's blocks, or () for a push that begins once the prefill finished (``finish``
+    takes the blocks from the finished prefill then)."""
 
     def __init__(
         self,
-        kv: RegisteredKV,
+        kv: tuple[RegisteredKV, StateLayout | None],
         registration: PushRegistration,
         src: tuple[int, ...],
         num_layers: int,
@@ -152,7 +183,7 @@ class RequestPush:
     ) -> None:
         """``gave_up``: told of a push P will not finish, and why."""
         self.registration = registration
-        self._kv = kv
+        self._kv, self._state = kv
         self._gave_up = gave_up
         self._src = src
         self._num_layers = num_layers
@@ -213,19 +244,28 @@ class RequestPush:
     def _push_rest(self, send: SendSpec) -> None:
         if self._error:
             raise RuntimeError(self._error)
-        if not self.registration.blocks:
+        registration = self.registration
+        if not registration.blocks and not registration.states:
             return  # this D rank takes nothing: it is done
-        src = source_blocks(send.block_ids, self.registration, len(self._kv.caches))
+        src = source_blocks(send.block_ids, registration, len(self._kv.caches))
+        states = state_pairs(send.block_ids, registration, self._state)
         if src != self._src:
             # A push begun only now (src ()), which has written nothing; or, which cannot
             # happen, blocks that changed since the layers were written: all are written again.
             self._src, self._written = src, set()
         missing = [layer for layer in range(self._num_layers) if layer not in self._written]
-        if len(missing) == self._num_layers:
+        if not registration.blocks:
+            pass  # D holds the prompt's KV (a local prefix hit) and takes the state alone
+        elif len(missing) == self._num_layers:
             self._write(None)
         else:
             for layers in layer_ranges(missing):
                 self._write(layers)
+        if states[0]:
+            # A state is final only once the prompt's last chunk ran: written now, whole.
+            assert self._kv.state is not None
+            grant = registration.state_grant
+            self._kv.push(registration.cluster_id, self._kv.state, STATE_MODEL_ID, states, grant)
         # Last: the lease word (set while the lease lives) tells D every block landed.
         assert self._kv.lease_words is not None
         slot, grant = self.registration.word

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from hixl_connector.connector.kv.registered_kv import RegisteredKV
+from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.leases.server import LeaseTable
 from hixl_connector.connector.metadata import PromptBlocks, SendSpec
 from hixl_connector.connector.push.registration import PushRegistration
@@ -54,13 +55,14 @@ T = TypeVar("T")
 
 
 class PushSender:
-    """``layers``: the registered layer index of each attention layer's name."""
+    """``layout``: the registered layer index of each attention layer's name, and where a
+    hybrid state model's states lie (None: it has none)."""
 
     def __init__(
         self,
         kv: RegisteredKV,
         leases: LeaseTable,
-        layers: Mapping[str, int],
+        layout: tuple[Mapping[str, int], StateLayout | None],
         threads: int,
         record: Callable[[str, int], None],
         wake: Callable[[], None],
@@ -69,6 +71,7 @@ class PushSender:
             raise ValueError("push mode needs the prefill engine's lease words registered")
         self._kv = kv
         self._leases = leases
+        layers, self._state = layout
         self._num_layers = len(set(layers.values()))
         self._record = record
         self._wake = wake
@@ -243,7 +246,7 @@ class PushSender:
 
     def _new_push(self, registration: PushRegistration, src: tuple[int, ...]) -> RequestPush:
         return RequestPush(
-            self._kv,
+            (self._kv, self._state),
             registration,
             src,
             self._num_layers,

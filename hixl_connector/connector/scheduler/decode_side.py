@@ -297,12 +297,21 @@ class DecodeSide:
                     "request %s: nothing to receive, P not told: %s", request_id, asked.error
                 )
             return
-        positions = tuple(p for group_positions, _ in unfilled for p in group_positions)
-        groups = tuple(len(group_positions) for group_positions, _ in unfilled)
+        # A state group's slot is no prompt position: P writes its own slot's state there.
+        tokens = [group if i not in self._states else ((), ()) for i, group in enumerate(unfilled)]
+        positions = tuple(p for group_positions, _ in tokens for p in group_positions)
+        groups = tuple(len(group_positions) for group_positions, _ in tokens)
+        states = tuple(
+            (index, block)
+            for index, (_, blocks) in enumerate(unfilled)
+            if index in self._states
+            for block in blocks
+        )
         if external > 0:
             self.receiving.add(request_id)
         base = base_request_id(request_id)
-        spec = PushRecvSpec(request_id, base, remote, positions, local, groups)
+        local = tuple(block for _, group_blocks in tokens for block in group_blocks)
+        spec = PushRecvSpec(request_id, base, remote, positions, local, groups, states)
         self._to_push_recv.append(spec)
 
     def _stop_waiting(self, request_id: str) -> None:

@@ -161,6 +161,7 @@ class HixlWorker:
                 self._outcomes.wake.set,
                 kv,
                 dict(layout.layer_index),
+                layout.state,
             )
         logger.info(
             "hixl: registered %d KV tensors x %d blocks of %d bytes (cluster %d, rank %d)",

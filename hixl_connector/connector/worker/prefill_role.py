@@ -13,6 +13,7 @@ import zmq
 
 from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.kv.registered_kv import RegisteredKV
+from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.leases.server import LeaseServer
 from hixl_connector.connector.metadata import HixlConnectorMetadata
@@ -26,7 +27,8 @@ from hixl_connector.connector.push.sender import PushSender
 class PrefillRole:
     """Serves from construction until ``close()``; ``words``: this rank's lease words, and
     the file P's scheduler writes its incarnation into after the workers start; ``layers``:
-    the registered layer of each attention layer's name."""
+    the registered layer of each attention layer's name; ``state``: where a hybrid state
+    model's states lie."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class PrefillRole:
         wake: Callable[[], None],
         kv: RegisteredKV,
         layers: Mapping[str, int],
+        state: StateLayout | None = None,
     ) -> None:
         self._payload = payload
         self._words, self._incarnation = words
@@ -47,7 +50,7 @@ class PrefillRole:
         self._pusher: PushSender | None = None
         if config.pushes:
             self._pusher = PushSender(
-                kv, self._leases.table, layers, config.transfer_threads, record, wake
+                kv, self._leases.table, (layers, state), config.transfer_threads, record, wake
             )
         pushing = self._pusher.handlers() if self._pusher is not None else {}
         self._server = SideChannelServer(

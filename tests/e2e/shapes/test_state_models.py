@@ -1,5 +1,5 @@
-"""A hybrid state model (Nemotron-H: Mamba2 layers beside attention, an fp32 ssm state beside
-a bf16 conv state in one page) P/D behind the real vllm-router, pulled.
+"""Hybrid state models (Mamba2, Gated DeltaNet, short convolutions: a state per request
+beside attention) P/D behind the real vllm-router, pulled and pushed.
 
 P computes the prompt but its last token, and D loads that many tokens' KV with P's state
 after them, then computes the last token itself: NixlConnector does the same. The oracle is
@@ -33,7 +33,7 @@ from hixl_connector.tools.demo.client import (
     read_metrics,
     send_leg,
 )
-from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, RouterProcess, VllmServer
+from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
 
 from ..harness import (
@@ -123,14 +123,18 @@ def fleet(
         configs = {
             "plain": None,
             "p_hixl": hixl_connector_config("prefill"),
-            # The controls are per request (state_control_id): one D serves them all.
-            "d_hixl": hixl_connector_config("decode", test_state_control=True),
+            "p_push": hixl_connector_config("prefill", transfer_mode="push"),
+            # Push mode, which pulls from a P in pull mode too. The controls are per
+            # request (state_control_id): one D serves them all.
+            "d_hixl": hixl_connector_config(
+                "decode", transfer_mode="push", test_state_control=True
+            ),
         }
         if model.oracle == "nixl":
             configs |= {"p_nixl": NIXL_CONFIG, "d_nixl": NIXL_CONFIG}
         return start_named(launcher, configs, model.server_args)
 
-    pairs = {"hixl": ("p_hixl", "d_hixl")}
+    pairs = {"hixl": ("p_hixl", "d_hixl"), "push": ("p_push", "d_hixl")}
     if model.oracle == "nixl":
         pairs["nixl"] = ("p_nixl", "d_nixl")
     yield from serve_named_fleet(launcher, start_servers, pairs)
@@ -147,10 +151,6 @@ def oracle(fleet: NamedFleet, model: StateModel, prompt: list[int]) -> list[int]
     return greedy(server.url, prompt, MAX_TOKENS)
 
 
-def generate(router: RouterProcess, n: int) -> list[int]:
-    return greedy(router.url, PROMPTS[n], MAX_TOKENS)
-
-
 def attention_block_size(server: VllmServer) -> int:
     """The attention block size vLLM chose: it raises the configured one until an attention
     page holds a state page, and says so."""
@@ -162,32 +162,51 @@ def attention_block_size(server: VllmServer) -> int:
 def test_token_identical_to_the_oracle_with_the_state_read(
     fleet: NamedFleet, model: StateModel
 ) -> None:
-    decode = fleet.servers["d_hixl"]
-    expected = {n: reference(fleet, model, n) for n in LENGTHS}
+    moved_as_the_oracle(fleet, model, "hixl", PROMPTS)
+
+
+def test_token_identical_to_the_oracle_with_the_state_pushed(
+    fleet: NamedFleet, model: StateModel
+) -> None:
+    """P writes the tokens' KV and, once its prompt was computed, the state into D's slots.
+    Prompts of its own: D caches what it received, and a prompt it holds is not moved."""
+    prompts = {n: token_prompt(n, seed=9000 + n) for n in LENGTHS}
+    moved_as_the_oracle(fleet, model, "push", prompts)
+
+
+def moved_as_the_oracle(
+    fleet: NamedFleet, model: StateModel, pair: str, prompts: dict[int, list[int]]
+) -> None:
+    """Through the router of ``pair``, every prompt's output is the oracle's, and D received
+    the attention KV of N-1 tokens and the state's bytes of each state slot, never the
+    padding of its page."""
+    prefill, decode = fleet.servers[f"p_{pair}"], fleet.servers["d_hixl"]
+    expected = {n: oracle(fleet, model, prompt) for n, prompt in prompts.items()}
     # Varied outputs: the random weights do not collapse to one repeated token.
     assert all(len(set(tokens)) >= MAX_TOKENS // 5 for tokens in expected.values())
     block_size = attention_block_size(decode)
-    pulls, blocks, nbytes = pulled(decode)
+    moves, blocks, nbytes = pulled(decode)
     external = external_prompt_tokens(decode.url)
-    for n in LENGTHS:
-        assert generate(fleet.routers["hixl"], n) == expected[n], f"{n}-token prompt differs"
-        if n == 1:  # D computes a one-token prompt: nothing to read
+    for n, prompt in prompts.items():
+        output = greedy(fleet.routers[pair].url, prompt, MAX_TOKENS)
+        assert output == expected[n], f"{pair}: {n}-token prompt differs"
+        if n == 1:  # D computes a one-token prompt: nothing to move
             continue
-        now = wait_for_pulls(decode, pulls + 1)
+        now = wait_for_pulls(decode, moves + 1)
         # N-1 tokens of attention KV, and the state slot of each state group: its state's
         # bytes, not the page (padded up to the attention page) they lie in.
         token_blocks = math.ceil((n - 1) / block_size)
         assert now[1] - blocks == token_blocks + model.state_groups, f"{n}-token: blocks"
         page = block_size * model.attention_token_bytes
         assert page > model.state_bytes
-        read = (token_blocks * page + model.state_groups * model.state_bytes) * model.regions
-        assert now[2] - nbytes == read, f"{n}-token prompt: bytes"
-        pulls, blocks, nbytes = now
+        moved = (token_blocks * page + model.state_groups * model.state_bytes) * model.regions
+        assert now[2] - nbytes == moved, f"{pair}: {n}-token prompt: bytes"
+        moves, blocks, nbytes = now
     # vLLM's own count of the prompt tokens that came through the connector: all but the
     # last of each prompt (a one-token prompt: none).
     loaded = external_prompt_tokens(decode.url) - external
-    assert loaded == sum(n - 1 for n in LENGTHS)
-    wait_kv_idle(fleet.servers["p_hixl"])
+    assert loaded == sum(n - 1 for n in prompts)
+    wait_kv_idle(prefill)
     wait_kv_idle(decode)
 
 
