@@ -82,8 +82,10 @@ class SendSpec:
     slot: int  # its lease word's slot (leases.guarded_read)
     word: int  # the word published there
     # Push mode: the prompt's blocks of each KV-cache group, by position, for a D that
-    # registers its own blocks for this request instead of pulling.
+    # registers its own blocks for this request instead of pulling ...
     block_ids: tuple[tuple[int, ...], ...] = ()
+    # ... and the prompt tokens P computed (a state model's state holds that many).
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,10 @@ class PushRecvSpec:
     local_block_ids: tuple[int, ...]
     groups: tuple[int, ...] = ()
     # A hybrid state model's state slots (state_groups): (group, local block) each, which
-    # P fills from its own slot of that group; a state group has no ``positions``.
+    # P fills from its own slot of that group, holding the state after ``num_tokens`` prompt
+    # tokens; a state group has no ``positions``.
     state_block_ids: tuple[tuple[int, int], ...] = ()
+    num_tokens: int = 0
 
     @property
     def every_local_block(self) -> tuple[int, ...]:

@@ -277,8 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     args.modes = args.modes.split(",")
     if not set(args.modes) <= set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
-    if args.model in STATE_MODELS and "push" in args.modes:
-        parser.error(f"{args.model}: push mode does not move a state model's state yet")
     if args.model == "lfm2" and "nixl" in args.modes:
         parser.error("lfm2: NixlConnector does not move short-convolution state")
     if args.rounds < 1 or args.prompts < args.rounds:

@@ -56,9 +56,21 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
         rank=draw(st.integers(0, 65535)),
         consumers=draw(st.integers(1, 65535)),
         groups=groups,
-        states=tuple((group, draw(ids)) for group in draw(st.sets(st.integers(0, 64), max_size=3))),
-        state_grant=draw(st.integers(0, 2**63 - 1)),
+        **draw(state_slots()),
     )
+
+
+@st.composite
+def state_slots(draw: st.DrawFn) -> dict[str, Any]:
+    """A state model's slots, with their grant and token count, or none."""
+    groups = draw(st.sets(st.integers(0, 63), max_size=3))
+    if not groups:
+        return {}
+    return {
+        "states": tuple((group, draw(ids)) for group in sorted(groups)),
+        "state_grant": draw(st.integers(1, 2**63 - 1)),
+        "num_tokens": draw(st.integers(1, 2**31)),
+    }
 
 
 @given(registrations())
@@ -113,12 +125,16 @@ GOOD = PushRegistration("cmpl-x-0", 9, (0, 1), (5, 6), (11,), (3, 12), 30.0).to_
         ({"groups": [1, 1], "slices": [2, [[0, 0, 0, 1]]]}, "2 KV-cache groups and slices"),
         ({"states": 3}, "'states' must be a list"),
         ({"states": [[1, 2]] * 65}, "'states' must be a list"),
-        ({"states": [[1]]}, "\\[group, block\\] pairs"),
+        ({"states": [[1]]}, "\\[group < 64, block\\] pairs"),
         ({"states": [[1, 2, 3]]}, "states"),
         ({"states": [[1, -2]]}, "states"),
         ({"states": [[1, 2], [1, 3]]}, "a state group twice"),
         ({"state_grant": -1}, "state_grant"),
         ({"state_grant": 2**63}, "state_grant"),
+        ({"states": [[64, 2]], "state_grant": 5, "num_tokens": 3}, "group < 64"),
+        ({"states": [[1, 2]], "num_tokens": 3}, "without a state_grant and num_tokens"),
+        ({"states": [[1, 2]], "state_grant": 5}, "without a state_grant and num_tokens"),
+        ({"num_tokens": -1}, "num_tokens"),
     ],
 )
 def test_hostile_registrations_are_refused_naming_the_field(
@@ -131,3 +147,11 @@ def test_hostile_registrations_are_refused_naming_the_field(
 def test_not_a_dict_is_refused() -> None:
     with pytest.raises(ValueError, match="must be a dict"):
         PushRegistration.from_dict([1, 2])
+
+
+def test_a_state_slot_alone_needs_no_cache_grant() -> None:
+    """D holds the prompt's KV (a local prefix hit) and takes a state alone."""
+    alone = {**GOOD, "positions": [], "blocks": [], "grants": [], "groups": [0, 0]}
+    alone |= {"states": [[1, 4]], "state_grant": 8, "num_tokens": 31}
+    parsed = PushRegistration.from_dict(alone)
+    assert parsed.states == ((1, 4),) and parsed.grants == () and parsed.num_tokens == 31

@@ -24,6 +24,7 @@ from hixl_connector.connector.mapping.tp_mapping import (
     heads_per_rank,
     plan_rank,
 )
+from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
 from hixl_connector.connector.push.request_push import (
     head_runs,
@@ -79,23 +80,26 @@ STATE = StateLayout((0,), 16 * 256, 256, ((1, 3), (2, 2)), (), ())
 
 
 def test_state_pairs_are_the_units_of_ps_slot_into_ds_of_each_state_group() -> None:
-    """P offers a state group's slot alone; D names its own slot per group, no position."""
-    offered = [(10, 11), (40,), (50,)]
-    both = replace(_registration((0, 1)), groups=(2, 0, 0), states=((1, 7), (2, 8)))
+    """P offers a state group's slot alone; D names its own slot per group, no position, and
+    the tokens the state must hold: a state that holds another number is refused."""
+    offered = SendSpec("r", 1, 0, 0, ((10, 11), (40,), (50,)), num_tokens=31)
+    both = replace(_registration((0, 1)), groups=(2, 0, 0), states=((1, 7), (2, 8)), num_tokens=31)
     src = [*range(40 * 16, 40 * 16 + 3), *range(50 * 16, 50 * 16 + 2)]
     dst = [*range(7 * 16, 7 * 16 + 3), *range(8 * 16, 8 * 16 + 2)]
     assert state_pairs(offered, both, STATE) == (src, dst)
     assert state_pairs(offered, _registration((0, 1)), None) == ([], [])  # no state named
     with pytest.raises(ValueError, match="this engine's model has no state"):
         state_pairs(offered, both, None)
+    with pytest.raises(ValueError, match="P's state holds 32 prompt tokens, D continues from 31"):
+        state_pairs(replace(offered, num_tokens=32), both, STATE)  # P computed it whole
     with pytest.raises(ValueError, match="group 0 a state group; it is not one here"):
         state_pairs(offered, replace(both, states=((0, 7),)), STATE)
     with pytest.raises(ValueError, match="group 3 a state group"):
         state_pairs(offered, replace(both, states=((3, 7),)), STATE)
     with pytest.raises(ValueError, match="P holds no state slot of group 2"):
-        state_pairs([(10, 11), (40,), ()], both, STATE)
+        state_pairs(replace(offered, block_ids=((10, 11), (40,), ())), both, STATE)
     with pytest.raises(ValueError, match="P holds no state slot of group 1"):
-        state_pairs([(10, 11), (NULL_BLOCK_ID,), (50,)], both, STATE)
+        state_pairs(replace(offered, block_ids=((10, 11), (NULL_BLOCK_ID,), (50,))), both, STATE)
 
 
 @given(

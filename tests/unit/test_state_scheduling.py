@@ -201,6 +201,7 @@ def test_a_pushed_d_registers_the_tokens_blocks_by_position_and_its_state_slot_a
     assert spec.local_block_ids == tuple(attention[:loaded])
     assert spec.state_block_ids == ((1, state[state_position(tokens - 1)]),)
     assert spec.every_local_block == (*attention[:loaded], state[state_position(tokens - 1)])
+    assert spec.num_tokens == tokens - 1  # P refuses a state that holds another number
     assert scheduler.requests[request_id].num_computed_tokens == tokens - 1
     step(scheduler, finished_recving={request_id})
     output, _ = step(scheduler)
@@ -220,6 +221,7 @@ def test_a_pushing_p_hands_its_workers_the_state_slot_of_the_truncated_prompt(
         tuple(attention[: -(-39 // BLOCK_SIZE)]),
         (state[state_position(39)],),
     )
+    assert send.num_tokens == 39  # the prompt's tokens P computed
 
 
 @pytest.mark.usefixtures("scheduling")  # asynchronous too: 0.32's AsyncScheduler

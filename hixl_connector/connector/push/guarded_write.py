@@ -105,7 +105,8 @@ def grant_writer(
     registered state, then a cleared push word, last."""
     cluster_id = writer.peer.cluster_id
     parts = (kv.slices,) if sliced and kv.slices is not None else kv.caches
-    for part in parts:
+    # No blocks (D holds the prompt's KV, and takes a state alone): no grant to make.
+    for part in parts if blocks else ():
         units = granted_units(blocks, heads, kv.caches[0].units_per_block, part)
         writer.grants.append(kv.grant(cluster_id, part, units))
     writer.cache_grants = tuple(writer.grants)

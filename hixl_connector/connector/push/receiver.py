@@ -317,6 +317,7 @@ class PushReceiver:
                 groups=spec.groups if takes else (),
                 states=spec.state_block_ids if takes else (),
                 state_grant=writer.state_grant,
+                num_tokens=spec.num_tokens if takes else 0,
             )
             try:
                 writer.peer.client.request(message.to_dict())

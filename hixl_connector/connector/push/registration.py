@@ -27,7 +27,8 @@ D's registered KV caches, so one grant per cache covers the blocks of every grou
 
 A hybrid state model's state groups have no positions (``groups`` counts 0 for them): D
 names its state slot of each (``states``: [group, D's block]) and grants its state units
-(``state_grant``); P writes there the state of its own slot of that group, whole, after
+(``state_grant``), and the prompt tokens the state must hold (``num_tokens``, N−1: P refuses
+a prompt it computed whole); P writes there the state of its own slot of that group, whole, after
 the prompt was computed (a state layer is final only after P's last chunk) and before the
 word. Between equal TP sizes only.
 """
@@ -119,9 +120,11 @@ class PushRegistration:
     # How many of ``positions`` (and ``blocks``) belong to each KV-cache group, in order;
     # () for one group.
     groups: tuple[int, ...] = ()
-    # (state group, D's block) for each state slot P fills, under ``state_grant``.
+    # (state group, D's block) for each state slot P fills, under ``state_grant``, with the
+    # state after ``num_tokens`` prompt tokens (P refuses a state that holds another number).
     states: tuple[tuple[int, int], ...] = ()
     state_grant: int = 0
+    num_tokens: int = 0
 
     def group_positions(self) -> tuple[tuple[int, ...], ...]:
         """``positions`` split by KV-cache group."""
@@ -139,6 +142,7 @@ class PushRegistration:
             "groups": list(self.groups),
             "states": [list(state) for state in self.states],
             "state_grant": self.state_grant,
+            "num_tokens": self.num_tokens,
             "type": MESSAGE_TYPE,
             "request": self.request,
             "cluster_id": self.cluster_id,
@@ -205,13 +209,19 @@ class PushRegistration:
                 "[group, block] pairs"
             )
         slots = [_ints(where, "states", state, 2, 2**31) for state in states]
-        if any(len(slot) != 2 for slot in slots):
-            raise ValueError(f"{where} field 'states' must hold [group, block] pairs")
+        if any(len(slot) != 2 or slot[0] >= MAX_KV_CACHE_GROUPS for slot in slots):
+            raise ValueError(
+                f"{where} field 'states' must hold [group < {MAX_KV_CACHE_GROUPS}, block] pairs"
+            )
         groups_named = [group for group, _ in slots]
         if len(set(groups_named)) != len(groups_named):
             raise ValueError(f"{where} names a state group twice: {groups_named}")
         state_grant = data.get("state_grant", 0)
         check_field(where, "state_grant", state_grant, int, 0, MAX_GRANT)
+        num_tokens = data.get("num_tokens", 0)
+        check_field(where, "num_tokens", num_tokens, int, 0, 2**31)
+        if slots and not (state_grant and num_tokens):
+            raise ValueError(f"{where} names state slots without a state_grant and num_tokens")
         return cls(
             request=request,
             cluster_id=check_field(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
@@ -228,6 +238,7 @@ class PushRegistration:
             groups=groups,
             states=tuple((group, block) for group, block in slots),
             state_grant=state_grant,
+            num_tokens=num_tokens,
         )
 
 

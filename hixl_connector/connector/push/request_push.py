@@ -75,18 +75,25 @@ def source_blocks(
 
 
 def state_pairs(
-    prompt_blocks: Sequence[Sequence[int]],
-    registration: PushRegistration,
-    state: StateLayout | None,
+    send: SendSpec, registration: PushRegistration, state: StateLayout | None
 ) -> tuple[list[int], list[int]]:
-    """The units of P's state slots (``prompt_blocks``: P offers a state group's slot
+    """The units of P's state slots (``send.block_ids``: P offers a state group's slot
     alone) and of D's slots they land in, for the state groups D registered; raises
-    ValueError where D's registration does not fit this engine or this prompt."""
+    ValueError where D's registration does not fit this engine or this prompt, or P's state
+    holds another number of tokens than D continues from."""
     moved: tuple[list[int], list[int]] = ([], [])
     if not registration.states:
         return moved
     if state is None:
         raise ValueError("D names state slots, and this engine's model has no state")
+    if send.num_tokens != registration.num_tokens:
+        # P computed this prompt whole (prompt logprobs): its state holds the last token,
+        # which D computes again.
+        raise ValueError(
+            f"P's state holds {send.num_tokens} prompt tokens, D continues from "
+            f"{registration.num_tokens}"
+        )
+    prompt_blocks = send.block_ids
     counts = registration.groups
     for group, d_block in registration.states:
         if group >= len(prompt_blocks) or (counts and counts[group]):
@@ -247,20 +254,9 @@ class RequestPush:
         registration = self.registration
         if not registration.blocks and not registration.states:
             return  # this D rank takes nothing: it is done
-        src = source_blocks(send.block_ids, registration, len(self._kv.caches))
-        states = state_pairs(send.block_ids, registration, self._state)
-        if src != self._src:
-            # A push begun only now (src ()), which has written nothing; or, which cannot
-            # happen, blocks that changed since the layers were written: all are written again.
-            self._src, self._written = src, set()
-        missing = [layer for layer in range(self._num_layers) if layer not in self._written]
-        if not registration.blocks:
-            pass  # D holds the prompt's KV (a local prefix hit) and takes the state alone
-        elif len(missing) == self._num_layers:
-            self._write(None)
-        else:
-            for layers in layer_ranges(missing):
-                self._write(layers)
+        states = state_pairs(send, registration, self._state)
+        if registration.blocks:  # none: D holds the prompt's KV, and takes a state alone
+            self._write_rest(source_blocks(send.block_ids, registration, len(self._kv.caches)))
         if states[0]:
             # A state is final only once the prompt's last chunk ran: written now, whole.
             assert self._kv.state is not None
@@ -273,6 +269,19 @@ class RequestPush:
         self._kv.push(
             self.registration.cluster_id, self._kv.lease_words, PUSH_WORDS_MODEL_ID, words, grant
         )
+
+    def _write_rest(self, src: tuple[int, ...]) -> None:
+        """The layers of blocks ``src`` not written yet."""
+        if src != self._src:
+            # A push begun only now (src ()), which has written nothing; or, which cannot
+            # happen, blocks that changed since the layers were written: all are written again.
+            self._src, self._written = src, set()
+        missing = [layer for layer in range(self._num_layers) if layer not in self._written]
+        if len(missing) == self._num_layers:
+            self._write(None)
+        else:
+            for layers in layer_ranges(missing):
+                self._write(layers)
 
     def _write(self, layers: range | None) -> None:
         """``layers`` (None: all) of every block, in every KV cache, under D's grants."""

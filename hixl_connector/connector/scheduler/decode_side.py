@@ -154,7 +154,7 @@ class DecodeSide:
             )
             return
         if asked.pushed:
-            self._push_recv(request_id, asked, unfilled, external)
+            self._push_recv(request_id, asked, unfilled, external, tokens)
             return
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
         prefill = asked.prefill
@@ -282,9 +282,15 @@ class DecodeSide:
             return _Asked(pushed, error=str(exc))
 
     def _push_recv(
-        self, request_id: str, asked: _Asked, unfilled: Sequence[Unfilled], external: int
+        self,
+        request_id: str,
+        asked: _Asked,
+        unfilled: Sequence[Unfilled],
+        external: int,
+        num_tokens: int = 0,
     ) -> None:
-        """P writes the unfilled blocks (none: P frees its own at once)."""
+        """P writes the unfilled blocks (none: P frees its own at once), a state model's
+        states holding ``num_tokens`` prompt tokens."""
         if external <= 0:
             unfilled = ()
         local = tuple(block for _, group_blocks in unfilled for block in group_blocks)
@@ -311,7 +317,8 @@ class DecodeSide:
             self.receiving.add(request_id)
         base = base_request_id(request_id)
         local = tuple(block for _, group_blocks in tokens for block in group_blocks)
-        spec = PushRecvSpec(request_id, base, remote, positions, local, groups, states)
+        loaded = num_tokens if states else 0
+        spec = PushRecvSpec(request_id, base, remote, positions, local, groups, states, loaded)
         self._to_push_recv.append(spec)
 
     def _stop_waiting(self, request_id: str) -> None:

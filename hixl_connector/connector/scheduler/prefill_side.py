@@ -166,9 +166,10 @@ class PrefillSide:
             return self._no_lease(request_id)
         lease_id, slot, word = published.lease_id, published.slot, published.word
         self.leased[request_id] = (lease_id, slot)
-        # Push mode: the blocks go to the workers too, for a D that registers its own.
-        pushed = prompt_blocks if self._push else ()
-        self._to_send.append(SendSpec(request_id, lease_id, slot, word, pushed))
+        # Push mode: the blocks go to the workers too, for a D that registers its own, and
+        # the tokens P computed (a state holds that many).
+        pushed, tokens = (prompt_blocks, request.num_prompt_tokens) if self._push else ((), 0)
+        self._to_send.append(SendSpec(request_id, lease_id, slot, word, pushed, tokens))
         # The params name the blocks the word covers: D reads none that vLLM let go.
         return True, build_remote_decode_params(
             self._endpoint,
