@@ -105,7 +105,7 @@ class Pair:
         def gave_up(registration: PushRegistration, why: GaveUp) -> None:
             self.gave_up.append((registration.request, why))
 
-        return RequestPush((self.p, None), registration, SRC, LAYERS, self.pool, record, gave_up)
+        return RequestPush(self.p, registration, SRC, LAYERS, self.pool, record, gave_up)
 
     def layer_landed(self, layer: int) -> bool:
         return torch.equal(self.d_kv[layer][list(DST)], self.p_kv[layer][list(SRC)])
@@ -215,7 +215,7 @@ def _sender(pair: Pair, leases: LeaseTable | None = None) -> PushSender:
 
     layers = {f"model.layers.{i}.attn": i for i in range(LAYERS)}
     table = LeaseTable(lease_s=30.0) if leases is None else leases
-    return PushSender(pair.p, table, (layers, None), 2, record, lambda: None)
+    return PushSender(pair.p, table, layers, 2, record, lambda: None)
 
 
 def _gave_up(sender: PushSender, request: str) -> dict[str, GaveUp]:

@@ -11,7 +11,7 @@ layout's heads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,14 @@ class StateLayout:
         if count is None:
             raise ValueError(f"KV-cache group {group} holds no state")
         return state_units(block, self.page_units, count)
+
+    def slot_units(self, slots: Iterable[tuple[int, int]]) -> list[int]:
+        """The units of the states of ``slots``, (group, block) each, in order."""
+        return [unit for group, block in slots for unit in self.units(group, block)]
+
+    def moved_bytes(self, units: int) -> int:
+        """The bytes a move of ``units`` of every region carries: the states', no padding."""
+        return units * self.unit_bytes * len(self.regions)
 
     def compatibility_fields(self) -> dict[str, Any]:
         """What P and D must agree on for a state read: each group's state, the conv layout

@@ -342,7 +342,7 @@ class PushReceiver:
                 f"prefill TP size {p_tp_size}, decode TP size {self._rank.plans.tp_size}: a "
                 "hybrid state model's state is moved between equal TP sizes only"
             )
-        return [u for group, block in spec.state_block_ids for u in state.units(group, block)]
+        return state.slot_units(spec.state_block_ids)
 
     def _slices(self, peer: Peer) -> Slices | None:
         """Where P's blocks are smaller, the slices of its blocks that make up one of this
@@ -372,8 +372,7 @@ class PushReceiver:
         layout = self._rank.layout
         nbytes = len(spec.local_block_ids) * layout.block_bytes * layout.num_tensors
         if layout.state is not None:
-            states = sum(len(layout.state.units(g, b)) for g, b in spec.state_block_ids)
-            nbytes += states * layout.state.unit_bytes * len(layout.state.regions)
+            nbytes += layout.state.moved_bytes(len(layout.state.slot_units(spec.state_block_ids)))
         self._received(spec, nbytes, now - awaited.registered_at, now - awaited.registered_at)
 
     def _received(self, spec: PushRecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:

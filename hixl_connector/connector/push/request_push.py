@@ -81,9 +81,8 @@ def state_pairs(
     alone) and of D's slots they land in, for the state groups D registered; raises
     ValueError where D's registration does not fit this engine or this prompt, or P's state
     holds another number of tokens than D continues from."""
-    moved: tuple[list[int], list[int]] = ([], [])
     if not registration.states:
-        return moved
+        return [], []
     if state is None:
         raise ValueError("D names state slots, and this engine's model has no state")
     if send.num_tokens != registration.num_tokens:
@@ -95,15 +94,15 @@ def state_pairs(
         )
     prompt_blocks = send.block_ids
     counts = registration.groups
-    for group, d_block in registration.states:
+    own = []
+    for group, _ in registration.states:
         if group >= len(prompt_blocks) or (counts and counts[group]):
             raise ValueError(f"D names KV-cache group {group} a state group; it is not one here")
         offered = prompt_blocks[group]
         if len(offered) != 1 or offered[0] == NULL_BLOCK_ID:
             raise ValueError(f"P holds no state slot of group {group} for this prompt")
-        moved[0].extend(state.units(group, offered[0]))
-        moved[1].extend(state.units(group, d_block))
-    return moved
+        own.append((group, offered[0]))
+    return state.slot_units(own), state.slot_units(registration.states)
 
 
 def head_runs(registration: PushRegistration, p_units: int) -> tuple[tuple[HeadRun, ...], int]:
@@ -173,24 +172,26 @@ def layer_ranges(layers: Iterable[int]) -> list[range]:
 
 
 class RequestPush:
-    """Created once P knows D's registration; ``kv``: this engine's registered KV and where
-    its states lie (None: no state); ``src`` is what ``source_blocks`` returned for it and
-    the prompt's blocks, or () for a push that begins once the prefill finished (``finish``
-    takes the blocks from the finished prefill then)."""
+    """Created once P knows D's registration; ``src`` is what ``source_blocks`` returned for
+    it and the prompt's blocks, or () for a push that begins once the prefill finished
+    (``finish`` takes the blocks from the finished prefill then)."""
 
     def __init__(
         self,
-        kv: tuple[RegisteredKV, StateLayout | None],
+        kv: RegisteredKV,
         registration: PushRegistration,
         src: tuple[int, ...],
         num_layers: int,
         pool: Executor,
         record: Callable[[str, int], None],
         gave_up: Callable[[PushRegistration, GaveUp], None],
+        state: StateLayout | None = None,
     ) -> None:
-        """``gave_up``: told of a push P will not finish, and why."""
+        """``gave_up``: told of a push P will not finish, and why; ``state``: where this
+        engine's states lie (None: its model has none)."""
         self.registration = registration
-        self._kv, self._state = kv
+        self._kv = kv
+        self._state = state
         self._gave_up = gave_up
         self._src = src
         self._num_layers = num_layers
@@ -264,10 +265,10 @@ class RequestPush:
             self._kv.push(registration.cluster_id, self._kv.state, STATE_MODEL_ID, states, grant)
         # Last: the lease word (set while the lease lives) tells D every block landed.
         assert self._kv.lease_words is not None
-        slot, grant = self.registration.word
+        slot, grant = registration.word
         words = ((send.slot,), (slot,))
         self._kv.push(
-            self.registration.cluster_id, self._kv.lease_words, PUSH_WORDS_MODEL_ID, words, grant
+            registration.cluster_id, self._kv.lease_words, PUSH_WORDS_MODEL_ID, words, grant
         )
 
     def _write_rest(self, src: tuple[int, ...]) -> None:

@@ -55,23 +55,24 @@ T = TypeVar("T")
 
 
 class PushSender:
-    """``layout``: the registered layer index of each attention layer's name, and where a
-    hybrid state model's states lie (None: it has none)."""
+    """``layers``: the registered layer index of each attention layer's name; ``state``:
+    where a hybrid state model's states lie (None: it has none)."""
 
     def __init__(
         self,
         kv: RegisteredKV,
         leases: LeaseTable,
-        layout: tuple[Mapping[str, int], StateLayout | None],
+        layers: Mapping[str, int],
         threads: int,
         record: Callable[[str, int], None],
         wake: Callable[[], None],
+        state: StateLayout | None = None,
     ) -> None:
         if kv.lease_words is None:
             raise ValueError("push mode needs the prefill engine's lease words registered")
         self._kv = kv
         self._leases = leases
-        layers, self._state = layout
+        self._state = state
         self._num_layers = len(set(layers.values()))
         self._record = record
         self._wake = wake
@@ -246,13 +247,14 @@ class PushSender:
 
     def _new_push(self, registration: PushRegistration, src: tuple[int, ...]) -> RequestPush:
         return RequestPush(
-            (self._kv, self._state),
+            self._kv,
             registration,
             src,
             self._num_layers,
             self._pool,
             self._record,
             self._note_gave_up,
+            self._state,
         )
 
     def _match(self, base: str) -> None:

@@ -304,9 +304,11 @@ class DecodeSide:
                 )
             return
         # A state group's slot is no prompt position: P writes its own slot's state there.
-        tokens = [group if i not in self._states else ((), ()) for i, group in enumerate(unfilled)]
-        positions = tuple(p for group_positions, _ in tokens for p in group_positions)
-        groups = tuple(len(group_positions) for group_positions, _ in tokens)
+        token_groups = [
+            group if i not in self._states else ((), ()) for i, group in enumerate(unfilled)
+        ]
+        positions = tuple(p for group_positions, _ in token_groups for p in group_positions)
+        groups = tuple(len(group_positions) for group_positions, _ in token_groups)
         states = tuple(
             (index, block)
             for index, (_, blocks) in enumerate(unfilled)
@@ -316,9 +318,11 @@ class DecodeSide:
         if external > 0:
             self.receiving.add(request_id)
         base = base_request_id(request_id)
-        local = tuple(block for _, group_blocks in tokens for block in group_blocks)
+        token_blocks = tuple(block for _, group_blocks in token_groups for block in group_blocks)
         loaded = num_tokens if states else 0
-        spec = PushRecvSpec(request_id, base, remote, positions, local, groups, states, loaded)
+        spec = PushRecvSpec(
+            request_id, base, remote, positions, token_blocks, groups, states, loaded
+        )
         self._to_push_recv.append(spec)
 
     def _stop_waiting(self, request_id: str) -> None:

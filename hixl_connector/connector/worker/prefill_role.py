@@ -50,7 +50,7 @@ class PrefillRole:
         self._pusher: PushSender | None = None
         if config.pushes:
             self._pusher = PushSender(
-                kv, self._leases.table, (layers, state), config.transfer_threads, record, wake
+                kv, self._leases.table, layers, config.transfer_threads, record, wake, state
             )
         pushing = self._pusher.handlers() if self._pusher is not None else {}
         self._server = SideChannelServer(

@@ -63,8 +63,8 @@ def state_reads(
             f"prefill engine {spec.remote.engine_id} runs tp_size {spec.remote.tp_size}, this "
             f"engine {size}: a hybrid state model's state is read between equal TP sizes only"
         )
-    src = [u for group, block, _ in spec.state_block_ids for u in state.units(group, block)]
-    dst = [u for group, _, block in spec.state_block_ids for u in state.units(group, block)]
+    src = state.slot_units((group, block) for group, block, _ in spec.state_block_ids)
+    dst = state.slot_units((group, block) for group, _, block in spec.state_block_ids)
     return [(peers[rank].cluster_id, src, dst)]
 
 

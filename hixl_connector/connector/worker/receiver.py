@@ -275,8 +275,7 @@ class Receiver:
         unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
         nbytes = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
         if layout.state is not None:
-            state_units = sum(len(src) for _, src, _ in states)
-            nbytes += state_units * layout.state.unit_bytes * len(layout.state.regions)
+            nbytes += layout.state.moved_bytes(sum(len(src) for _, src, _ in states))
         flight = _InFlight(spec, peers, readers, pull, handle, nbytes, queued_at, started)
         with self._lock:
             self._in_flight.append(flight)
