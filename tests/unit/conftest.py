@@ -39,3 +39,14 @@ def context() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
     ctx.term()
+
+
+@pytest.fixture
+def conv_layout_ds(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """vLLM's DS conv-state layout for one test (vLLM caches the layout it read first)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    get_conv_state_layout.cache_clear()
+    yield
+    get_conv_state_layout.cache_clear()

@@ -48,6 +48,7 @@ def payload_dict(**overrides: Any) -> dict[str, Any]:
         "units_per_block": 1,
         "block_sizes": [16],
         "slice_bytes": 128,
+        "state_page_units": 36,
         "incarnation": 0x5EED,
     }
     data.update(overrides)
@@ -94,6 +95,9 @@ def test_other_schema_version_is_refused_clearly() -> None:
         ({"block_sizes": [16, 0]}, "block_sizes"),
         ({"block_sizes": 16}, "block_sizes"),
         ({"slice_bytes": -1}, "slice_bytes"),
+        ({"state_page_units": -1}, "state_page_units"),
+        ({"state_page_units": 2**31 + 1}, "state_page_units"),
+        ({"state_page_units": "36"}, "state_page_units"),
         ({"incarnation": -1}, "incarnation"),
         ({"incarnation": 2**64}, "incarnation"),
         ({"compatibility": FIELDS | {"kv_split": "rows"}}, "kv_split"),

@@ -4,10 +4,12 @@ layer's pages (conv state from byte 0, then ssm state, then padding)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -16,7 +18,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hixl_connector.connector.kv.layout import describe_kv_caches
-from hixl_connector.connector.kv.state_layout import state_layer_specs
+from hixl_connector.connector.kv.state_layout import Sharding, state_layer_specs
+from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.peers.handshake import describe_mismatch
 
 NUM_BLOCKS = 8
@@ -27,41 +30,49 @@ STATE = 3 * 64 * 2 + 2 * 8 * 8 * 4  # bf16 conv, fp32 ssm: 896 bytes
 REGIONS = 2
 
 
-def hybrid(ssm_dtype: torch.dtype = torch.float32) -> tuple[dict[str, Any], KVCacheConfig, Any]:
+def hybrid(
+    ssm_dtype: torch.dtype = torch.float32,
+    heads: int = HEADS,
+    head_size: int = HEAD_SIZE,
+    shapes: tuple[tuple[int, ...], ...] = (CONV, SSM),
+) -> tuple[dict[str, Any], KVCacheConfig, Any]:
     """vLLM's kv_caches and KV-cache config of two attention layers and two state layers in
     two shared buffers, and the buffer itself."""
-    state = 3 * 64 * 2 + 2 * 8 * 8 * ssm_dtype.itemsize
-    buffer = torch.zeros(REGIONS * NUM_BLOCKS * PAGE, dtype=torch.int8)
+    page = heads * BLOCK_SIZE * 2 * head_size * 2
+    state = math.prod(shapes[0]) * 2 + math.prod(shapes[1]) * ssm_dtype.itemsize
+    buffer = torch.zeros(REGIONS * NUM_BLOCKS * page, dtype=torch.int8)
     kv_caches: dict[str, Any] = {}
     for region in range(REGIONS):
-        start = region * NUM_BLOCKS * PAGE
-        raw = buffer[start : start + NUM_BLOCKS * PAGE]
+        start = region * NUM_BLOCKS * page
+        raw = buffer[start : start + NUM_BLOCKS * page]
         kv_caches[f"a{region}"] = raw.view(torch.bfloat16).view(
-            NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE
+            NUM_BLOCKS, heads, BLOCK_SIZE, 2 * head_size
         )
         kv_caches[f"m{region}"] = torch.as_strided(
-            buffer, (NUM_BLOCKS, 1, 1, state), (PAGE, state, state, 1), start
+            buffer, (NUM_BLOCKS, 1, 1, state), (page, state, state, 1), start
         )
     attention = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
+        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16
     )
     mamba = MambaSpec(
         block_size=1024,
-        shapes=(CONV, SSM),
+        shapes=shapes,
         dtypes=(torch.bfloat16, ssm_dtype),
-        page_size_padded=PAGE,
+        page_size_padded=page,
     )
     groups = [KVCacheGroupSpec(["a0", "a1"], attention), KVCacheGroupSpec(["m0", "m1"], mamba)]
     return kv_caches, KVCacheConfig(NUM_BLOCKS, [], groups), buffer
 
 
-def describe(kv_caches: dict[str, Any], config: KVCacheConfig) -> Any:
+def describe(kv_caches: dict[str, Any], config: KVCacheConfig, sharding: Any = None) -> Any:
+    heads = config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
     return describe_kv_caches(
         kv_caches,
         NUM_BLOCKS,
-        HEADS,
+        heads,
         groups_share_buffers=True,
         state_specs=state_layer_specs(config),
+        sharding=sharding,
     )
 
 
@@ -110,3 +121,99 @@ def test_a_state_the_engine_cannot_move_whole_is_refused() -> None:
     kv_caches["m0"] = torch.as_strided(alone, (NUM_BLOCKS, 1, 1, STATE), (PAGE, 1, 1, 1))
     with pytest.raises(ValueError, match="state layer m0 lies in no buffer of an attention"):
         describe(kv_caches, config)
+
+
+# A Mamba2 layer of 4 heads of 16 x 8 and 2 groups, kernel 4 (vLLM's shapes, DS layout).
+MAMBA2 = {"intermediate_size": 64, "n_groups": 2, "num_heads": 4, "head_dim": 16}
+
+
+def mamba2_rank(tp: int) -> tuple[dict[str, Any], KVCacheConfig, Any]:
+    """One TP rank's buffers: its KV heads of 2, its state shapes."""
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp, state_size=8, conv_kernel=4, **MAMBA2)
+    return hybrid(heads=HEADS // tp, head_size=32, shapes=shapes)
+
+
+def test_a_decode_rank_of_another_tp_size_reads_its_slices_of_the_state(
+    conv_layout_ds: None,
+) -> None:
+    """P at TP 1, D at TP 2 (and back): every byte of each D rank's state of block 5 comes
+    from P's state of block 3 as vLLM shards it, and nothing else of D's pages changes."""
+    for p_tp, d_tp in ((1, 2), (2, 1)):
+        p_ranks = [mamba2_rank(p_tp) for _ in range(p_tp)]
+        d_ranks = [mamba2_rank(d_tp) for _ in range(d_tp)]
+        p_layouts = [describe(c, k, Sharding(p_tp, 2)) for c, k, _ in p_ranks]
+        d_layouts = [describe(c, k, Sharding(d_tp, 2)) for c, k, _ in d_ranks]
+        p_fields = p_layouts[0].state.compatibility_fields()
+        assert p_fields == d_layouts[0].state.compatibility_fields()
+        # P's state in block 3: its conv (channels x 3) and ssm as vLLM's kernels see them.
+        conv_global = torch.arange(96 * 3, dtype=torch.bfloat16).view(96, 3)
+        ssm_global = torch.arange(4 * 16 * 8, dtype=torch.float32).view(4, 16, 8) + 0.5
+        for rank, (caches, _, _) in enumerate(p_ranks):
+            for region in range(REGIONS):
+                write_state(caches[f"m{region}"][3], shard(conv_global, ssm_global, p_tp, rank))
+        for rank, ((caches, _, buffer), layout) in enumerate(zip(d_ranks, d_layouts, strict=True)):
+            before = buffer.clone()
+            state = layout.state
+            reads = state.reads([(1, 3, 5)], p_tp, p_layouts[0].state.page_units, rank)
+            assert set(reads) == set(range(p_tp)) if p_tp > d_tp else {rank * p_tp // d_tp}
+            for p_rank, (src, dst) in reads.items():
+                copy_units(p_ranks[p_rank][2], buffer, src, dst, p_layouts[p_rank], layout)
+            expected = shard(conv_global, ssm_global, d_tp, rank)
+            for region in range(REGIONS):
+                page = caches[f"m{region}"][5].flatten().view(torch.uint8)
+                assert torch.equal(page[: expected.numel()], expected)
+            changed = (buffer != before).nonzero().flatten()
+            page_bytes = layout.block_bytes
+            assert all(
+                5 * page_bytes <= i % (NUM_BLOCKS * page_bytes) < 6 * page_bytes for i in changed
+            )
+
+
+def shard(conv: Any, ssm: Any, tp: int, rank: int) -> Any:
+    """Rank ``rank``'s state bytes: its slice of x, B and C (2 groups of 8), then its heads."""
+    x, b, c = conv[:64], conv[64:80], conv[80:96]
+    mine = [part.chunk(tp)[rank] for part in (x, b, c)]
+    conv_bytes = torch.cat(mine).contiguous().view(torch.uint8).flatten()
+    ssm_bytes = ssm.chunk(tp)[rank].contiguous().view(torch.uint8).flatten()
+    return torch.cat([conv_bytes, ssm_bytes])
+
+
+def write_state(page: Any, state: Any) -> None:
+    page.flatten().view(torch.uint8)[: state.numel()] = state
+
+
+def copy_units(
+    src_buffer: Any, dst_buffer: Any, src: list[int], dst: list[int], p: Any, d: Any
+) -> None:
+    """What the engine does with a state read: unit i of every region, P's to D's."""
+    unit = d.state.unit_bytes
+    assert p.state.unit_bytes == unit
+    for region in range(REGIONS):
+        p_base = region * NUM_BLOCKS * p.block_bytes
+        d_base = region * NUM_BLOCKS * d.block_bytes
+        for s, t in zip(src, dst, strict=True):
+            dst_buffer[d_base + t * unit : d_base + (t + 1) * unit] = src_buffer[
+                p_base + s * unit : p_base + (s + 1) * unit
+            ]
+
+
+def test_a_state_that_does_not_divide_is_refused_between_tp_sizes(conv_layout_ds: None) -> None:
+    """Equal TP sizes read it whole; another TP size is refused, naming why."""
+    layout = describe(*mamba2_rank(1)[:2], Sharding(1, 2))
+    state = layout.state
+    state.check_tp(2)  # divides
+    assert set(state.reads([(1, 0, 0)], 1, state.page_units, 0)) == {0}
+    # A Mamba2 layer at TP 2 whose n_groups the model config does not give.
+    unknown = describe(*mamba2_rank(2)[:2], Sharding(2))
+    with pytest.raises(ShardMismatch, match="tp_size=1 and decode tp_size=2 differ.*n_groups"):
+        unknown.state.check_tp(1)
+    unknown.state.check_tp(2)
+
+
+def test_under_the_sd_layout_the_state_moves_between_equal_tp_sizes_only() -> None:
+    state = describe(*mamba2_rank(1)[:2], Sharding(1, 2)).state
+    assert state.compatibility_fields()["kv_state_conv_layout"] == "SD"
+    with pytest.raises(ShardMismatch, match="VLLM_SSM_CONV_STATE_LAYOUT=DS on prefill and"):
+        state.check_tp(2)
+    with pytest.raises(ShardMismatch):
+        state.reads([(1, 0, 0)], 2, state.page_units, 0)

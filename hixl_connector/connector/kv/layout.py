@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.kv.state_layout import StateLayout, describe_state
+from hixl_connector.connector.kv.state_layout import Sharding, StateLayout, describe_state
 from hixl_connector.connector.mapping.block_slices import SLICE_ELEMENTS
 
 
@@ -106,6 +106,7 @@ def describe_kv_caches(
     heads_outermost: int = 0,
     groups_share_buffers: bool = False,
     state_specs: Mapping[str, tuple[int, Any]] | None = None,
+    sharding: Sharding | None = None,
 ) -> KVLayout:
     """Derives the engine's view of vLLM's KV caches; refuses layouts it cannot move.
 
@@ -114,7 +115,8 @@ def describe_kv_caches(
     ``groups_share_buffers``: several KV-cache groups (the hybrid manager), whose layers
     share buffers; otherwise a buffer named twice is refused.
     ``state_specs``: a hybrid state model's state layers (state_layout.state_layer_specs),
-    which lie in the attention layers' buffers and are described apart.
+    which lie in the attention layers' buffers and are described apart; ``sharding``: how TP
+    divides them.
     """
     state_specs = state_specs or {}
     if not kv_caches:
@@ -186,7 +188,7 @@ def describe_kv_caches(
         head_major=head_major,
         slice_bytes=SLICE_ELEMENTS * int(first.element_size()) if sliced else 0,
         layer_index=tuple(names),
-        state=describe_state(kv_caches, state_specs, addrs, part_bytes[0]),
+        state=describe_state(kv_caches, state_specs, addrs, part_bytes[0], sharding),
     )
 
 

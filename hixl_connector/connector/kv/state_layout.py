@@ -5,12 +5,13 @@ buffer of an attention layer is also, block by block, the pages of a state layer
 group (a block id belongs to one group at a time). A state page holds the layer's conv state
 from byte 0, then its ssm state, then padding up to the attention page. The buffers are
 registered once more in units that make each state whole (``state_groups.state_unit_bytes``),
-so a read names the state's units of a block and never its padding, nor the attention
-layout's heads.
+and, where TP sizes may differ, each rank's slice of it (``state_shards``), so a read names
+the state's units of a block and never its padding, nor the attention layout's heads.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,28 @@ from hixl_connector.connector.mapping.state_groups import (
     state_unit_bytes,
     state_units,
 )
+from hixl_connector.connector.mapping.state_shards import (
+    CHANNELS_FIRST,
+    Shard,
+    ShardMismatch,
+    StateSlice,
+    granule_bytes,
+    layer_shards,
+    state_nbytes,
+    state_slices,
+)
+
+# (state group, P's block, D's block) of each state slot a read fills.
+StateSlot = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How TP divides this engine's states: its TP size, and a Mamba2 model's ``n_groups``
+    (the model config's; None for a model without)."""
+
+    tp_size: int = 1
+    n_groups: int | None = None
 
 
 @dataclass(frozen=True)
@@ -33,8 +56,14 @@ class StateLayout:
     # Each state layer's block-major view (the state's bytes of every block); never
     # serialised.
     views: tuple[Any, ...]
-    # Per state group, what the handshake compares: the state's parts, dtypes and type.
+    # Per state group, what the handshake compares: the state's parts (over the whole
+    # engine where TP divides it), dtypes and type.
     described: tuple[str, ...]
+    tp_size: int = 1
+    # Per state group, its pieces as TP divides them (state_shards); empty, with
+    # ``unshardable`` saying why, where the states move between equal TP sizes only.
+    shards: tuple[tuple[int, tuple[Shard, ...]], ...] = ()
+    unshardable: str = ""
 
     @property
     def page_units(self) -> int:
@@ -51,6 +80,55 @@ class StateLayout:
         """The units of the states of ``slots``, (group, block) each, in order."""
         return [unit for group, block in slots for unit in self.units(group, block)]
 
+    def reads(
+        self, slots: Iterable[StateSlot], p_tp: int, p_page_units: int, d_rank: int
+    ) -> dict[int, tuple[list[int], list[int]]]:
+        """Per P rank, the units of its states and of this rank's they land in, for the state
+        slots of a request read from a P engine of ``p_tp`` whose pages are ``p_page_units``
+        units: whole states between equal TP sizes, else this rank's slices of P's.
+        Raises ShardMismatch where the states cannot be read between the two TP sizes."""
+        groups = dict(self.group_units)
+        shards = dict(self.shards)
+        reads: dict[int, tuple[list[int], list[int]]] = {}
+        for group, p_block, d_block in slots:
+            if group not in groups:
+                raise ValueError(f"KV-cache group {group} holds no state")
+            slices = self._slices(group, groups[group], shards.get(group), p_tp, d_rank)
+            for piece in slices:
+                src, dst = reads.setdefault(piece.p_rank, ([], []))
+                count = piece.nbytes // self.unit_bytes
+                first_src = p_block * p_page_units + piece.src // self.unit_bytes
+                first_dst = d_block * self.page_units + piece.dst // self.unit_bytes
+                src.extend(range(first_src, first_src + count))
+                dst.extend(range(first_dst, first_dst + count))
+        return reads
+
+    def check_tp(self, p_tp: int) -> None:
+        """Raises ShardMismatch unless the states can be read from a P engine of ``p_tp``."""
+        if p_tp != self.tp_size and self.unshardable:
+            raise ShardMismatch(
+                f"prefill tp_size={p_tp} and decode tp_size={self.tp_size} differ: "
+                + self.unshardable
+            )
+        for _, shards in self.shards:
+            for shard in shards:
+                shard.per_rank(p_tp)
+
+    def _slices(
+        self,
+        group: int,
+        units: int,
+        shards: tuple[Shard, ...] | None,
+        p_tp: int,
+        d_rank: int,
+    ) -> tuple[StateSlice, ...]:
+        if p_tp == self.tp_size:
+            return (StateSlice(d_rank, 0, 0, units * self.unit_bytes),)
+        self.check_tp(p_tp)
+        if shards is None:
+            raise ShardMismatch(f"KV-cache group {group}: no pieces to read between TP sizes")
+        return state_slices(shards, p_tp, self.tp_size, d_rank)
+
     def moved_bytes(self, units: int) -> int:
         """The bytes a move of ``units`` of every region carries: the states', no padding."""
         return units * self.unit_bytes * len(self.regions)
@@ -63,7 +141,6 @@ class StateLayout:
             "kv_state_conv_layout": _conv_state_layout(),
             "kv_state_regions": len(self.regions),
             "kv_state_unit_bytes": self.unit_bytes,
-            "kv_state_page_units": self.page_units,
         }
 
 
@@ -83,25 +160,22 @@ def describe_state(
     specs: Mapping[str, tuple[int, Any]],
     registered: Sequence[int],
     page_bytes: int,
+    sharding: Sharding | None = None,
 ) -> StateLayout | None:
     """The state layers of ``kv_caches`` (``specs``: state_layer_specs), each in a buffer
     of ``registered`` (the attention layers' bases) whose pages are ``page_bytes``; None for a
     model without state. Refuses a state the engine cannot move whole."""
     if not specs:
         return None
+    sharding = sharding or Sharding()
     parts: dict[int, StateBytes] = {}
-    described: dict[int, str] = {}
+    group_specs: dict[int, Any] = {}
     regions: list[int] = []
     views = []
     for name, (group, spec) in specs.items():
         sizes = [int(getattr(dtype, "itemsize", 0)) for dtype in spec.dtypes]
         layer = state_bytes([tuple(shape) for shape in spec.shapes], sizes)
-        parts[group] = layer
-        described[group] = (
-            f"{getattr(spec.mamba_type, 'name', spec.mamba_type)}:"
-            f"{[list(s) for s in spec.shapes]}:{[str(d) for d in spec.dtypes]}:"
-            f"{spec.mamba_cache_mode}:{spec.num_speculative_blocks}"
-        )
+        parts[group], group_specs[group] = layer, spec
         view = _state_view(name, kv_caches[name], layer, page_bytes)
         base = int(view.data_ptr())
         if base not in registered:
@@ -112,14 +186,72 @@ def describe_state(
         if base not in regions:
             regions.append(base)
         views.append(view)
+    shards, unshardable = _shards(group_specs, parts, sharding)
     unit = state_unit_bytes(page_bytes, [layer.nbytes for layer in parts.values()])
+    unit = math.gcd(unit, *(granule_bytes(pieces) for _, pieces in shards))
     return StateLayout(
         regions=tuple(sorted(regions, key=list(registered).index)),
         page_bytes=page_bytes,
         unit_bytes=unit,
         group_units=tuple((g, layer.nbytes // unit) for g, layer in sorted(parts.items())),
         views=tuple(views),
-        described=tuple(described[g] for g in sorted(described)),
+        described=tuple(
+            _describe(group_specs[g], dict(shards).get(g)) for g in sorted(group_specs)
+        ),
+        tp_size=sharding.tp_size,
+        shards=shards,
+        unshardable=unshardable,
+    )
+
+
+def _shards(
+    specs: Mapping[int, Any], parts: Mapping[int, StateBytes], sharding: Sharding
+) -> tuple[tuple[tuple[int, tuple[Shard, ...]], ...], str]:
+    """Each state group's pieces as TP divides them, or none and why not."""
+    layout = _conv_state_layout()
+    if layout != CHANNELS_FIRST:
+        return (), (
+            f"the conv state layout is {layout}, in which the TP ranks' channels interleave; "
+            f"set VLLM_SSM_CONV_STATE_LAYOUT={CHANNELS_FIRST} on prefill and decode"
+        )
+    shards = []
+    for group, spec in sorted(specs.items()):
+        kind = str(getattr(spec.mamba_type, "name", spec.mamba_type))
+        try:
+            if len(spec.shapes) != 2:
+                raise ShardMismatch(f"a {kind} state of {len(spec.shapes)} parts")
+            sizes = (int(spec.dtypes[0].itemsize), int(spec.dtypes[1].itemsize))
+            conv, ssm = spec.shapes
+            pieces = layer_shards(kind, conv, ssm, sizes, sharding.tp_size, sharding.n_groups)
+            if state_nbytes(pieces, sharding.tp_size) != parts[group].nbytes:
+                raise ShardMismatch(f"a {kind} state of {parts[group].parts} bytes")
+        except ShardMismatch as e:
+            return (), f"{e}; such a state moves between equal TP sizes only"
+        shards.append((group, pieces))
+    return tuple(shards), ""
+
+
+def model_n_groups(hf_config: Any) -> int | None:
+    """A Mamba2 model's ``n_groups``, by the names its configs give it; None without."""
+    for name in ("n_groups", "mamba_n_groups", "mamba_ngroups"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _describe(spec: Any, shards: tuple[Shard, ...] | None) -> str:
+    """What P and D must agree on of a state group: its type, its parts over the whole
+    engine where TP divides them (else this rank's shapes), dtypes and slots."""
+    kind = getattr(spec.mamba_type, "name", spec.mamba_type)
+    parts = (
+        [[s.item_bytes, s.items, s.replicated] for s in shards]
+        if shards is not None
+        else [list(shape) for shape in spec.shapes]
+    )
+    return (
+        f"{kind}:{parts}:{[str(d) for d in spec.dtypes]}:"
+        f"{spec.mamba_cache_mode}:{spec.num_speculative_blocks}"
     )
 
 

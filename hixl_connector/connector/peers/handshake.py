@@ -29,7 +29,7 @@ from hixl_connector.connector.limits import (
 
 # Version of the handshake and its payload; it is hashed with the compatibility fields, so a
 # peer speaking another version is refused before D links it.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # What must be equal on both sides for KV to be copied byte for byte, whatever the TP sizes
 # and block sizes. A block of one tensor is ``units_per_block`` units of ``unit_token_bytes``
@@ -101,6 +101,7 @@ class HandshakePayload:
     units_per_block: int  # registered units per block: this rank's KV heads, or 1
     block_sizes: list[int]  # tokens per block of each KV-cache group
     slice_bytes: int  # bytes of one registered slice (block_slices); 0: not registered
+    state_page_units: int  # a block's units in the state registration (state_layout); 0: none
     incarnation: int  # P's start nonce (peers.incarnation); 0 on an engine that does not prefill
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +141,7 @@ class HandshakePayload:
             units_per_block=check_field(where, "units_per_block", data, int, 1, 65535),
             block_sizes=_block_sizes(where, data.get("block_sizes")),
             slice_bytes=check_field(where, "slice_bytes", data, int, 0, 2**20),
+            state_page_units=check_field(where, "state_page_units", data, int, 0, 2**31),
             incarnation=check_field(where, "incarnation", data, int, 0, MAX_U64),
         )
 

@@ -329,7 +329,8 @@ class PushReceiver:
 
     def _state_units(self, spec: PushRecvSpec, p_tp_size: int) -> list[int]:
         """The units of the request's state slots (state_layout), which P writes whole:
-        between equal TP sizes only, as a pull reads them (read_units.state_reads)."""
+        between equal TP sizes only (a pull reads a rank's slices between TP sizes,
+        read_units.state_reads)."""
         if not spec.state_block_ids:
             return []
         state = self._rank.layout.state
@@ -340,7 +341,8 @@ class PushReceiver:
         if p_tp_size != self._rank.plans.tp_size:
             raise PushRefused(
                 f"prefill TP size {p_tp_size}, decode TP size {self._rank.plans.tp_size}: a "
-                "hybrid state model's state is moved between equal TP sizes only"
+                "hybrid state model's state is pushed between equal TP sizes only (pull mode "
+                "reads it between TP sizes)"
             )
         return state.slot_units(spec.state_block_ids)
 

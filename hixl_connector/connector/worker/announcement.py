@@ -56,6 +56,7 @@ def handshake_payload(
         units_per_block=layout.units_per_block,
         block_sizes=list(block_sizes),
         slice_bytes=layout.slice_bytes,
+        state_page_units=layout.state.page_units if layout.state is not None else 0,
         incarnation=0,
     )
 

@@ -25,7 +25,11 @@ from hixl_connector.connector.config import HixlConfig
 from hixl_connector.connector.endpoints import rank_address
 from hixl_connector.connector.kv.layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.kv.registered_kv import RegisteredKV, register_kv
-from hixl_connector.connector.kv.state_layout import state_layer_specs
+from hixl_connector.connector.kv.state_layout import (
+    Sharding,
+    model_n_groups,
+    state_layer_specs,
+)
 from hixl_connector.connector.leases.guarded_read import LeaseWords
 from hixl_connector.connector.link_reports import LinkReport, LinkReporter
 from hixl_connector.connector.mapping.block_slices import SliceRun
@@ -102,7 +106,8 @@ class HixlWorker:
         check_every_layer_registered(self._kv_cache_config, kv_caches)
         num_blocks = int(self._vllm_config.cache_config.num_gpu_blocks or 0)
         # vLLM's CPU layout keeps each KV head of a block contiguous (heads outermost).
-        heads = self._vllm_config.model_config.get_num_kv_heads(self._vllm_config.parallel_config)
+        model = self._vllm_config.model_config
+        heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
         head_major = current_platform.device_type == "cpu" and not self._mla
         layout = describe_kv_caches(
             kv_caches,
@@ -110,6 +115,7 @@ class HixlWorker:
             int(heads) if head_major else 0,
             groups_share_buffers=len(describe_groups(self._kv_cache_config)) > 1,
             state_specs=state_layer_specs(self._kv_cache_config),
+            sharding=Sharding(self._tp_size, model_n_groups(model.hf_text_config)),
         )
         incarnation = None
         if self._is_producer:  # where P's scheduler writes its start nonce

@@ -11,6 +11,7 @@ from hixl_connector.connector.kv.layout import KVLayout
 from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.mapping.block_slices import blocks_per_block, slice_ids
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
+from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.mapping.tp_mapping import HeadRead, unit_ids
 from hixl_connector.connector.metadata import RecvSpec
 from hixl_connector.connector.peers.registry import Peer
@@ -44,28 +45,53 @@ def peer_units(
     return peer.cluster_id, src, dst
 
 
-def state_reads(
-    peers: dict[int, Peer], spec: RecvSpec, tp: tuple[int, int], state: StateLayout | None
-) -> list[Read]:
-    """The request's state slots (state_layout): the state's units of each, from the P rank
-    of this rank's index. A state is read between equal TP sizes only (a rank's state is its
-    heads' and its slice of every conv sub-projection)."""
+def check_state_tp(spec: RecvSpec, state: StateLayout | None) -> None:
+    """Before anything is linked: the request's state slots can be read from P's TP size
+    (state_layout), and this engine has states to read them into."""
     if not spec.state_block_ids:
-        return []
-    rank, size = tp
+        return
     if state is None:
         raise UnreadableRequest(
             f"request {spec.remote_request_id} names state slots, and this engine's model "
             "has no state"
         )
-    if spec.remote.tp_size != size:
+    try:
+        state.check_tp(spec.remote.tp_size)
+    except ShardMismatch as e:
+        raise UnreadableRequest(f"prefill engine {spec.remote.engine_id}: {e}") from None
+
+
+def state_reads(
+    readers: list[Peer], spec: RecvSpec, d_rank: int, state: StateLayout | None
+) -> list[Read]:
+    """The request's state slots (state_layout): the units of P's states this rank holds
+    (whole between equal TP sizes, else its slices of them), from the P ranks it reads KV
+    from, so they are read under those ranks' lease words."""
+    if not spec.state_block_ids:
+        return []
+    check_state_tp(spec, state)
+    assert state is not None
+    by_rank = {peer.payload.tp_rank: peer for peer in readers}
+    page_units = {peer.payload.state_page_units for peer in readers}
+    if len(page_units) != 1 or not min(page_units):
         raise UnreadableRequest(
-            f"prefill engine {spec.remote.engine_id} runs tp_size {spec.remote.tp_size}, this "
-            f"engine {size}: a hybrid state model's state is read between equal TP sizes only"
+            f"prefill engine {spec.remote.engine_id} registered state pages of "
+            f"{sorted(page_units)} units on its ranks; a state model registers one size"
         )
-    src = state.slot_units((group, block) for group, block, _ in spec.state_block_ids)
-    dst = state.slot_units((group, block) for group, _, block in spec.state_block_ids)
-    return [(peers[rank].cluster_id, src, dst)]
+    try:
+        slots = state.reads(spec.state_block_ids, spec.remote.tp_size, page_units.pop(), d_rank)
+    except ShardMismatch as e:
+        raise UnreadableRequest(f"prefill engine {spec.remote.engine_id}: {e}") from None
+    reads = []
+    for p_rank, (src, dst) in sorted(slots.items()):
+        if p_rank not in by_rank:
+            raise UnreadableRequest(
+                f"this rank's state lies on prefill rank {p_rank} of engine "
+                f"{spec.remote.engine_id}, whose KV it does not read (KV heads replicated "
+                "over TP ranks): run TP sizes whose KV heads and states divide alike"
+            )
+        reads.append((by_rank[p_rank].cluster_id, src, dst))
+    return reads
 
 
 def check_block_ids(readers: list[Peer], spec: RecvSpec) -> None:

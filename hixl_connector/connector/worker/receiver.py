@@ -52,6 +52,7 @@ from hixl_connector.connector.worker.read_failures import (
 from hixl_connector.connector.worker.read_units import (
     check_block_ids,
     check_block_sizes,
+    check_state_tp,
     peer_units,
     state_reads,
 )
@@ -246,6 +247,7 @@ class Receiver:
                 raise LeaseError(spec.error)
             self._check_cancelled(spec)
             plan = self._rank.plans.rank_plan(spec.remote.tp_size)
+            check_state_tp(spec, self._rank.layout.state)
             for p_rank in plan.notify:
                 peers[p_rank] = linked[p_rank] if linked is not None else self._link(spec, p_rank)
                 check_block_sizes(peers[p_rank], spec, self._rank.block_sizes)
@@ -259,8 +261,7 @@ class Receiver:
                 peer_units(peers[read.p_rank], read, spec, self._rank.layout, self._rank.plans)
                 for read in plan.reads
             ]
-            tp = (self._rank.tp_rank, self._rank.plans.tp_size)
-            states = state_reads(peers, spec, tp, self._rank.layout.state)
+            states = state_reads(readers, spec, self._rank.tp_rank, self._rank.layout.state)
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
             blocks = self._rank.kv.block_pulls(reads, spec.blocks_per_block > 1)
             blocks += self._rank.kv.state_pulls(states) if states else []

@@ -21,12 +21,15 @@ def nixl_env(name: str) -> dict[str, str]:
 
 
 def start_named(
-    launcher: PDLauncher, configs: Mapping[str, Mapping[str, Any] | None], args: Sequence[str]
+    launcher: PDLauncher,
+    configs: Mapping[str, Mapping[str, Any] | None],
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, VllmServer]:
     """A server per name with its --kv-transfer-config (None: a plain server), all with
-    ``args``; a NIXL server gets its side channel port (nixl_env)."""
+    ``args`` and ``env``; a NIXL server gets its side channel port (nixl_env)."""
     return {
-        name: launcher.server(name, config, args=args, env=nixl_env(name))
+        name: launcher.server(name, config, args=args, env={**(env or {}), **nixl_env(name)})
         for name, config in configs.items()
     }
 

@@ -49,7 +49,7 @@ from ..harness import (
     wait_for_pulls,
     wait_kv_idle,
 )
-from .named_fleets import greedy, serve_named_fleet, start_named
+from .named_fleets import greedy, nixl_env, serve_named_fleet, start_named
 
 # One-token prompts load nothing (D computes them); the others cross block boundaries.
 LENGTHS = (1, 2, 17, 64, 97, 160)
@@ -60,6 +60,17 @@ BF16 = ("--dtype", "bfloat16")
 # the last prompt token, computed as a decode step here and in the prefill there).
 FIRST_LOGPROB_TOLERANCE = 0.1
 LOGPROBS = {"logprobs": 1}
+# vLLM's conv-state layout in which each TP rank's channels are contiguous.
+CHANNELS_FIRST = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+# P at TP 1 and D at TP 2, and back: (P, D), NIXL's pair of the same TP sizes (the oracle:
+# both TP sizes shape the sums), and D's TP size.
+TP_PAIRS = {"tp12": ("p_hixl", "pd_tp2"), "tp21": ("pd_tp2", "d_hixl")}
+NIXL_TP_PAIRS = {"nixl_tp12": ("p_nixl", "pd_nixl_tp2"), "nixl_tp21": ("pd_nixl_tp2", "d_nixl")}
+DECODE_RANKS = {"pd_tp2": 2}
+# A TP-2 decode of these models steps at a few tokens a second on 2 cores: its pair is
+# compared on fewer prompts and tokens (a misplaced slice parts from the first token).
+TP2_DECODE_LENGTHS = (2, 64, 160)
+TP2_DECODE_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,9 @@ class StateModel:
     # vLLM's default, prefix caching of the state ("align"), or none; vLLM 0.32's CPU Mamba2
     # kernel fails a prefill that crosses a block with prefix caching on.
     prefix_caching: bool = True
+    # Whether its state divides between TP sizes (Mamba2, Gated DeltaNet: state_shards):
+    # its servers then run the DS conv layout, and a TP-2 server joins the fleet.
+    divides: bool = False
 
     @property
     def server_args(self) -> tuple[str, ...]:
@@ -86,12 +100,14 @@ MODELS = {
     # (kernel 4 - 1) x (inner 256 + 2 groups x state 64) in bf16, ssm state 8 heads x 32 x 64
     # in fp32; attention: 2 KV heads x (K and V of 32) in bf16.
     "mamba2": StateModel(
-        "nemotron-h", 2, 1, 3 * 512 * 2 + 8 * 32 * 64 * 4, 2 * 2 * 32 * 2, "nixl", False
+        "nemotron-h", 2, 1, 3 * 512 * 2 + 8 * 32 * 64 * 4, 2 * 2 * 32 * 2, "nixl", False, True
     ),
     # Gated DeltaNet: 2 linear-attention layers (one group) beside 2 attention layers; conv
     # state of 3 x (2 x 128 keys + 256 values) in bf16, recurrent state 4 value heads x 64 x 64
     # in fp32; attention: 2 KV heads x (K and V of 64) in bf16.
-    "gdn": StateModel("qwen3-next", 1, 2, 3 * 512 * 2 + 4 * 64 * 64 * 4, 2 * 2 * 64 * 2, "nixl"),
+    "gdn": StateModel(
+        "qwen3-next", 1, 2, 3 * 512 * 2 + 4 * 64 * 64 * 4, 2 * 2 * 64 * 2, "nixl", divides=True
+    ),
     # Short convolutions: 2 conv layers (one group) beside 2 attention layers; conv state of
     # (L_cache 3 - 1) x 128 in bf16, no ssm state; attention: 1 KV head x (K and V of 128).
     # NIXL does not move short-conv state: the oracle is a plain server.
@@ -99,7 +115,16 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test runs per model, the TP-pair tests per model whose state divides between
+    TP sizes (sorted alike, so each model's fleet starts once)."""
+    names = sorted(MODELS)
+    if "tp_pair" in metafunc.fixturenames:
+        names = [name for name in names if MODELS[name].divides]
+    metafunc.parametrize("model", names, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
 def model(request: pytest.FixtureRequest) -> StateModel:
     return MODELS[request.param]
 
@@ -132,11 +157,20 @@ def fleet(
         }
         if model.oracle == "nixl":
             configs |= {"p_nixl": NIXL_CONFIG, "d_nixl": NIXL_CONFIG}
-        return start_named(launcher, configs, model.server_args)
+        env = CHANNELS_FIRST if model.divides else {}
+        servers = start_named(launcher, configs, model.server_args, env)
+        if model.divides:  # prefill and decode both, for the TP pairs both ways
+            both = hixl_connector_config("decode", ranks=2) | {"kv_role": "kv_both"}
+            for name, config in (("pd_tp2", both), ("pd_nixl_tp2", NIXL_CONFIG)):
+                env = CHANNELS_FIRST | nixl_env(name)
+                servers[name] = launcher.server(name, config, tp=2, args=model.server_args, env=env)
+        return servers
 
     pairs = {"hixl": ("p_hixl", "d_hixl"), "push": ("p_push", "d_hixl")}
     if model.oracle == "nixl":
         pairs["nixl"] = ("p_nixl", "d_nixl")
+    if model.divides:
+        pairs |= TP_PAIRS | NIXL_TP_PAIRS
     yield from serve_named_fleet(launcher, start_servers, pairs)
 
 
@@ -145,10 +179,19 @@ def reference(fleet: NamedFleet, model: StateModel, n: int) -> list[int]:
     return oracle(fleet, model, PROMPTS[n])
 
 
-def oracle(fleet: NamedFleet, model: StateModel, prompt: list[int]) -> list[int]:
-    """The oracle's output for ``prompt``."""
-    server = fleet.routers["nixl"] if model.oracle == "nixl" else fleet.servers["plain"]
-    return greedy(server.url, prompt, MAX_TOKENS)
+def oracle(
+    fleet: NamedFleet,
+    model: StateModel,
+    prompt: list[int],
+    pair: str = "hixl",
+    max_tokens: int = MAX_TOKENS,
+) -> list[int]:
+    """The oracle's output for ``prompt`` of the P/D pair ``pair``: NIXL's of the same TP
+    sizes, or a plain server's."""
+    if model.oracle == "plain":
+        return greedy(fleet.servers["plain"].url, prompt, max_tokens)
+    nixl = f"nixl_{pair}" if pair in TP_PAIRS else "nixl"
+    return greedy(fleet.routers[nixl].url, prompt, max_tokens)
 
 
 def attention_block_size(server: VllmServer) -> int:
@@ -165,6 +208,21 @@ def test_token_identical_to_the_oracle_with_the_state_read(
     moved_as_the_oracle(fleet, model, "hixl", PROMPTS)
 
 
+@pytest.mark.parametrize("tp_pair", sorted(TP_PAIRS))
+def test_token_identical_to_the_oracle_with_the_state_read_between_tp_sizes(
+    fleet: NamedFleet, model: StateModel, tp_pair: str
+) -> None:
+    """P at TP 1 and D at TP 2, and back: each D rank reads its slices of each conv
+    sub-projection and its heads of the ssm state from the P rank holding them, so the D
+    ranks together read the state's bytes once, as between equal TP sizes."""
+    names = TP_PAIRS[tp_pair]
+    slow = DECODE_RANKS.get(names[1], 1) > 1
+    lengths = TP2_DECODE_LENGTHS if slow else LENGTHS
+    prompts = {n: token_prompt(n, seed=11000 + n) for n in lengths}
+    tokens = TP2_DECODE_TOKENS if slow else MAX_TOKENS
+    moved_as_the_oracle(fleet, model, tp_pair, prompts, names, tokens)
+
+
 def test_token_identical_to_the_oracle_with_the_state_pushed(
     fleet: NamedFleet, model: StateModel
 ) -> None:
@@ -175,28 +233,36 @@ def test_token_identical_to_the_oracle_with_the_state_pushed(
 
 
 def moved_as_the_oracle(
-    fleet: NamedFleet, model: StateModel, pair: str, prompts: dict[int, list[int]]
+    fleet: NamedFleet,
+    model: StateModel,
+    pair: str,
+    prompts: dict[int, list[int]],
+    names: tuple[str, str] | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> None:
-    """Through the router of ``pair``, every prompt's output is the oracle's, and D received
+    """Through the router of ``pair`` (P and D named ``names``, by default ``p_<pair>`` and
+    ``d_hixl``), every prompt's output is the oracle's, and D's ranks together received
     the attention KV of N-1 tokens and the state's bytes of each state slot, never the
     padding of its page."""
-    prefill, decode = fleet.servers[f"p_{pair}"], fleet.servers["d_hixl"]
-    expected = {n: oracle(fleet, model, prompt) for n, prompt in prompts.items()}
+    p_name, d_name = names or (f"p_{pair}", "d_hixl")
+    prefill, decode = fleet.servers[p_name], fleet.servers[d_name]
+    ranks = DECODE_RANKS.get(d_name, 1)
+    expected = {n: oracle(fleet, model, prompt, pair, max_tokens) for n, prompt in prompts.items()}
     # Varied outputs: the random weights do not collapse to one repeated token.
-    assert all(len(set(tokens)) >= MAX_TOKENS // 5 for tokens in expected.values())
+    assert all(len(set(tokens)) >= max_tokens // 5 for tokens in expected.values())
     block_size = attention_block_size(decode)
     moves, blocks, nbytes = pulled(decode)
     external = external_prompt_tokens(decode.url)
     for n, prompt in prompts.items():
-        output = greedy(fleet.routers[pair].url, prompt, MAX_TOKENS)
+        output = greedy(fleet.routers[pair].url, prompt, max_tokens)
         assert output == expected[n], f"{pair}: {n}-token prompt differs"
         if n == 1:  # D computes a one-token prompt: nothing to move
             continue
-        now = wait_for_pulls(decode, moves + 1)
+        now = wait_for_pulls(decode, moves + ranks)
         # N-1 tokens of attention KV, and the state slot of each state group: its state's
         # bytes, not the page (padded up to the attention page) they lie in.
         token_blocks = math.ceil((n - 1) / block_size)
-        assert now[1] - blocks == token_blocks + model.state_groups, f"{n}-token: blocks"
+        assert now[1] - blocks == (token_blocks + model.state_groups) * ranks, f"{n}: blocks"
         page = block_size * model.attention_token_bytes
         assert page > model.state_bytes
         moved = (token_blocks * page + model.state_groups * model.state_bytes) * model.regions
@@ -261,20 +327,30 @@ def test_the_state_carried_the_prompt_corrupted_or_missing_it_changes_the_output
     corrupted state must not be what a later test's prompt hits. The legs go to P and D as
     vllm-router sends them, under an X-Request-Id of the test's (the router makes its own);
     without a control, the same legs give the oracle's output."""
-    for offset, control in enumerate(("", *STATE_CONTROLS)):
-        prompts = [token_prompt(n, seed=5000 + 1000 * offset + n) for n in (64, 97, 160)]
-        expected = [oracle(fleet, model, prompt) for prompt in prompts]
-        outputs = pull_directly(fleet, prompts, control)
-        same = [len(p) for p, o, e in zip(prompts, outputs, expected, strict=True) if o == e]
-        if control:
-            assert not same, f"{control}: the {same}-token prompts did not change"
-        else:
-            assert len(same) == len(prompts), "the legs without a control differ"
+    pairs = {"hixl": ("p_hixl", "d_hixl")}
+    if model.divides:  # P at TP 2: D reads its state in slices from both P ranks
+        pairs["tp21"] = TP_PAIRS["tp21"]
+    for seed, (pair, names) in enumerate(pairs.items()):
+        for offset, control in enumerate(("", *STATE_CONTROLS)):
+            lengths = (64, 97, 160)
+            base = 5000 + 1000 * offset + 10000 * seed
+            prompts = [token_prompt(n, seed=base + n) for n in lengths]
+            expected = [oracle(fleet, model, prompt, pair) for prompt in prompts]
+            outputs = pull_directly(fleet, prompts, control, names)
+            same = [len(p) for p, o, e in zip(prompts, outputs, expected, strict=True) if o == e]
+            if control:
+                assert not same, f"{pair} {control}: the {same}-token prompts did not change"
+            else:
+                assert len(same) == len(prompts), f"{pair}: the legs without a control differ"
 
 
-def pull_directly(fleet: NamedFleet, prompts: list[list[int]], control: str) -> list[list[int]]:
-    """D's outputs of ``prompts``, each pulled from P under state ``control`` (or none)."""
-    prefill, decode = fleet.servers["p_hixl"], fleet.servers["d_hixl"]
+def pull_directly(
+    fleet: NamedFleet, prompts: list[list[int]], control: str, names: tuple[str, str]
+) -> list[list[int]]:
+    """D's outputs of ``prompts``, each pulled from P under state ``control`` (or none); P
+    and D named ``names``."""
+    prefill, decode = (fleet.servers[name] for name in names)
+    ranks = DECODE_RANKS.get(names[1], 1)
     pulls = pulled(decode)[0]
     outputs = []
     for prompt in prompts:
@@ -287,7 +363,8 @@ def pull_directly(fleet: NamedFleet, prompts: list[list[int]], control: str) -> 
         outputs.append(
             send_leg(decode.url, prompt, params, max_tokens=MAX_TOKENS, **legs).token_ids
         )
-    assert wait_for_pulls(decode, pulls + len(prompts))[0] == pulls + len(prompts)
+    moved = pulls + len(prompts) * ranks
+    assert wait_for_pulls(decode, moved)[0] == moved
     return outputs
 
 
