@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hixl_connector.connector.kv.layout import describe_kv_caches
-from hixl_connector.connector.kv.state_layout import Sharding, state_layer_specs
+from hixl_connector.connector.kv.state_layout import Sharding, model_n_groups, state_layer_specs
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.peers.handshake import describe_mismatch
 
@@ -123,30 +123,35 @@ def test_a_state_the_engine_cannot_move_whole_is_refused() -> None:
         describe(kv_caches, config)
 
 
-# A Mamba2 layer of 4 heads of 16 x 8 and 2 groups, kernel 4 (vLLM's shapes, DS layout).
-MAMBA2 = {"intermediate_size": 64, "n_groups": 2, "num_heads": 4, "head_dim": 16}
+# A Mamba2 layer of 4 heads of 16 x 8, kernel 4 (vLLM's shapes, DS layout).
+MAMBA2 = {"intermediate_size": 64, "num_heads": 4, "head_dim": 16}
 
 
-def mamba2_rank(tp: int) -> tuple[dict[str, Any], KVCacheConfig, Any]:
+def mamba2_rank(tp: int, n_groups: int = 2) -> tuple[dict[str, Any], KVCacheConfig, Any]:
     """One TP rank's buffers: its KV heads of 2, its state shapes."""
-    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp, state_size=8, conv_kernel=4, **MAMBA2)
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        tp, n_groups=n_groups, state_size=8, conv_kernel=4, **MAMBA2
+    )
     return hybrid(heads=HEADS // tp, head_size=32, shapes=shapes)
 
 
+@pytest.mark.parametrize("n_groups", [1, 2])
 def test_a_decode_rank_of_another_tp_size_reads_its_slices_of_the_state(
-    conv_layout_ds: None,
+    conv_layout_ds: None, n_groups: int
 ) -> None:
     """P at TP 1, D at TP 2 (and back): every byte of each D rank's state of block 5 comes
-    from P's state of block 3 as vLLM shards it, and nothing else of D's pages changes."""
+    from P's state of block 3 as vLLM shards it (one group: every rank holds it), and
+    nothing else of D's pages changes."""
+    channels = 64 + 2 * n_groups * 8
     for p_tp, d_tp in ((1, 2), (2, 1)):
-        p_ranks = [mamba2_rank(p_tp) for _ in range(p_tp)]
-        d_ranks = [mamba2_rank(d_tp) for _ in range(d_tp)]
-        p_layouts = [describe(c, k, Sharding(p_tp, 2)) for c, k, _ in p_ranks]
-        d_layouts = [describe(c, k, Sharding(d_tp, 2)) for c, k, _ in d_ranks]
+        p_ranks = [mamba2_rank(p_tp, n_groups) for _ in range(p_tp)]
+        d_ranks = [mamba2_rank(d_tp, n_groups) for _ in range(d_tp)]
+        p_layouts = [describe(c, k, Sharding(p_tp, n_groups)) for c, k, _ in p_ranks]
+        d_layouts = [describe(c, k, Sharding(d_tp, n_groups)) for c, k, _ in d_ranks]
         p_fields = p_layouts[0].state.compatibility_fields()
         assert p_fields == d_layouts[0].state.compatibility_fields()
         # P's state in block 3: its conv (channels x 3) and ssm as vLLM's kernels see them.
-        conv_global = torch.arange(96 * 3, dtype=torch.bfloat16).view(96, 3)
+        conv_global = torch.arange(channels * 3, dtype=torch.bfloat16).view(channels, 3)
         ssm_global = torch.arange(4 * 16 * 8, dtype=torch.float32).view(4, 16, 8) + 0.5
         for rank, (caches, _, _) in enumerate(p_ranks):
             for region in range(REGIONS):
@@ -155,7 +160,7 @@ def test_a_decode_rank_of_another_tp_size_reads_its_slices_of_the_state(
             before = buffer.clone()
             state = layout.state
             reads = state.reads([(1, 3, 5)], p_tp, p_layouts[0].state.page_units, rank)
-            assert set(reads) == set(range(p_tp)) if p_tp > d_tp else {rank * p_tp // d_tp}
+            assert set(reads) == (set(range(p_tp)) if p_tp > d_tp else {rank * p_tp // d_tp})
             for p_rank, (src, dst) in reads.items():
                 copy_units(p_ranks[p_rank][2], buffer, src, dst, p_layouts[p_rank], layout)
             expected = shard(conv_global, ssm_global, d_tp, rank)
@@ -170,9 +175,11 @@ def test_a_decode_rank_of_another_tp_size_reads_its_slices_of_the_state(
 
 
 def shard(conv: Any, ssm: Any, tp: int, rank: int) -> Any:
-    """Rank ``rank``'s state bytes: its slice of x, B and C (2 groups of 8), then its heads."""
-    x, b, c = conv[:64], conv[64:80], conv[80:96]
-    mine = [part.chunk(tp)[rank] for part in (x, b, c)]
+    """Rank ``rank``'s state bytes: its slice of x, B and C (groups of 8; a single group on
+    every rank), then its heads."""
+    groups = (conv.shape[0] - 64) // 16
+    x, b, c = conv[:64], conv[64 : 64 + 8 * groups], conv[64 + 8 * groups :]
+    mine = [x.chunk(tp)[rank], *(p if groups == 1 else p.chunk(tp)[rank] for p in (b, c))]
     conv_bytes = torch.cat(mine).contiguous().view(torch.uint8).flatten()
     ssm_bytes = ssm.chunk(tp)[rank].contiguous().view(torch.uint8).flatten()
     return torch.cat([conv_bytes, ssm_bytes])
@@ -217,3 +224,20 @@ def test_under_the_sd_layout_the_state_moves_between_equal_tp_sizes_only() -> No
         state.check_tp(2)
     with pytest.raises(ShardMismatch):
         state.reads([(1, 0, 0)], 2, state.page_units, 0)
+
+
+def test_the_mamba2_groups_are_read_from_each_family_config() -> None:
+    """The configs of the Mamba2 families name n_groups three ways."""
+    from transformers import (
+        FalconH1Config,
+        GraniteMoeHybridConfig,
+        LlamaConfig,
+        NemotronHConfig,
+        Zamba2Config,
+    )
+
+    assert model_n_groups(NemotronHConfig(n_groups=2)) == 2
+    assert model_n_groups(GraniteMoeHybridConfig(mamba_n_groups=1)) == 1
+    assert model_n_groups(FalconH1Config(mamba_n_groups=1)) == 1
+    assert model_n_groups(Zamba2Config(mamba_ngroups=4)) == 4
+    assert model_n_groups(LlamaConfig()) is None
