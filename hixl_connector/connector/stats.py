@@ -29,7 +29,7 @@ _COUNTS = (
     "refused_pulls",  # P would not vouch for the blocks before the read
     "stale_pulls",  # the lease ended during the read: the data was thrown away
     "invalid_requests",  # kv_transfer_params D cannot pull by (refused before any I/O)
-    "cancelled_pulls",  # the request was aborted before its read: nothing was read
+    "cancelled_pulls",  # the request was aborted before its read ended: nothing read is used
     "sync_loads",  # reads that landed before the forward of the step that needed them
     # Small enough for the step, but over the network: loaded asynchronously, so that no
     # step waits on a peer.

@@ -328,7 +328,10 @@ class Receiver:
     def _check_cancelled(self, spec: RecvSpec) -> None:
         with self._lock:
             if spec.request_id in self._cancelled:
-                raise PullCancelled(f"request {spec.request_id} was aborted before its read")
+                raise PullCancelled(
+                    f"request {spec.request_id} was aborted before its read ended; nothing read is "
+                    "used"
+                )
 
     def _end(self, spec: RecvSpec) -> None:
         with self._lock:
