@@ -93,7 +93,7 @@ class StateLayout:
         for group, p_block, d_block in slots:
             if group not in groups:
                 raise ValueError(f"KV-cache group {group} holds no state")
-            slices = self._slices(group, groups[group], shards.get(group), p_tp, d_rank)
+            slices = self._slices(groups[group], shards.get(group), p_tp, d_rank)
             for piece in slices:
                 src, dst = reads.setdefault(piece.p_rank, ([], []))
                 count = piece.nbytes // self.unit_bytes
@@ -106,28 +106,24 @@ class StateLayout:
     def check_tp(self, p_tp: int) -> None:
         """Raises ShardMismatch unless the states can be read from a P engine of ``p_tp``."""
         if p_tp != self.tp_size and self.unshardable:
-            raise ShardMismatch(
-                f"prefill tp_size={p_tp} and decode tp_size={self.tp_size} differ: "
-                + self.unshardable
-            )
+            raise ShardMismatch(self._undivided(p_tp))
         for _, shards in self.shards:
             for shard in shards:
                 shard.per_rank(p_tp)
 
     def _slices(
-        self,
-        group: int,
-        units: int,
-        shards: tuple[Shard, ...] | None,
-        p_tp: int,
-        d_rank: int,
+        self, units: int, shards: tuple[Shard, ...] | None, p_tp: int, d_rank: int
     ) -> tuple[StateSlice, ...]:
         if p_tp == self.tp_size:
             return (StateSlice(d_rank, 0, 0, units * self.unit_bytes),)
-        self.check_tp(p_tp)
         if shards is None:
-            raise ShardMismatch(f"KV-cache group {group}: no pieces to read between TP sizes")
+            raise ShardMismatch(self._undivided(p_tp))
         return state_slices(shards, p_tp, self.tp_size, d_rank)
+
+    def _undivided(self, p_tp: int) -> str:
+        return (
+            f"prefill tp_size={p_tp} and decode tp_size={self.tp_size} differ: " + self.unshardable
+        )
 
     def moved_bytes(self, units: int) -> int:
         """The bytes a move of ``units`` of every region carries: the states', no padding."""
@@ -187,17 +183,16 @@ def describe_state(
             regions.append(base)
         views.append(view)
     shards, unshardable = _shards(group_specs, parts, sharding)
+    pieces_of = dict(shards)
     unit = state_unit_bytes(page_bytes, [layer.nbytes for layer in parts.values()])
-    unit = math.gcd(unit, *(granule_bytes(pieces) for _, pieces in shards))
+    unit = math.gcd(unit, *(granule_bytes(pieces) for pieces in pieces_of.values()))
     return StateLayout(
         regions=tuple(sorted(regions, key=list(registered).index)),
         page_bytes=page_bytes,
         unit_bytes=unit,
         group_units=tuple((g, layer.nbytes // unit) for g, layer in sorted(parts.items())),
         views=tuple(views),
-        described=tuple(
-            _describe(group_specs[g], dict(shards).get(g)) for g in sorted(group_specs)
-        ),
+        described=tuple(_describe(group_specs[g], pieces_of.get(g)) for g in sorted(group_specs)),
         tp_size=sharding.tp_size,
         shards=shards,
         unshardable=unshardable,

@@ -87,10 +87,10 @@ def state_slices(
     p_base = d_base = 0
     for shard in shards:
         mine = shard.held(d_tp, d_rank)
+        per_p = shard.per_rank(p_tp)
         if shard.replicated:
             _append(slices, StateSlice(source, p_base, d_base, len(mine) * shard.item_bytes))
         else:
-            per_p = shard.per_rank(p_tp)
             item = mine.start
             while item < mine.stop:  # one run per P rank holding part of this rank's range
                 p_rank, offset = divmod(item, per_p)
@@ -99,7 +99,7 @@ def state_slices(
                 dst = d_base + (item - mine.start) * shard.item_bytes
                 _append(slices, StateSlice(p_rank, src, dst, run * shard.item_bytes))
                 item += run
-        p_base += shard.per_rank(p_tp) * shard.item_bytes
+        p_base += per_p * shard.item_bytes
         d_base += len(mine) * shard.item_bytes
     return tuple(slices)
 

@@ -66,10 +66,10 @@ def state_reads(
 ) -> list[Read]:
     """The request's state slots (state_layout): the units of P's states this rank holds
     (whole between equal TP sizes, else its slices of them), from the P ranks it reads KV
-    from, so they are read under those ranks' lease words."""
+    from, so they are read under those ranks' lease words. ``check_state_tp`` passed
+    before anything was linked."""
     if not spec.state_block_ids:
         return []
-    check_state_tp(spec, state)
     assert state is not None
     by_rank = {peer.payload.tp_rank: peer for peer in readers}
     page_units = {peer.payload.state_page_units for peer in readers}
