@@ -43,7 +43,7 @@ from hixl_connector.tools.demo.client import (
     send_leg,
 )
 from hixl_connector.tools.demo.pd_demo import connector_config
-from hixl_connector.tools.demo.processes import visit_process_group
+from hixl_connector.tools.demo.processes import signals_as_interrupt, visit_process_group
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    with signals_as_interrupt(), tempfile.TemporaryDirectory() as tmp:
         work = args.work_dir or Path(tmp)
         model = build_tiny_model(work / "model")
         started: list[VllmServer] = []

@@ -61,7 +61,7 @@ from typing import Any
 
 from hixl_connector.tools.demo.client import complete, metric_total, read_metrics
 from hixl_connector.tools.demo.pd_demo import connector_config
-from hixl_connector.tools.demo.processes import ManagedProcess, free_port
+from hixl_connector.tools.demo.processes import ManagedProcess, free_port, signals_as_interrupt
 from hixl_connector.tools.demo.servers import (
     SERVED_MODEL_NAME,
     VllmServer,
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1 and at most --prompts")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hixl-bench-serve-"))
     model = build_tiny_model(work / "model", args.model)
-    plain, routed, *pds = run_all(model, work, args)
+    with signals_as_interrupt():
+        plain, routed, *pds = run_all(model, work, args)
     per_round = args.prompts // args.rounds
     print(
         f"vllm bench serve: {per_round * args.rounds} random {args.input_len}-token prompts "

@@ -165,6 +165,16 @@ class NetnsBed:
             "tbf", "rate", rate, "burst", burst, "limit", limit,
         )  # fmt: skip
 
+    def sent_bytes(self) -> int:
+        """Bytes P has sent over the data link since ``throttle`` slowed it (the count of the
+        queue it added)."""
+        out = subprocess.run(
+            [*self.exec_prefix(self.ns_p), "tc", "-s", "qdisc", "show", "dev", self.data_p],
+            capture_output=True, text=True, timeout=20,
+        ).stdout  # fmt: skip
+        words = out.split()
+        return sum(int(after) for word, after in zip(words, words[1:]) if word == "Sent")
+
     def dropped_packets(self) -> int:
         """Packets the impairment dropped: qdisc drops plus the random-loss rule's count."""
         total = 0

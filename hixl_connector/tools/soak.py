@@ -35,7 +35,7 @@ from typing import Any
 
 from hixl_connector.tools.demo.client import RequestFailed, complete, metric_total, read_metrics
 from hixl_connector.tools.demo.pd_demo import connector_config
-from hixl_connector.tools.demo.processes import ManagedProcess
+from hixl_connector.tools.demo.processes import ManagedProcess, signals_as_interrupt
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, start_router, start_vllm_server
 from hixl_connector.tools.demo.tiny_model import build_tiny_model, is_built
 
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     def say(message: str) -> None:
         print(f"[{time.monotonic() - started:6.1f} s] {message}", flush=True)
 
-    result = soak(args, say)
+    with signals_as_interrupt():
+        result = soak(args, say)
     print(summary(result, args), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result.__dict__, indent=2, default=list) + "\n")

@@ -303,6 +303,14 @@ class PDDeployment:
         return found
 
 
+# A router's P (or several, by name) and D, by name.
+Pair = tuple[str | tuple[str, ...], str]
+
+
+def _names(names: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (names,) if isinstance(names, str) else names
+
+
 @dataclass
 class NamedFleet:
     """Servers by name, and a router per named P/D pair of them (PDLauncher.pairs)."""
@@ -429,13 +437,13 @@ class PDLauncher:
         return router
 
     def pairs(
-        self, servers: Mapping[str, VllmServer], pairs: Mapping[str, tuple[str, str]]
+        self, servers: Mapping[str, VllmServer], pairs: Mapping[str, Pair]
     ) -> dict[str, RouterProcess]:
         """Waits until every server is healthy, then a router per named (P, D) pair."""
         for server in servers.values():
             server.wait_healthy(self.health_timeout_s)
         return {
-            name: self.router(f"router_{name}", [servers[p]], [servers[d]])
+            name: self.router(f"router_{name}", [servers[n] for n in _names(p)], [servers[d]])
             for name, (p, d) in pairs.items()
         }
 

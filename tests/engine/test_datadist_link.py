@@ -12,12 +12,19 @@ import pytest
 
 from hixl_connector.datadist import BlocksPull
 
+from . import datadist_peer as layout
 from .datadist_harness import Client, Peer
 from .native_peer import stopped
 
 TOKEN = "datadist-link-token-0123456789abcdef"
 # As long as a real token, so the refusal comes from the HMAC check, not the length rule.
 WRONG_TOKEN = "datadist-link-wrong-token-0123456789abcdef"
+
+
+# A registered blocks cache of this side, and its tensors.
+Local = tuple[Any, list[np.ndarray]]
+# What the peer's "kv" cache holds, tensor by tensor.
+PEER_KV = layout.make_tensors("kv", layout.NUM_TENSORS, layout.NUM_BLOCKS * layout.BLOCK_BYTES)
 
 
 def ok(api: Any) -> Any:
@@ -84,13 +91,24 @@ def test_link_argument_checks_and_codes(api: Any, peer_factory: Any, client_fact
     assert client.dd.link_clusters([wrong_id], 2000)[0] == codes.LLM_LINK_FAILED
 
 
-def _pull_once(api: Any, client: Client, peer: Peer, cache: Any) -> None:
-    client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1, 2], [3, 4])
+def _pull_once(api: Any, client: Client, peer: Peer, cache: Local) -> None:
+    """Pulls the peer's blocks 1 and 2 into blocks 3 and 4 of ``cache``; they hold the
+    peer's bytes afterwards."""
+    registered, tensors = cache
+    for tensor in tensors:
+        tensor[:] = 0
+    key = api.BlocksCacheKey(peer.cluster_id)
+    client.dd.cache_manager.pull_blocks(key, registered, [1, 2], [3, 4])
+    bb = layout.BLOCK_BYTES
+    for tensor, source in zip(tensors, PEER_KV, strict=True):
+        assert np.array_equal(tensor[3 * bb : 5 * bb], source[bb : 3 * bb])
+        assert not tensor[: 3 * bb].any() and not tensor[5 * bb :].any()
 
 
-def _cache_linked_to(api: Any, client: Client, peer: Peer) -> Any:
-    """A small blocks cache on ``client``, and ``client`` linked to ``peer``."""
-    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+def _cache_linked_to(api: Any, client: Client, peer: Peer) -> Local:
+    """A blocks cache of the peer's shape on ``client`` (and its tensors), and ``client``
+    linked to ``peer``."""
+    cache = client.blocks_cache(layout.NUM_TENSORS, layout.NUM_BLOCKS, layout.BLOCK_SHAPE)
     assert client.link(peer) == (ok(api), [ok(api)])
     return cache
 
@@ -109,8 +127,7 @@ def test_unauthenticated_link_refused(
     )
     monkeypatch.setenv("HIXL_AUTH_TOKEN", TOKEN)  # the token may come from the environment
     client = client_factory(4002, hixl_transport=transport)
-    cache = _cache_linked_to(api, client, peer)
-    client.dd.cache_manager.pull_blocks(api.BlocksCacheKey(peer.cluster_id), cache, [1], [2])
+    _pull_once(api, client, peer, _cache_linked_to(api, client, peer))
     client.unlink(peer)
 
 
@@ -145,7 +162,7 @@ def test_cma_pull_needs_no_work_from_a_stopped_peer(
     """One-sided reads: a stopped peer's registered memory can still be pulled over cma."""
     peer = peer_factory(51)
     client = client_factory(5100, hixl_transport="cma", sync_kv_timeout=500)
-    cache, _ = client.blocks_cache(8, 64, (4, 2, 32))
+    cache = client.blocks_cache(layout.NUM_TENSORS, layout.NUM_BLOCKS, layout.BLOCK_SHAPE)
     with client.linked_over(peer, "cma"), stopped(peer.pid):
         _pull_once(api, client, peer, cache)
 
@@ -172,7 +189,7 @@ def test_unlink_during_a_pull_fails_the_pull_fast(
     """Row 28: a concurrent unlink ends a running pull (CANN: LLM_LINK_BUSY)."""
     peer = peer_factory(52)
     client = client_factory(5200, hixl_transport="tcp", sync_kv_timeout=20000)
-    cache = _cache_linked_to(api, client, peer)
+    cache, _ = _cache_linked_to(api, client, peer)
     codes = api.LLMStatusCode
     with stopped(peer.pid):  # the pull cannot finish while the peer is stopped
         key = api.BlocksCacheKey(peer.cluster_id)
@@ -192,8 +209,6 @@ def test_xpyd_one_call_links_every_prefill_and_each_serves_its_own_bytes(
 ) -> None:
     """HIXL's xPyD sample from one decoder's seat: link_clusters and unlink_clusters with
     two prefill clusters in one call, then a pull from each into blocks of one cache."""
-    from . import datadist_peer as layout
-
     nb, bb = layout.NUM_BLOCKS, layout.BLOCK_BYTES
     prefills = [peer_factory(61), peer_factory(62)]
     client = client_factory()
@@ -203,9 +218,8 @@ def test_xpyd_one_call_links_every_prefill_and_each_serves_its_own_bytes(
     cm = client.dd.cache_manager
     for i, peer in enumerate(prefills):
         cm.pull_blocks(api.BlocksCacheKey(peer.cluster_id, 0), cache, [0, 1], [2 * i, 2 * i + 1])
-    kv = layout.make_tensors("kv", layout.NUM_TENSORS, nb * bb)
     for t, tensor in enumerate(tensors):
-        got, want = tensor.reshape(nb, bb), kv[t].reshape(nb, bb)
+        got, want = tensor.reshape(nb, bb), PEER_KV[t].reshape(nb, bb)
         assert [np.array_equal(got[b], want[s]) for b, s in enumerate([0, 1, 0, 1])] == [True] * 4
         assert not got[4:].any(), "blocks no pull named changed"
     # Each cluster has a link of its own: without 61's, 62 still serves.
@@ -215,7 +229,7 @@ def test_xpyd_one_call_links_every_prefill_and_each_serves_its_own_bytes(
     assert gone.value.status_code == api.LLMStatusCode.LLM_NOT_YET_LINK
     cm.pull_blocks(api.BlocksCacheKey(62, 0), cache, [5], [5])
     assert all(
-        np.array_equal(t.reshape(nb, bb)[5], kv[i].reshape(nb, bb)[5])
+        np.array_equal(t.reshape(nb, bb)[5], PEER_KV[i].reshape(nb, bb)[5])
         for i, t in enumerate(tensors)
     )
     assert client.dd.unlink_clusters(infos[1:], 3000) == (ok(api), [ok(api)])

@@ -4,10 +4,11 @@ Cases: listeners bound to the configured address only; an impaired link (netem d
 loss, or where the kernel lacks netem a token bucket with a short queue: delay and tail
 drops), still token-identical, only slower; then the faults that land in the middle of a
 read. For those P's side of the link is slowed (``reading``) so that D's read, the one
-engine batch it always is (lease word, blocks, word), takes about two seconds, and the fault
-lands half a second into it: the link cut and restored, the client gone, P frozen, P killed
-and restarted, P killed with reads queued behind, and last D killed. Every wait is bounded,
-vLLM's KV usage on both sides returns to idle, and each case records a reliability row.
+engine batch it always is (lease word, blocks, word), takes about two seconds, and the
+fault lands once a block's worth of it crossed the link and before any read landed: the
+link cut and restored, the client gone, P frozen, P killed and restarted, P killed with
+reads queued behind, and last D killed. Every wait is bounded, vLLM's KV usage on both
+sides returns to idle, and each case records a reliability row.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ MARGIN_S = 3.0
 # P's side of the link while a fault lands mid-read: a 160-token prompt's blocks (5 of
 # 32 KiB) take about 2 s, under PULL_TIMEOUT_S, so an unfaulted read would succeed.
 MID_READ_RATE = "640kbit"
-INTO_THE_READ_S = 0.5
+# A read is under way once this much crossed the slowed link: more than any message of the
+# side channel, about a block of the prompt's KV (a fifth of it).
+UNDER_WAY_BYTES = 32 * 1024
+# How long the client that leaves mid-read waits for D's answer.
+CLIENT_WAIT_S = 0.5
 QUEUED_BEHIND_KILL = 10
 
 
@@ -167,17 +172,19 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 def reading(
     pd: Servers, net: NetnsBed, pool: ThreadPoolExecutor, prompts: list[list[int]]
 ) -> Iterator[list[tuple[Future[LegResult], dict[str, Any]]]]:
-    """D's reads of ``prompts`` (prefilled first) under way over the slowed link,
-    INTO_THE_READ_S in, each with its kv_transfer_params; the link is whole again after
-    the block."""
+    """D's reads of ``prompts`` (prefilled first) under way over the slowed link, each with
+    its kv_transfer_params: P's blocks are crossing the link (UNDER_WAY_BYTES of them) and no
+    read has landed. The link is whole again after the block."""
     legs = [prefill_leg(pd["prefill"], prompt) for prompt in prompts]
+    landed = hixl_counter(pd["decode"], "pulls")
     net.throttle(MID_READ_RATE)
     try:
         futures = [
             pool.submit(run_decode, pd["decode"], prompt, params, 60.0)
             for prompt, params in zip(prompts, legs, strict=True)
         ]
-        time.sleep(INTO_THE_READ_S)
+        wait_for(lambda: net.sent_bytes() >= UNDER_WAY_BYTES, 30.0, "D's reads under way")
+        assert hixl_counter(pd["decode"], "pulls") == landed, "a read landed before the fault"
         yield list(zip(futures, legs, strict=True))
     finally:
         net.restore()
@@ -221,7 +228,7 @@ def test_client_gone_mid_read_frees_prefill_promptly(
     params = prefill_leg(pd["prefill"], prompt)
     net.throttle(MID_READ_RATE)
     try:
-        result = run_decode(pd["decode"], prompt, params, INTO_THE_READ_S)
+        result = run_decode(pd["decode"], prompt, params, CLIENT_WAIT_S)
         assert result.failed, "the client should have given up"
         detected = wait_idle(pd["prefill"])
     finally:

@@ -10,7 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hixl_connector.connector.mapping.block_slices import SliceRun
-from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.push.registration import (
+    HeadRun,
+    PushRegistration,
+    Slices,
+    StateRun,
+)
 
 ids = st.integers(0, 2**31)
 
@@ -63,11 +68,22 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
 @st.composite
 def state_slots(draw: st.DrawFn) -> dict[str, Any]:
     """A state model's slots, with their grant and token count, or none."""
-    groups = draw(st.sets(st.integers(0, 63), max_size=3))
-    if not groups:
+    runs = draw(
+        st.lists(
+            st.builds(
+                StateRun,
+                st.integers(0, 63),
+                st.integers(0, 2**48),
+                st.integers(0, 2**48),
+                st.integers(1, 2**48),
+            ),
+            max_size=4,
+        )
+    )
+    if not runs:
         return {}
     return {
-        "states": tuple((group, draw(ids)) for group in sorted(groups)),
+        "state_runs": tuple(runs),
         "state_grant": draw(st.integers(1, 2**63 - 1)),
         "num_tokens": draw(st.integers(1, 2**31)),
     }
@@ -123,17 +139,18 @@ GOOD = PushRegistration("cmpl-x-0", 9, (0, 1), (5, 6), (11,), (3, 12), 30.0).to_
         ({"groups": [0] * 65 + [2]}, "groups"),
         ({"groups": "2"}, "groups"),
         ({"groups": [1, 1], "slices": [2, [[0, 0, 0, 1]]]}, "2 KV-cache groups and slices"),
-        ({"states": 3}, "'states' must be a list"),
-        ({"states": [[1, 2]] * 65}, "'states' must be a list"),
-        ({"states": [[1]]}, "\\[group < 64, block\\] pairs"),
-        ({"states": [[1, 2, 3]]}, "states"),
-        ({"states": [[1, -2]]}, "states"),
-        ({"states": [[1, 2], [1, 3]]}, "a state group twice"),
+        ({"state_runs": 3}, "'state_runs' must be a list"),
+        ({"state_runs": [[1, 0, 2, 1]] * 1025}, "'state_runs' must be a list"),
+        ({"state_runs": [[1, 0, 2]]}, "must be \\[group < 64, src, dst, count >= 1\\]"),
+        ({"state_runs": [[1, 0, 2, 0]]}, "count >= 1"),
+        ({"state_runs": [[1, 0, -2, 1]]}, "state_runs"),
+        ({"state_runs": [[1, 0, 2**48 + 1, 1]]}, "state_runs"),
+        ({"state_runs": [1, 0, 2, 1]}, "state_runs"),
         ({"state_grant": -1}, "state_grant"),
         ({"state_grant": 2**63}, "state_grant"),
-        ({"states": [[64, 2]], "state_grant": 5, "num_tokens": 3}, "group < 64"),
-        ({"states": [[1, 2]], "num_tokens": 3}, "without a state_grant and num_tokens"),
-        ({"states": [[1, 2]], "state_grant": 5}, "without a state_grant and num_tokens"),
+        ({"state_runs": [[64, 0, 2, 1]], "state_grant": 5, "num_tokens": 3}, "group < 64"),
+        ({"state_runs": [[1, 0, 2, 1]], "num_tokens": 3}, "without a state_grant and num_tokens"),
+        ({"state_runs": [[1, 0, 2, 1]], "state_grant": 5}, "without a state_grant and num_tokens"),
         ({"num_tokens": -1}, "num_tokens"),
     ],
 )
@@ -152,6 +169,7 @@ def test_not_a_dict_is_refused() -> None:
 def test_a_state_slot_alone_needs_no_cache_grant() -> None:
     """D holds the prompt's KV (a local prefix hit) and takes a state alone."""
     alone = {**GOOD, "positions": [], "blocks": [], "grants": [], "groups": [0, 0]}
-    alone |= {"states": [[1, 4]], "state_grant": 8, "num_tokens": 31}
+    alone |= {"state_runs": [[1, 0, 64, 3]], "state_grant": 8, "num_tokens": 31}
     parsed = PushRegistration.from_dict(alone)
-    assert parsed.states == ((1, 4),) and parsed.grants == () and parsed.num_tokens == 31
+    assert parsed.state_runs == (StateRun(1, 0, 64, 3),)
+    assert parsed.grants == () and parsed.num_tokens == 31

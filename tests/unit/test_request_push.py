@@ -25,7 +25,12 @@ from hixl_connector.connector.mapping.tp_mapping import (
     plan_rank,
 )
 from hixl_connector.connector.metadata import SendSpec
-from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.push.registration import (
+    HeadRun,
+    PushRegistration,
+    Slices,
+    StateRun,
+)
 from hixl_connector.connector.push.request_push import (
     head_runs,
     layer_ranges,
@@ -79,23 +84,30 @@ def test_source_blocks_of_several_groups_are_each_groups_own_never_the_null_bloc
 STATE = StateLayout((0,), 16 * 256, 256, ((1, 3), (2, 2)), (), ())
 
 
-def test_state_pairs_are_the_units_of_ps_slot_into_ds_of_each_state_group() -> None:
-    """P offers a state group's slot alone; D names its own slot per group, no position, and
-    the tokens the state must hold: a state that holds another number is refused."""
+def test_state_pairs_are_the_units_of_ps_slot_that_ds_runs_name() -> None:
+    """P offers a state group's slot alone; D names, per state group, runs of units counted
+    from the start of P's slot (the whole state, or D's slices of it between TP sizes) and
+    where each lands in its own registration, and the tokens the state must hold: a state
+    that holds another number is refused, and so is a run beyond P's state."""
     offered = SendSpec("r", 1, 0, 0, ((10, 11), (40,), (50,)), num_tokens=31)
-    both = replace(_registration((0, 1)), groups=(2, 0, 0), states=((1, 7), (2, 8)), num_tokens=31)
+    whole = (StateRun(1, 0, 7 * 16, 3), StateRun(2, 0, 8 * 16, 2))
+    both = replace(_registration((0, 1)), groups=(2, 0, 0), state_runs=whole, num_tokens=31)
     src = [*range(40 * 16, 40 * 16 + 3), *range(50 * 16, 50 * 16 + 2)]
     dst = [*range(7 * 16, 7 * 16 + 3), *range(8 * 16, 8 * 16 + 2)]
     assert state_pairs(offered, both, STATE) == (src, dst)
+    sliced = replace(both, state_runs=(StateRun(1, 1, 200, 2), StateRun(2, 1, 90, 1)))
+    assert state_pairs(offered, sliced, STATE) == ([641, 642, 801], [200, 201, 90])
     assert state_pairs(offered, _registration((0, 1)), None) == ([], [])  # no state named
     with pytest.raises(ValueError, match="this engine's model has no state"):
         state_pairs(offered, both, None)
     with pytest.raises(ValueError, match="P's state holds 32 prompt tokens, D continues from 31"):
         state_pairs(replace(offered, num_tokens=32), both, STATE)  # P computed it whole
     with pytest.raises(ValueError, match="group 0 a state group; it is not one here"):
-        state_pairs(offered, replace(both, states=((0, 7),)), STATE)
+        state_pairs(offered, replace(both, state_runs=(StateRun(0, 0, 7, 1),)), STATE)
     with pytest.raises(ValueError, match="group 3 a state group"):
-        state_pairs(offered, replace(both, states=((3, 7),)), STATE)
+        state_pairs(offered, replace(both, state_runs=(StateRun(3, 0, 7, 1),)), STATE)
+    with pytest.raises(ValueError, match="units 2 to 4 of the state of group 1, which holds 3"):
+        state_pairs(offered, replace(both, state_runs=(StateRun(1, 2, 7, 2),)), STATE)
     with pytest.raises(ValueError, match="P holds no state slot of group 2"):
         state_pairs(replace(offered, block_ids=((10, 11), (40,), ())), both, STATE)
     with pytest.raises(ValueError, match="P holds no state slot of group 1"):

@@ -20,7 +20,10 @@ from vllm.v1.kv_cache_interface import (
 from hixl_connector.connector.kv.layout import describe_kv_caches
 from hixl_connector.connector.kv.state_layout import Sharding, model_n_groups, state_layer_specs
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
+from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.handshake import describe_mismatch
+from hixl_connector.connector.push.registration import PushRegistration, StateRun
+from hixl_connector.connector.push.request_push import state_pairs
 
 NUM_BLOCKS = 8
 HEADS, BLOCK_SIZE, HEAD_SIZE = 2, 16, 16
@@ -135,13 +138,15 @@ def mamba2_rank(tp: int, n_groups: int = 2) -> tuple[dict[str, Any], KVCacheConf
     return hybrid(heads=HEADS // tp, head_size=32, shapes=shapes)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("n_groups", [1, 2])
-def test_a_decode_rank_of_another_tp_size_reads_its_slices_of_the_state(
-    conv_layout_ds: None, n_groups: int
+def test_a_decode_rank_of_another_tp_size_gets_its_slices_of_the_state(
+    conv_layout_ds: None, n_groups: int, mode: str
 ) -> None:
-    """P at TP 1, D at TP 2 (and back): every byte of each D rank's state of block 5 comes
-    from P's state of block 3 as vLLM shards it (one group: every rank holds it), and
-    nothing else of D's pages changes."""
+    """P at TP 1, D at TP 2 (and back), read by D or written by P from the runs D
+    registers: every byte of each D rank's state of block 5 comes from P's state of block 3
+    as vLLM shards it (one group: every rank holds it), and nothing else of D's pages
+    changes."""
     channels = 64 + 2 * n_groups * 8
     for p_tp, d_tp in ((1, 2), (2, 1)):
         p_ranks = [mamba2_rank(p_tp, n_groups) for _ in range(p_tp)]
@@ -159,7 +164,8 @@ def test_a_decode_rank_of_another_tp_size_reads_its_slices_of_the_state(
         for rank, ((caches, _, buffer), layout) in enumerate(zip(d_ranks, d_layouts, strict=True)):
             before = buffer.clone()
             state = layout.state
-            reads = state.reads([(1, 3, 5)], p_tp, p_layouts[0].state.page_units, rank)
+            p_states = [p.state for p in p_layouts]
+            reads = moved_units(mode, state, p_states, p_tp, rank)
             assert set(reads) == (set(range(p_tp)) if p_tp > d_tp else {rank * p_tp // d_tp})
             for p_rank, (src, dst) in reads.items():
                 copy_units(p_ranks[p_rank][2], buffer, src, dst, p_layouts[p_rank], layout)
@@ -172,6 +178,24 @@ def test_a_decode_rank_of_another_tp_size_reads_its_slices_of_the_state(
             assert all(
                 5 * page_bytes <= i % (NUM_BLOCKS * page_bytes) < 6 * page_bytes for i in changed
             )
+
+
+def moved_units(
+    mode: str, state: Any, p_states: list[Any], p_tp: int, rank: int
+) -> dict[int, tuple[list[int], list[int]]]:
+    """Per P rank, the units of its state slot 3 and of D rank ``rank``'s slot 5 they land
+    in: as D reads them, or as each P rank writes them from the runs D registers with it."""
+    if mode == "pull":
+        return state.reads([(1, 3, 5)], p_tp, p_states[0].page_units, rank)
+    send = SendSpec("r", 1, 0, 0, ((10,), (3,)), num_tokens=7)
+    written = {}
+    for p_rank, runs in state.writes([(1, 5)], p_tp, rank).items():
+        state_runs = tuple(StateRun(*run) for run in runs)
+        registration = PushRegistration(
+            "r", 1, (), (), (), (0, 1), 5.0, state_runs=state_runs, state_grant=1, num_tokens=7
+        )
+        written[p_rank] = state_pairs(send, registration, p_states[p_rank])
+    return written
 
 
 def shard(conv: Any, ssm: Any, tp: int, rank: int) -> Any:
@@ -224,6 +248,10 @@ def test_under_the_sd_layout_the_state_moves_between_equal_tp_sizes_only() -> No
         state.check_tp(2)
     with pytest.raises(ShardMismatch):
         state.reads([(1, 0, 0)], 2, state.page_units, 0)
+    with pytest.raises(ShardMismatch):
+        state.writes([(1, 0)], 2, 0)
+    whole = dict(state.group_units)[1]  # between equal TP sizes: the whole state
+    assert state.writes([(1, 2)], 1, 0) == {0: [(1, 0, 2 * state.page_units, whole)]}
 
 
 def test_the_mamba2_groups_are_read_from_each_family_config() -> None:

@@ -36,6 +36,8 @@ from hixl_connector.connector.mapping.state_shards import (
 
 # (state group, P's block, D's block) of each state slot a read fills.
 StateSlot = tuple[int, int, int]
+# (first unit in P's state page, first unit in D's, count) of a slice of a state.
+PageRun = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -80,28 +82,54 @@ class StateLayout:
         """The units of the states of ``slots``, (group, block) each, in order."""
         return [unit for group, block in slots for unit in self.units(group, block)]
 
+    def page_runs(self, group: int, p_tp: int, d_rank: int) -> dict[int, list[PageRun]]:
+        """Per P rank of a P engine of ``p_tp``, where this rank's state of ``group`` lies
+        in that rank's state page and in this rank's, counted in units from each page's
+        start: the whole state between equal TP sizes, else this rank's slices of P's.
+        Raises ShardMismatch where the state cannot move between the two TP sizes."""
+        units = dict(self.group_units).get(group)
+        if units is None:
+            raise ValueError(f"KV-cache group {group} holds no state")
+        unit = self.unit_bytes
+        runs: dict[int, list[PageRun]] = {}
+        for piece in self._slices(units, dict(self.shards).get(group), p_tp, d_rank):
+            run = (piece.src // unit, piece.dst // unit, piece.nbytes // unit)
+            runs.setdefault(piece.p_rank, []).append(run)
+        return runs
+
     def reads(
         self, slots: Iterable[StateSlot], p_tp: int, p_page_units: int, d_rank: int
     ) -> dict[int, tuple[list[int], list[int]]]:
         """Per P rank, the units of its states and of this rank's they land in, for the state
         slots of a request read from a P engine of ``p_tp`` whose pages are ``p_page_units``
-        units: whole states between equal TP sizes, else this rank's slices of P's.
-        Raises ShardMismatch where the states cannot be read between the two TP sizes."""
-        groups = dict(self.group_units)
-        shards = dict(self.shards)
+        units (page_runs). Raises ShardMismatch where the states cannot be read between the
+        two TP sizes."""
         reads: dict[int, tuple[list[int], list[int]]] = {}
         for group, p_block, d_block in slots:
-            if group not in groups:
-                raise ValueError(f"KV-cache group {group} holds no state")
-            slices = self._slices(groups[group], shards.get(group), p_tp, d_rank)
-            for piece in slices:
-                src, dst = reads.setdefault(piece.p_rank, ([], []))
-                count = piece.nbytes // self.unit_bytes
-                first_src = p_block * p_page_units + piece.src // self.unit_bytes
-                first_dst = d_block * self.page_units + piece.dst // self.unit_bytes
-                src.extend(range(first_src, first_src + count))
-                dst.extend(range(first_dst, first_dst + count))
+            for p_rank, runs in self.page_runs(group, p_tp, d_rank).items():
+                src, dst = reads.setdefault(p_rank, ([], []))
+                for p_first, d_first, count in runs:
+                    first_src = p_block * p_page_units + p_first
+                    first_dst = d_block * self.page_units + d_first
+                    src.extend(range(first_src, first_src + count))
+                    dst.extend(range(first_dst, first_dst + count))
         return reads
+
+    def writes(
+        self, slots: Iterable[tuple[int, int]], p_tp: int, d_rank: int
+    ) -> dict[int, list[tuple[int, int, int, int]]]:
+        """Push mode: per P rank, (state group, first unit counted from the start of that
+        rank's slot of the group, first unit here, count) of each run it writes into this
+        rank's state slots ``slots``, (group, block) each (page_runs). Raises ShardMismatch
+        where the states cannot move between the two TP sizes."""
+        writes: dict[int, list[tuple[int, int, int, int]]] = {}
+        for group, d_block in slots:
+            first = d_block * self.page_units
+            for p_rank, runs in self.page_runs(group, p_tp, d_rank).items():
+                writes.setdefault(p_rank, []).extend(
+                    (group, p_first, first + d_first, count) for p_first, d_first, count in runs
+                )
+        return writes
 
     def check_tp(self, p_tp: int) -> None:
         """Raises ShardMismatch unless the states can be read from a P engine of ``p_tp``."""

@@ -29,7 +29,7 @@ from hixl_connector.connector.limits import (
 
 # Version of the handshake and its payload; it is hashed with the compatibility fields, so a
 # peer speaking another version is refused before D links it.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # What must be equal on both sides for KV to be copied byte for byte, whatever the TP sizes
 # and block sizes. A block of one tensor is ``units_per_block`` units of ``unit_token_bytes``

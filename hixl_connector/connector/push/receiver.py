@@ -6,8 +6,9 @@ incarnation from a first-contact handshake when the router named P only by addre
 (``push.contact``, kept per address until a push with it fails); then, for each P rank this
 rank mirrors a KV head of (as a pull would read them: tp_mapping), link it (PeerRegistry),
 grant its cluster those heads of the request's blocks in every registered KV cache (where
-P's blocks are smaller: their slices, with where each slice of P's blocks lands), a hybrid
-state model's state slots in the state registration (equal TP sizes only), and one push word
+P's blocks are smaller: their slices, with where each slice of P's blocks lands), the units
+of a hybrid state model's state slots that P rank holds (its whole state between equal TP
+sizes, else this rank's slices of it: state_layout.page_runs), and one push word
 of its own, clear the word, and register all of it with that rank (``push_register``).
 Each P rank writes its heads, then its lease word into its push word. `collect` (on the step
 thread) looks at the words: once every one is set, every block landed, and the request is
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.kv.decode_rank import DecodeRank
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
+from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.metadata import PushRecvSpec
 from hixl_connector.connector.peers.registry import Peer
 from hixl_connector.connector.peers.side_channel import SideChannelTimeout
@@ -49,7 +51,12 @@ from hixl_connector.connector.push.guarded_write import (
     grant_writer,
     revoke_writer,
 )
-from hixl_connector.connector.push.registration import HeadRun, PushRegistration, Slices
+from hixl_connector.connector.push.registration import (
+    HeadRun,
+    PushRegistration,
+    Slices,
+    StateRun,
+)
 from hixl_connector.connector.push.status import PUSH_CHECK_S, PushStatusQuery, gave_up_in
 
 logger = logging.getLogger(__name__)
@@ -62,6 +69,7 @@ class _Awaited:
     registered_at: float = 0.0
     fresh: bool = False  # P's start was learned for this request (first contact)
     slices: Slices | None = None  # P's blocks are smaller: it writes slices of D's
+    state_units: int = 0  # of this rank's state registration, the P ranks write
 
     def slots(self) -> list[int]:
         return [w.slot for w in self.writers if w.slot is not None]
@@ -288,18 +296,21 @@ class PushReceiver:
             plan = self._rank.plans.rank_plan(spec.remote.tp_size)
         except ValueError as e:
             raise PushRefused(f"prefill engine {endpoint.engine_id}: {e}") from None
-        states = self._state_units(spec, spec.remote.tp_size)
+        states = self._state_runs(spec, spec.remote.tp_size)
+        awaited.state_units = sum(run.count for runs in states.values() for run in runs)
         for p_rank in plan.notify:
             writer = Writer(self._rank.peers.get(endpoint.rank(p_rank)))
             awaited.writers.append(writer)
             heads = tuple(HeadRun(r.src_head, r.dst_head, r.count) for r in plan.reads_from(p_rank))
             takes = bool(spec.every_local_block and heads)
+            state_runs = states.pop(p_rank, []) if takes else []
             if takes:
                 if awaited.slices is None:
                     awaited.slices = self._slices(writer.peer)
                 sliced = awaited.slices is not None
+                units = [unit for run in state_runs for unit in range(run.dst, run.dst + run.count)]
                 grant_writer(
-                    self._rank.kv, self._words, writer, spec.local_block_ids, heads, sliced, states
+                    self._rank.kv, self._words, writer, spec.local_block_ids, heads, sliced, units
                 )
             message = PushRegistration(
                 request=spec.base_request_id,
@@ -315,7 +326,7 @@ class PushReceiver:
                 rank=self._rank.tp_rank,
                 consumers=plan.consumers[p_rank],
                 groups=spec.groups if takes else (),
-                states=spec.state_block_ids if takes else (),
+                state_runs=tuple(state_runs),
                 state_grant=writer.state_grant,
                 num_tokens=spec.num_tokens if takes else 0,
             )
@@ -327,24 +338,31 @@ class PushReceiver:
                 raise PeerLost(reason) from e
         self._rank.outcomes.record("push_registrations")
 
-    def _state_units(self, spec: PushRecvSpec, p_tp_size: int) -> list[int]:
-        """The units of the request's state slots (state_layout), which P writes whole:
-        between equal TP sizes only (a pull reads a rank's slices between TP sizes,
-        read_units.state_reads)."""
+    def _state_runs(self, spec: PushRecvSpec, p_tp_size: int) -> dict[int, list[StateRun]]:
+        """Per P rank, the runs of units of the request's state slots it writes here
+        (StateLayout.writes); raises PushRefused where the states cannot move between
+        the TP sizes, or one lies on a P rank this rank takes no KV heads from."""
         if not spec.state_block_ids:
-            return []
+            return {}
         state = self._rank.layout.state
         if state is None:
             raise PushRefused(
                 f"request {spec.request_id} names state slots, and this engine's model has none"
             )
-        if p_tp_size != self._rank.plans.tp_size:
+        try:
+            writes = state.writes(spec.state_block_ids, p_tp_size, self._rank.tp_rank)
+        except ShardMismatch as e:
+            raise PushRefused(f"prefill engine {spec.remote.engine_id}: {e}") from None
+        runs = {p: [StateRun(*run) for run in rank_runs] for p, rank_runs in writes.items()}
+        plan = self._rank.plans.rank_plan(p_tp_size)
+        elsewhere = sorted(p for p in runs if not plan.reads_from(p))
+        if elsewhere:
             raise PushRefused(
-                f"prefill TP size {p_tp_size}, decode TP size {self._rank.plans.tp_size}: a "
-                "hybrid state model's state is pushed between equal TP sizes only (pull mode "
-                "reads it between TP sizes)"
+                f"this rank's state lies on prefill rank {elsewhere[0]} of engine "
+                f"{spec.remote.engine_id}, whose KV it does not take (KV heads replicated "
+                "over TP ranks): run TP sizes whose KV heads and states divide alike"
             )
-        return state.slot_units(spec.state_block_ids)
+        return runs
 
     def _slices(self, peer: Peer) -> Slices | None:
         """Where P's blocks are smaller, the slices of its blocks that make up one of this
@@ -374,7 +392,7 @@ class PushReceiver:
         layout = self._rank.layout
         nbytes = len(spec.local_block_ids) * layout.block_bytes * layout.num_tensors
         if layout.state is not None:
-            nbytes += layout.state.moved_bytes(len(layout.state.slot_units(spec.state_block_ids)))
+            nbytes += layout.state.moved_bytes(awaited.state_units)
         self._received(spec, nbytes, now - awaited.registered_at, now - awaited.registered_at)
 
     def _received(self, spec: PushRecvSpec, nbytes: int, pull_s: float, ready_s: float) -> None:

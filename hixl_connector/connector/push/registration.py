@@ -26,11 +26,13 @@ positions and blocks, in order, belong to each group. Layers of different groups
 D's registered KV caches, so one grant per cache covers the blocks of every group.
 
 A hybrid state model's state groups have no positions (``groups`` counts 0 for them): D
-names its state slot of each (``states``: [group, D's block]) and grants its state units
-(``state_grant``), and the prompt tokens the state must hold (``num_tokens``, N−1: P refuses
-a prompt it computed whole); P writes there the state of its own slot of that group, whole, after
-the prompt was computed (a state layer is final only after P's last chunk) and before the
-word. Between equal TP sizes only.
+names, in runs of units of the state registration, which of P's state of each group land
+where in its own state slots (``state_runs``: [group, first unit counted from the start of
+P's slot, first unit of D's, count]; the whole state between equal TP sizes, else this D
+rank's slices of the P rank's, state_layout.page_runs), grants those units (``state_grant``),
+and says how many prompt tokens the state must hold (``num_tokens``, N−1: P refuses a prompt
+it computed whole). P writes them from its own slot of each group after the prompt was
+computed (a state layer is final only after P's last chunk) and before the word.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ MAX_GRANT = 2**63 - 1
 MAX_WAIT_S = (2**31 - 1) // 1000
 # Runs of slices of one KV head of a D block: a block of MAX_BLOCK_SIZE tokens at most.
 MAX_SLICE_RUNS = 4096
+# Runs of a request's state units: a run per piece of a state (conv parts, ssm) and group.
+MAX_STATE_RUNS = 16 * MAX_KV_CACHE_GROUPS
+MAX_STATE_UNIT = 2**48
 MAX_UNITS_PER_BLOCK = 65536  # KV heads of a block on one rank
 MAX_RANKS = 65535
 
@@ -64,6 +69,17 @@ MAX_RANKS = 65535
 class HeadRun:
     """KV heads ``[src, src + count)`` of P's blocks land at ``[dst, dst + count)`` of D's."""
 
+    src: int
+    dst: int
+    count: int
+
+
+@dataclass(frozen=True)
+class StateRun:
+    """``count`` units of the state of KV-cache group ``group``: from unit ``src`` of P's state
+    slot of that group, counted from its start, to unit ``dst`` of D's state registration."""
+
+    group: int
     src: int
     dst: int
     count: int
@@ -90,15 +106,8 @@ class Slices:
             raise ValueError(
                 f"{where} field 'slices' must name 1 to {MAX_SLICE_RUNS} runs of slices"
             )
-        parsed = []
-        for run in runs:
-            numbers = _ints(where, "slices run", run, 4, MAX_BLOCK_SIZE)
-            if len(numbers) != 4 or numbers[0] >= ratio or numbers[3] < 1:
-                raise ValueError(
-                    f"{where} slice run {run!r} must be [part < {ratio}, src, dst, count >= 1]"
-                )
-            parsed.append(SliceRun(*numbers))
-        return cls(ratio, tuple(parsed))
+        parsed = _runs(where, "slices", runs, ("part", ratio), MAX_BLOCK_SIZE)
+        return cls(ratio, tuple(SliceRun(*run) for run in parsed))
 
 
 @dataclass(frozen=True)
@@ -120,9 +129,9 @@ class PushRegistration:
     # How many of ``positions`` (and ``blocks``) belong to each KV-cache group, in order;
     # () for one group.
     groups: tuple[int, ...] = ()
-    # (state group, D's block) for each state slot P fills, under ``state_grant``, with the
-    # state after ``num_tokens`` prompt tokens (P refuses a state that holds another number).
-    states: tuple[tuple[int, int], ...] = ()
+    # The units of P's state slots P writes into D's, under ``state_grant``, with the state
+    # after ``num_tokens`` prompt tokens (P refuses a state that holds another number).
+    state_runs: tuple[StateRun, ...] = ()
     state_grant: int = 0
     num_tokens: int = 0
 
@@ -140,7 +149,7 @@ class PushRegistration:
             "rank": self.rank,
             "consumers": self.consumers,
             "groups": list(self.groups),
-            "states": [list(state) for state in self.states],
+            "state_runs": [[r.group, r.src, r.dst, r.count] for r in self.state_runs],
             "state_grant": self.state_grant,
             "num_tokens": self.num_tokens,
             "type": MESSAGE_TYPE,
@@ -202,26 +211,22 @@ class PushRegistration:
             )
         if len(groups) > 1 and slices is not None:
             raise ValueError(f"{where} names {len(groups)} KV-cache groups and slices")
-        states = data.get("states", [])
-        if not isinstance(states, (list, tuple)) or len(states) > MAX_KV_CACHE_GROUPS:
+        state_runs = data.get("state_runs", [])
+        if not isinstance(state_runs, (list, tuple)) or len(state_runs) > MAX_STATE_RUNS:
             raise ValueError(
-                f"{where} field 'states' must be a list of at most {MAX_KV_CACHE_GROUPS} "
-                "[group, block] pairs"
+                f"{where} field 'state_runs' must be a list of at most {MAX_STATE_RUNS} "
+                "[group, src, dst, count] runs"
             )
-        slots = [_ints(where, "states", state, 2, 2**31) for state in states]
-        if any(len(slot) != 2 or slot[0] >= MAX_KV_CACHE_GROUPS for slot in slots):
-            raise ValueError(
-                f"{where} field 'states' must hold [group < {MAX_KV_CACHE_GROUPS}, block] pairs"
-            )
-        groups_named = [group for group, _ in slots]
-        if len(set(groups_named)) != len(groups_named):
-            raise ValueError(f"{where} names a state group twice: {groups_named}")
+        group = ("group", MAX_KV_CACHE_GROUPS)
+        states = [
+            StateRun(*run) for run in _runs(where, "state_runs", state_runs, group, MAX_STATE_UNIT)
+        ]
         state_grant = data.get("state_grant", 0)
         check_field(where, "state_grant", state_grant, int, 0, MAX_GRANT)
         num_tokens = data.get("num_tokens", 0)
         check_field(where, "num_tokens", num_tokens, int, 0, 2**31)
-        if slots and not (state_grant and num_tokens):
-            raise ValueError(f"{where} names state slots without a state_grant and num_tokens")
+        if states and not (state_grant and num_tokens):
+            raise ValueError(f"{where} names state runs without a state_grant and num_tokens")
         return cls(
             request=request,
             cluster_id=check_field(where, "cluster_id", data, int, 0, MAX_CLUSTER_ID),
@@ -236,10 +241,27 @@ class PushRegistration:
             rank=check_field(where, "rank", data, int, 0, MAX_RANKS),
             consumers=check_field(where, "consumers", data, int, 1, MAX_RANKS),
             groups=groups,
-            states=tuple((group, block) for group, block in slots),
+            state_runs=tuple(states),
             state_grant=state_grant,
             num_tokens=num_tokens,
         )
+
+
+def _runs(
+    where: str, field: str, runs: Any, first: tuple[str, int], high: int
+) -> list[tuple[int, ...]]:
+    """The [first, src, dst, count] runs of ``field``, ints up to ``high``: the first
+    (named and bounded by ``first``) below its bound, the count at least 1."""
+    what, below = first
+    parsed: list[tuple[int, ...]] = []
+    for run in runs:
+        numbers = _ints(where, f"{field} run", run, 4, high)
+        if len(numbers) != 4 or numbers[0] >= below or numbers[3] < 1:
+            raise ValueError(
+                f"{where} {field} run {run!r} must be [{what} < {below}, src, dst, count >= 1]"
+            )
+        parsed.append(numbers)
+    return parsed
 
 
 def _ints(where: str, name: str, value: Any, most: int, high: int) -> tuple[int, ...]:

@@ -78,13 +78,13 @@ def state_pairs(
     send: SendSpec, registration: PushRegistration, state: StateLayout | None
 ) -> tuple[list[int], list[int]]:
     """The units of P's state slots (``send.block_ids``: P offers a state group's slot
-    alone) and of D's slots they land in, for the state groups D registered; raises
-    ValueError where D's registration does not fit this engine or this prompt, or P's state
-    holds another number of tokens than D continues from."""
-    if not registration.states:
+    alone) that D's state runs name, and the units of D's they land in; raises ValueError
+    where D's registration does not fit this engine or this prompt, or P's state holds
+    another number of tokens than D continues from."""
+    if not registration.state_runs:
         return [], []
     if state is None:
-        raise ValueError("D names state slots, and this engine's model has no state")
+        raise ValueError("D names state runs, and this engine's model has no state")
     if send.num_tokens != registration.num_tokens:
         # P computed this prompt whole (prompt logprobs): its state holds the last token,
         # which D computes again.
@@ -94,15 +94,24 @@ def state_pairs(
         )
     prompt_blocks = send.block_ids
     counts = registration.groups
-    own = []
-    for group, _ in registration.states:
+    src: list[int] = []
+    dst: list[int] = []
+    for run in registration.state_runs:
+        group = run.group
         if group >= len(prompt_blocks) or (counts and counts[group]):
             raise ValueError(f"D names KV-cache group {group} a state group; it is not one here")
         offered = prompt_blocks[group]
         if len(offered) != 1 or offered[0] == NULL_BLOCK_ID:
             raise ValueError(f"P holds no state slot of group {group} for this prompt")
-        own.append((group, offered[0]))
-    return state.slot_units(own), state.slot_units(registration.states)
+        own = state.units(group, offered[0])
+        if run.src + run.count > len(own):
+            raise ValueError(
+                f"D asks for units {run.src} to {run.src + run.count} of the state of group "
+                f"{group}, which holds {len(own)} here"
+            )
+        src.extend(own[run.src : run.src + run.count])
+        dst.extend(range(run.dst, run.dst + run.count))
+    return src, dst
 
 
 def head_runs(registration: PushRegistration, p_units: int) -> tuple[tuple[HeadRun, ...], int]:
@@ -253,7 +262,7 @@ class RequestPush:
         if self._error:
             raise RuntimeError(self._error)
         registration = self.registration
-        if not registration.blocks and not registration.states:
+        if not registration.blocks and not registration.state_runs:
             return  # this D rank takes nothing: it is done
         states = state_pairs(send, registration, self._state)
         if registration.blocks:  # none: D holds the prompt's KV, and takes a state alone

@@ -41,6 +41,7 @@ from hixl_connector.tools.demo.processes import (
     ProcessFailed,
     free_port,
     http_ok,
+    signals_as_interrupt,
     visit_process_group,
 )
 from hixl_connector.tools.demo.servers import (
@@ -252,20 +253,6 @@ def exercise(stack: DemoStack, prompts: int, max_tokens: int, say: Progress) -> 
         print("\n".join(request_lines(index, len(specs), result)), flush=True)
         results.append(result)
     return results
-
-
-@contextmanager
-def signals_as_interrupt() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C, so a killed demo still stops its servers."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

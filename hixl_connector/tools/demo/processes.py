@@ -19,13 +19,29 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+@contextmanager
+def signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so a tool killed by it still stops the servers it
+    started (its ``finally`` runs)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 
 # Python 3.10 has no ``process_group``: there the child calls setpgrp before it execs.
 _OWN_PROCESS_GROUP: dict[str, Any] = (

@@ -11,7 +11,7 @@ from hixl_connector.tools.demo.client import complete
 from hixl_connector.tools.demo.processes import free_port
 from hixl_connector.tools.demo.servers import SERVED_MODEL_NAME, VllmServer
 
-from ..harness import NamedFleet, PDLauncher
+from ..harness import NamedFleet, Pair, PDLauncher
 
 
 def nixl_env(name: str) -> dict[str, str]:
@@ -37,10 +37,10 @@ def start_named(
 def serve_named_fleet(
     launcher: PDLauncher,
     start_servers: Callable[[], dict[str, VllmServer]],
-    pairs: Mapping[str, tuple[str, str]],
+    pairs: Mapping[str, Pair],
 ) -> Iterator[NamedFleet]:
     """A fixture's body: the servers ``start_servers`` starts and a router per named (P, D)
-    pair, everything ``launcher`` started stopped at the end."""
+    pair (P: a name, or several), everything ``launcher`` started stopped at the end."""
     with launcher:
         servers = start_servers()
         yield NamedFleet(servers, launcher.pairs(servers, pairs))

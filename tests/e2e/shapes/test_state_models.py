@@ -1,5 +1,6 @@
 """Hybrid state models (Mamba2, Gated DeltaNet, short convolutions: a state per request
-beside attention) P/D behind the real vllm-router, pulled and pushed.
+beside attention) P/D behind the real vllm-router, pulled and pushed, between equal TP sizes
+and (Gated DeltaNet) between TP 1 and 2 both ways, and 2P1D at concurrency 4.
 
 P computes the prompt but its last token, and D loads that many tokens' KV with P's state
 after them, then computes the last token itself: NixlConnector does the same. The oracle is
@@ -40,10 +41,12 @@ from ..harness import (
     BLOCK_SIZE,
     MAX_TOKENS,
     NamedFleet,
+    Pair,
     PDLauncher,
     ProcessRegistry,
     external_prompt_tokens,
     hixl_connector_config,
+    hixl_counter,
     pulled,
     token_prompt,
     wait_for_pulls,
@@ -62,11 +65,22 @@ FIRST_LOGPROB_TOLERANCE = 0.1
 LOGPROBS = {"logprobs": 1}
 # vLLM's conv-state layout in which each TP rank's channels are contiguous.
 CHANNELS_FIRST = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
-# P at TP 1 and D at TP 2, and back: (P, D), NIXL's pair of the same TP sizes (the oracle:
-# both TP sizes shape the sums), and D's TP size.
-TP_PAIRS = {"tp12": ("p_hixl", "pd_tp2"), "tp21": ("pd_tp2", "d_hixl")}
+# P at TP 1 and D at TP 2, and back, pulled and pushed: (P, D). The TP-2 server is in push
+# mode, as P and as D (a push-mode D pulls from a pull-mode P): vllm-router pushes from it
+# once it answered a first time, so P at TP 2 pulled gets the two legs vllm-router sends
+# before that (DIRECT_PAIRS), straight from the test.
+TP_PAIRS = {
+    "tp12": ("p_hixl", "pd_tp2"),
+    "tp21": ("pd_tp2", "d_hixl"),
+    "push_tp12": ("p_push", "pd_tp2"),
+    "push_tp21": ("pd_tp2", "d_hixl"),
+}
+DIRECT_PAIRS = {"tp21"}
+# NIXL's pairs of the same TP sizes: the oracles (both TP sizes shape the sums).
 NIXL_TP_PAIRS = {"nixl_tp12": ("p_nixl", "pd_nixl_tp2"), "nixl_tp21": ("pd_nixl_tp2", "d_nixl")}
 DECODE_RANKS = {"pd_tp2": 2}
+# 2P1D: a P in pull mode and one in push mode behind one router, feeding one D.
+TWO_PREFILLS = ("p_hixl", "p_push")
 # A TP-2 decode of these models steps at a few tokens a second on 2 cores: its pair is
 # compared on fewer prompts and tokens (a misplaced slice parts from the first token).
 TP2_DECODE_LENGTHS = (2, 64, 160)
@@ -162,23 +176,24 @@ def fleet(
         env = CHANNELS_FIRST if model.divides else {}
         servers = start_named(launcher, configs, model.server_args, env)
         if model.divides:  # prefill and decode both, for the TP pairs both ways
-            both = hixl_connector_config("decode", ranks=2) | {"kv_role": "kv_both"}
+            both = hixl_connector_config("decode", ranks=2, transfer_mode="push")
+            both["kv_role"] = "kv_both"
             for name, config in (("pd_tp2", both), ("pd_nixl_tp2", NIXL_CONFIG)):
                 env = CHANNELS_FIRST | nixl_env(name)
                 servers[name] = launcher.server(name, config, tp=2, args=model.server_args, env=env)
         return servers
 
-    pairs = {"hixl": ("p_hixl", "d_hixl"), "push": ("p_push", "d_hixl")}
+    pairs: dict[str, Pair] = {
+        "hixl": ("p_hixl", "d_hixl"),
+        "push": ("p_push", "d_hixl"),
+        "2p1d": (TWO_PREFILLS, "d_hixl"),
+    }
     if model.oracle == "nixl":
         pairs["nixl"] = ("p_nixl", "d_nixl")
     if model.divides:
-        pairs |= TP_PAIRS | NIXL_TP_PAIRS
+        pairs |= {name: tp for name, tp in TP_PAIRS.items() if name not in DIRECT_PAIRS}
+        pairs |= NIXL_TP_PAIRS
     yield from serve_named_fleet(launcher, start_servers, pairs)
-
-
-def reference(fleet: NamedFleet, model: StateModel, n: int) -> list[int]:
-    """The oracle's output for the ``n``-token prompt."""
-    return oracle(fleet, model, PROMPTS[n])
 
 
 def oracle(
@@ -192,7 +207,7 @@ def oracle(
     sizes, or a plain server's."""
     if model.oracle == "plain":
         return greedy(fleet.servers["plain"].url, prompt, max_tokens)
-    nixl = f"nixl_{pair}" if pair in TP_PAIRS else "nixl"
+    nixl = f"nixl_{pair.removeprefix('push_')}" if pair in TP_PAIRS else "nixl"
     return greedy(fleet.routers[nixl].url, prompt, max_tokens)
 
 
@@ -211,16 +226,18 @@ def test_token_identical_to_the_oracle_with_the_state_read(
 
 
 @pytest.mark.parametrize("tp_pair", sorted(TP_PAIRS))
-def test_token_identical_to_the_oracle_with_the_state_read_between_tp_sizes(
+def test_token_identical_to_the_oracle_with_the_state_moved_between_tp_sizes(
     fleet: NamedFleet, model: StateModel, tp_pair: str
 ) -> None:
-    """P at TP 1 and D at TP 2, and back: each D rank reads its slices of each conv
-    sub-projection and its heads of the ssm state from the P rank holding them, so the D
-    ranks together read the state's bytes once, as between equal TP sizes."""
+    """P at TP 1 and D at TP 2, and back, pulled and pushed: each D rank gets its slices of
+    each conv sub-projection and its heads of the ssm state from the P rank holding them
+    (read by D, or written by P where D said), so the D ranks together receive the state's
+    bytes once, as between equal TP sizes."""
     names = TP_PAIRS[tp_pair]
     slow = DECODE_RANKS.get(names[1], 1) > 1
     lengths = TP2_DECODE_LENGTHS if slow else LENGTHS
-    prompts = {n: token_prompt(n, seed=11000 + n) for n in lengths}
+    seed = 11000 if tp_pair.startswith("push_") else 12000  # D caches what it received
+    prompts = {n: token_prompt(n, seed=seed + n) for n in lengths}
     tokens = TP2_DECODE_TOKENS if slow else MAX_TOKENS
     moved_as_the_oracle(fleet, model, tp_pair, prompts, names, tokens)
 
@@ -243,20 +260,31 @@ def moved_as_the_oracle(
     max_tokens: int = MAX_TOKENS,
 ) -> None:
     """Through the router of ``pair`` (P and D named ``names``, by default ``p_<pair>`` and
-    ``d_hixl``), every prompt's output is the oracle's, and D's ranks together received
-    the attention KV of N-1 tokens and the state's bytes of each state slot, never the
-    padding of its page."""
+    ``d_hixl``), or its two legs sent directly (DIRECT_PAIRS), every prompt's output is the
+    oracle's, and D's ranks together received the attention KV of N-1 tokens and the
+    state's bytes of each state slot, never the padding of its page. A push pair's router
+    has learnt that P pushes (a first request), and every prompt that moves anything is
+    pushed; a pull pair's, none."""
     p_name, d_name = names or (f"p_{pair}", "d_hixl")
     prefill, decode = fleet.servers[p_name], fleet.servers[d_name]
     ranks = DECODE_RANKS.get(d_name, 1)
     expected = {n: oracle(fleet, model, prompt, pair, max_tokens) for n, prompt in prompts.items()}
     # Varied outputs: the random weights do not collapse to one repeated token.
     assert all(len(set(tokens)) >= max_tokens // 5 for tokens in expected.values())
+    pushes = pair.startswith("push")
+    if pushes:  # vllm-router pushes from P once P answered it a first time
+        first = pulled(decode)[0]
+        greedy(fleet.routers[pair].url, token_prompt(3, seed=len(pair)), 1)
+        wait_for_pulls(decode, first + ranks)
     block_size = attention_block_size(decode)
     moves, blocks, nbytes = pulled(decode)
     external = external_prompt_tokens(decode.url)
+    receives = hixl_counter(decode, "push_receives")
     for n, prompt in prompts.items():
-        output = greedy(fleet.routers[pair].url, prompt, max_tokens)
+        if pair in DIRECT_PAIRS:
+            output = legs(fleet, (p_name, d_name), prompt, max_tokens)
+        else:
+            output = greedy(fleet.routers[pair].url, prompt, max_tokens)
         assert output == expected[n], f"{pair}: {n}-token prompt differs"
         if n == 1:  # D computes a one-token prompt: nothing to move
             continue
@@ -274,6 +302,8 @@ def moved_as_the_oracle(
     # last of each prompt (a one-token prompt: none).
     loaded = external_prompt_tokens(decode.url) - external
     assert loaded == sum(n - 1 for n in prompts)
+    pushed = hixl_counter(decode, "push_receives") - receives
+    assert pushed == (ranks * sum(n > 1 for n in prompts) if pushes else 0), f"{pair}: pushes"
     wait_kv_idle(prefill)
     wait_kv_idle(decode)
 
@@ -306,20 +336,35 @@ def prefix_cache_hits(server: VllmServer) -> float:
     return metric_total(read_metrics(server.url), "vllm:prefix_cache_hits_total")
 
 
-def test_at_concurrency_4_every_output_is_the_oracles_and_nothing_is_left_in_use(
+def test_two_prefills_one_pulled_one_pushing_feed_one_decode_at_concurrency_4(
     fleet: NamedFleet, model: StateModel
 ) -> None:
-    """Reads of several requests' states at once, each landing in its own slot: every
-    output equals the oracle's, and P and D hold no block afterwards."""
+    """2P1D behind one router, requests at once: a P in pull mode and a P in push mode feed
+    one D, each request's state landing in its own slot. Every output is the oracle's, both
+    P prefilled, D received pushes (from the P that pushes, once the router learnt it does)
+    as well as reads, and P and D hold no block afterwards."""
     lengths = [n for n in LENGTHS if n > 1] * 2
-    expected = {n: reference(fleet, model, n) for n in set(lengths)}
-    url = fleet.routers["hixl"].url
+    prompts = [token_prompt(n, seed=13000 + i) for i, n in enumerate(lengths)]
+    expected = [oracle(fleet, model, prompt) for prompt in prompts]
+    prefills = [fleet.servers[name] for name in TWO_PREFILLS]
+    decode = fleet.servers["d_hixl"]
+    served = [prefilled(prefill) for prefill in prefills]
+    receives, moves = hixl_counter(decode, "push_receives"), pulled(decode)[0]
+    url = fleet.routers["2p1d"].url
     with ThreadPoolExecutor(4) as pool:
-        outputs = list(pool.map(lambda n: greedy(url, PROMPTS[n], MAX_TOKENS), lengths))
-    for n, tokens in zip(lengths, outputs, strict=True):
-        assert tokens == expected[n], f"{n}-token prompt differs under concurrency"
-    wait_kv_idle(fleet.servers["p_hixl"])
-    wait_kv_idle(fleet.servers["d_hixl"])
+        outputs = list(pool.map(lambda prompt: greedy(url, prompt, MAX_TOKENS), prompts))
+    for prompt, tokens, want in zip(prompts, outputs, expected, strict=True):
+        assert tokens == want, f"{len(prompt)}-token prompt differs under concurrency"
+    for prefill, before in zip(prefills, served, strict=True):
+        assert prefilled(prefill) > before, f"{prefill.name} prefilled nothing"
+    assert wait_for_pulls(decode, moves + len(prompts))[0] == moves + len(prompts)
+    assert hixl_counter(decode, "push_receives") > receives, "nothing was pushed"
+    for server in (*prefills, decode):
+        wait_kv_idle(server)
+
+
+def prefilled(server: VllmServer) -> float:
+    return metric_total(read_metrics(server.url), "vllm:request_success_total")
 
 
 def test_the_state_carried_the_prompt_corrupted_or_missing_it_changes_the_output(
@@ -351,23 +396,29 @@ def pull_directly(
 ) -> list[list[int]]:
     """D's outputs of ``prompts``, each pulled from P under state ``control`` (or none); P
     and D named ``names``."""
-    prefill, decode = (fleet.servers[name] for name in names)
+    decode = fleet.servers[names[1]]
     ranks = DECODE_RANKS.get(names[1], 1)
     pulls = pulled(decode)[0]
-    outputs = []
-    for prompt in prompts:
-        unique = uuid.uuid4().hex
-        request_id = state_control_id(control, unique) if control else unique
-        legs = {"model": SERVED_MODEL_NAME, "request_id": request_id}
-        answer = send_leg(prefill.url, prompt, PREFILL_LEG_PARAMS, max_tokens=1, **legs)
-        assert answer.kv_transfer_params, f"P answered no kv_transfer_params: {answer.raw}"
-        params = answer.kv_transfer_params
-        outputs.append(
-            send_leg(decode.url, prompt, params, max_tokens=MAX_TOKENS, **legs).token_ids
-        )
+    outputs = [legs(fleet, names, prompt, MAX_TOKENS, control) for prompt in prompts]
     moved = pulls + len(prompts) * ranks
     assert wait_for_pulls(decode, moved)[0] == moved
     return outputs
+
+
+def legs(
+    fleet: NamedFleet, names: tuple[str, str], prompt: list[int], max_tokens: int, control: str = ""
+) -> list[int]:
+    """D's output of ``prompt`` from the two legs vllm-router sends a P/D pair in pull mode
+    (P's, then D's with P's answer), under an X-Request-Id of the test's (the router makes
+    its own) that asks for state ``control`` (or none); P and D named ``names``."""
+    prefill, decode = (fleet.servers[name] for name in names)
+    unique = uuid.uuid4().hex
+    request_id = state_control_id(control, unique) if control else unique
+    ids = {"model": SERVED_MODEL_NAME, "request_id": request_id}
+    answer = send_leg(prefill.url, prompt, PREFILL_LEG_PARAMS, max_tokens=1, **ids)
+    assert answer.kv_transfer_params, f"P answered no kv_transfer_params: {answer.raw}"
+    params = answer.kv_transfer_params
+    return send_leg(decode.url, prompt, params, max_tokens=max_tokens, **ids).token_ids
 
 
 def test_a_plain_server_agrees_on_the_first_token_and_its_logprob(
