@@ -285,7 +285,7 @@ def test_prefill_shutdown_under_load_is_bounded(pd: Servers, fault_report: Fault
     and a restarted P serves again."""
     pool, futures = burst_of_reads(pd, seed=50)
     with pool:
-        time.sleep(0.2)
+        wait_for(lambda: requests_in_flight(pd["decode"]) > 0, 30.0, "D's reads under way")
         gone = terminate(pd, "prefill")
         results = [future.result(timeout=60.0) for future in futures]
     took = shutdown_took(pd["prefill"])
