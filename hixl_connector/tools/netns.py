@@ -173,7 +173,8 @@ class NetnsBed:
             capture_output=True, text=True, timeout=20,
         ).stdout  # fmt: skip
         words = out.split()
-        return sum(int(after) for word, after in zip(words, words[1:]) if word == "Sent")
+        pairs = zip(words, words[1:], strict=False)
+        return sum(int(after) for word, after in pairs if word == "Sent")
 
     def dropped_packets(self) -> int:
         """Packets the impairment dropped: qdisc drops plus the random-loss rule's count."""

@@ -26,7 +26,6 @@ from hixl_connector.datadist.api.llm_types import (
 from hixl_connector.datadist.api.pull_handle import PullHandle
 from hixl_connector.datadist.api.rules import PULL_BLOCKS, PULL_CACHE, Call, Transfer, check
 from hixl_connector.datadist.api.status import (
-    LLMException,
     LLMStatusCode,
     check_status,
     raise_if_false,
@@ -37,14 +36,6 @@ from hixl_connector.datadist.native.parity.local_calls import LocalCacheCalls
 from hixl_connector.datadist.native.push_calls import PushCalls
 from hixl_connector.datadist.native.transfer_args import PullArgs
 from hixl_connector.datadist.native.write_grants import WriteGrantCalls
-
-_NOT_ON_THIS_BUILD = LLMStatusCode.LLM_FEATURE_NOT_ENABLED
-
-
-def _feature_not_enabled(what: str) -> LLMException:
-    return LLMException(
-        f"{what} is not supported by the native engine", status_code=_NOT_ON_THIS_BUILD
-    )
 
 
 class CacheManager(LocalCacheCalls, WriteGrantCalls, PushCalls):

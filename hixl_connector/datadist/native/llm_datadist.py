@@ -223,13 +223,6 @@ class LLMDataDist:
 
         return self._for_each(list(clusters), unlink_one)
 
-    def _not_supported(self, what: str) -> LLMException:
-        self._check_is_inited()
-        return LLMException(
-            f"{what} is not supported by the native engine",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
-
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
         """As CANN's default back-end: refused while this engine holds links; with
         ``llm.listenIpInfo`` in the options the engine listens there (moving from another

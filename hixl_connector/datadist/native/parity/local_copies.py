@@ -25,10 +25,6 @@ def stride(cache: Cache) -> int:
     return int(cache.cache_desc.size // cache.cache_desc.batch_size)
 
 
-def _invalid(message: str) -> None:
-    raise_if_true(True, message)
-
-
 def plan_copy_cache(
     dst: Any,
     src: Any,
