@@ -168,30 +168,25 @@ class NetnsBed:
     def sent_bytes(self) -> int:
         """Bytes P has sent over the data link since ``throttle`` slowed it (the count of the
         queue it added)."""
-        out = subprocess.run(
-            [*self.exec_prefix(self.ns_p), "tc", "-s", "qdisc", "show", "dev", self.data_p],
+        return _sum_after(self._qdisc_stats(self.ns_p, self.data_p), "Sent")
+
+    def _qdisc_stats(self, ns: str, dev: str) -> str:
+        """``tc -s qdisc show`` of ``dev`` in ``ns``: each queue's counts."""
+        return subprocess.run(
+            [*self.exec_prefix(ns), "tc", "-s", "qdisc", "show", "dev", dev],
             capture_output=True, text=True, timeout=20,
         ).stdout  # fmt: skip
-        words = out.split()
-        pairs = zip(words, words[1:], strict=False)
-        return sum(int(after) for word, after in pairs if word == "Sent")
 
     def dropped_packets(self) -> int:
         """Packets the impairment dropped: qdisc drops plus the random-loss rule's count."""
         total = 0
         for ns, dev in ((self.ns_p, self.data_p), (self.ns_d, self.data_d)):
-            out = subprocess.run(
-                [*self.exec_prefix(ns), "tc", "-s", "qdisc", "show", "dev", dev],
-                capture_output=True, text=True, timeout=20,
-            ).stdout  # fmt: skip
             rules = subprocess.run(
                 [*self.exec_prefix(ns), "nft", "list", "table", "inet", LOSS_TABLE],
                 capture_output=True, text=True, timeout=20,
             ).stdout if shutil.which("nft") else ""  # fmt: skip
-            for text, marker in ((out, "(dropped"), (rules, "packets")):
-                for word, after in zip(text.split(), text.split()[1:], strict=False):
-                    if word == marker:
-                        total += int(after.rstrip(","))
+            total += _sum_after(self._qdisc_stats(ns, dev), "(dropped")
+            total += _sum_after(rules, "packets")
         return total
 
     def black_hole(self, port: int) -> None:
@@ -232,6 +227,13 @@ class NetnsBed:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
         # Normally gone with its peer in the fabric namespace already.
         subprocess.run(["ip", "link", "del", f"hxm{self.tag}h1"], capture_output=True, timeout=20)
+
+
+def _sum_after(text: str, marker: str) -> int:
+    """The sum of the numbers that follow ``marker`` in ``text`` (tc's and nft's counts)."""
+    words = text.split()
+    pairs = zip(words, words[1:], strict=False)
+    return sum(int(after.rstrip(",")) for word, after in pairs if word == marker)
 
 
 def make_bed() -> NetnsBed:

@@ -41,6 +41,7 @@ from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.kv.decode_rank import DecodeRank
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
+from hixl_connector.connector.mapping.tp_mapping import RankPlan
 from hixl_connector.connector.metadata import PushRecvSpec
 from hixl_connector.connector.peers.registry import Peer
 from hixl_connector.connector.peers.side_channel import SideChannelTimeout
@@ -296,7 +297,7 @@ class PushReceiver:
             plan = self._rank.plans.rank_plan(spec.remote.tp_size)
         except ValueError as e:
             raise PushRefused(f"prefill engine {endpoint.engine_id}: {e}") from None
-        states = self._state_runs(spec, spec.remote.tp_size)
+        states = self._state_runs(spec, plan)
         awaited.state_units = sum(run.count for runs in states.values() for run in runs)
         for p_rank in plan.notify:
             writer = Writer(self._rank.peers.get(endpoint.rank(p_rank)))
@@ -338,10 +339,10 @@ class PushReceiver:
                 raise PeerLost(reason) from e
         self._rank.outcomes.record("push_registrations")
 
-    def _state_runs(self, spec: PushRecvSpec, p_tp_size: int) -> dict[int, list[StateRun]]:
+    def _state_runs(self, spec: PushRecvSpec, plan: RankPlan) -> dict[int, list[StateRun]]:
         """Per P rank, the runs of units of the request's state slots it writes here
         (StateLayout.writes); raises PushRefused where the states cannot move between
-        the TP sizes, or one lies on a P rank this rank takes no KV heads from."""
+        the TP sizes, or one lies on a P rank this rank takes no KV heads from (``plan``)."""
         if not spec.state_block_ids:
             return {}
         state = self._rank.layout.state
@@ -350,11 +351,10 @@ class PushReceiver:
                 f"request {spec.request_id} names state slots, and this engine's model has none"
             )
         try:
-            writes = state.writes(spec.state_block_ids, p_tp_size, self._rank.tp_rank)
+            writes = state.writes(spec.state_block_ids, spec.remote.tp_size, self._rank.tp_rank)
         except ShardMismatch as e:
             raise PushRefused(f"prefill engine {spec.remote.engine_id}: {e}") from None
         runs = {p: [StateRun(*run) for run in rank_runs] for p, rank_runs in writes.items()}
-        plan = self._rank.plans.rank_plan(p_tp_size)
         elsewhere = sorted(p for p in runs if not plan.reads_from(p))
         if elsewhere:
             raise PushRefused(
