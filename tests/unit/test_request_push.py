@@ -106,6 +106,8 @@ def test_state_pairs_are_the_units_of_ps_slot_that_ds_runs_name() -> None:
         state_pairs(offered, replace(both, state_runs=(StateRun(0, 0, 7, 1),)), STATE)
     with pytest.raises(ValueError, match="group 3 a state group"):
         state_pairs(offered, replace(both, state_runs=(StateRun(3, 0, 7, 1),)), STATE)
+    with pytest.raises(ValueError, match="group 2 a state group"):  # D counts 2 groups
+        state_pairs(offered, replace(both, groups=(2, 0)), STATE)
     with pytest.raises(ValueError, match="units 2 to 4 of the state of group 1, which holds 3"):
         state_pairs(offered, replace(both, state_runs=(StateRun(1, 2, 7, 2),)), STATE)
     with pytest.raises(ValueError, match="P holds no state slot of group 2"):

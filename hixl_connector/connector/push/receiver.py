@@ -297,7 +297,8 @@ class PushReceiver:
             plan = self._rank.plans.rank_plan(spec.remote.tp_size)
         except ValueError as e:
             raise PushRefused(f"prefill engine {endpoint.engine_id}: {e}") from None
-        states = self._state_runs(spec, plan)
+        # P told to free its blocks takes nothing: nothing of the state to refuse.
+        states = self._state_runs(spec, plan) if spec.every_local_block else {}
         awaited.state_units = sum(run.count for runs in states.values() for run in runs)
         for p_rank in plan.notify:
             writer = Writer(self._rank.peers.get(endpoint.rank(p_rank)))

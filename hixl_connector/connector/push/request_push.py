@@ -98,13 +98,13 @@ def state_pairs(
     dst: list[int] = []
     for run in registration.state_runs:
         group = run.group
-        if group >= len(prompt_blocks) or (counts and counts[group]):
+        if group >= len(prompt_blocks) or (counts and (group >= len(counts) or counts[group])):
             raise ValueError(f"D names KV-cache group {group} a state group; it is not one here")
         offered = prompt_blocks[group]
         if len(offered) != 1 or offered[0] == NULL_BLOCK_ID:
             raise ValueError(f"P holds no state slot of group {group} for this prompt")
         own = state.units(group, offered[0])
-        if run.src + run.count > len(own):
+        if run.src < 0 or run.src + run.count > len(own):
             raise ValueError(
                 f"D asks for units {run.src} to {run.src + run.count} of the state of group "
                 f"{group}, which holds {len(own)} here"
