@@ -79,6 +79,9 @@ class HixlConfig:
     transport: str = "auto"
     transfer_mode: TransferMode = TransferMode.PULL
     pull_timeout_s: float = 30.0
+    # Push mode: how long D waits for P's word after it registered (by default
+    # pull_timeout_s: both bound how long D waits for a request's KV).
+    push_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
     link_idle_s: float = DEFAULT_LINK_IDLE_S
     transfer_threads: int = 2
@@ -120,6 +123,7 @@ class HixlConfig:
                 f"({lease_s}), got {heartbeat_s!r}"
             )
         pull_timeout_s = _timeout_s(extra, "pull_timeout_s", 30.0)
+        push_timeout_s = _timeout_s(extra, "push_timeout_s", pull_timeout_s)
         return cls(
             side_channel_host=side_channel_host,
             side_channel_port=_int(extra, "side_channel_port", 5701, low=1, high=MAX_PORT),
@@ -131,8 +135,9 @@ class HixlConfig:
                 _choice(extra, "transfer_mode", "pull", tuple(mode.value for mode in TransferMode))
             ),
             pull_timeout_s=pull_timeout_s,
+            push_timeout_s=push_timeout_s,
             handshake_timeout_s=_timeout_s(extra, "handshake_timeout_s", 5.0),
-            link_idle_s=_link_idle_s(extra, pull_timeout_s),
+            link_idle_s=_link_idle_s(extra, max(pull_timeout_s, push_timeout_s)),
             transfer_threads=threads,
             tcp_connections=_int(
                 extra,
@@ -283,17 +288,20 @@ def _timeout_s(extra: Mapping[str, Any], key: str, default: float) -> float:
     return value
 
 
-def _link_idle_s(extra: Mapping[str, Any], pull_timeout_s: float) -> float:
-    """0 (never), or longer than a pull may take, so that no link closes under a read; by
-    default DEFAULT_LINK_IDLE_S, or twice pull_timeout_s where that is longer."""
-    default = max(DEFAULT_LINK_IDLE_S, 2 * pull_timeout_s)
+def _link_idle_s(extra: Mapping[str, Any], wait_s: float) -> float:
+    """0 (never), or longer than D waits for a request's KV (``wait_s``: the longer of
+    pull_timeout_s and push_timeout_s), so that no link closes under a read or a push; by
+    default DEFAULT_LINK_IDLE_S, or twice ``wait_s`` where that is longer."""
+    default = max(DEFAULT_LINK_IDLE_S, 2 * wait_s)
     value = extra.get("link_idle_s", default)
     if value == 0 and not isinstance(value, bool):
         return 0.0
     seconds = _positive_float(extra, "link_idle_s", default)
-    if seconds <= pull_timeout_s:
+    if seconds <= wait_s:
         raise _bad(
-            "link_idle_s", value, f"0 (never) or seconds > pull_timeout_s ({pull_timeout_s})"
+            "link_idle_s",
+            value,
+            f"0 (never) or seconds > pull_timeout_s and push_timeout_s ({wait_s:g})",
         )
     return seconds
 

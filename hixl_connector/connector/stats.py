@@ -43,7 +43,7 @@ _COUNTS = (
     "idle_unlinks",
     # Push mode. P: requests it wrote into D, or failed to; D: requests P wrote here (also
     # counted as pulls, with their blocks and bytes), failed, or given up on after
-    # pull_timeout_s.
+    # push_timeout_s.
     "pushes",
     "failed_pushes",
     "early_push_registrations",  # P: D registered before P's prefill finished (concurrent)

@@ -16,6 +16,8 @@ AUTH_TOKEN = "fault-matrix-token-0123456789abcdef0123"
 LEASE_S = 3.0
 HEARTBEAT_S = 0.5
 PULL_TIMEOUT_S = 3.0
+# How long D waits for a push's word (push_timeout_s), set apart from a read's bound.
+PUSH_TIMEOUT_S = 3.0
 HANDSHAKE_TIMEOUT_S = 2.0
 # How long P and D may take to hold no block and no request again after a fault: a lease's
 # expiry, the latest moment P frees blocks no one released, with room for a loaded host.

@@ -20,7 +20,13 @@ from hixl_connector.tools.demo.client import (
 )
 from hixl_connector.tools.netns import NetnsBed
 
-from .deployments import HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, LEASE_S, PULL_TIMEOUT_S
+from .deployments import (
+    HANDSHAKE_TIMEOUT_S,
+    HEARTBEAT_S,
+    LEASE_S,
+    PULL_TIMEOUT_S,
+    PUSH_TIMEOUT_S,
+)
 from .deployments import connector_config as base_config
 from .fault_harness import (
     SERVED_MODEL_NAME,
@@ -35,7 +41,7 @@ from .fault_harness import (
 
 MAX_TOKENS = 16
 # P's side of the data link while a fault lands mid-push: a 160-token prompt's blocks (5 of
-# 32 KiB) take about 2 s to write, under PULL_TIMEOUT_S, so an unfaulted push would land.
+# 32 KiB) take about 2 s to write, under PUSH_TIMEOUT_S, so an unfaulted push would land.
 MID_PUSH_RATE = "640kbit"
 INTO_THE_PUSH_S = 0.5
 
@@ -48,6 +54,7 @@ def connector_config(role: str) -> dict[str, Any]:
         lease_s=LEASE_S,
         heartbeat_s=HEARTBEAT_S,
         pull_timeout_s=PULL_TIMEOUT_S,
+        push_timeout_s=PUSH_TIMEOUT_S,
         handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
     )
 
@@ -140,7 +147,7 @@ def stuck(pd: PushPair, seed: int, d_timeout_s: float) -> tuple[LegResult, float
         p_leg = pd.p_leg(prompt, request_id)
         d_result, _ = d_leg.result(120)
         took = time.monotonic() - began
-        if d_timeout_s < PULL_TIMEOUT_S:  # the client gave up: D aborts after that
+        if d_timeout_s < PUSH_TIMEOUT_S:  # the client gave up: D aborts after that
             wait_idle(pd["decode"], 10.0)  # revoked and reported: vLLM freed D's blocks
     finally:
         pd.servers.kill("prefill", signal.SIGCONT)

@@ -26,7 +26,7 @@ from hixl_connector.tools.demo.processes import visit_process_group
 from hixl_connector.tools.demo.servers import RouterProcess, VllmServer
 from hixl_connector.tools.netns import NetnsBed
 
-from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S
+from .deployments import HANDSHAKE_TIMEOUT_S, LEASE_S, PULL_TIMEOUT_S, PUSH_TIMEOUT_S
 from .fault_harness import (
     FaultReport,
     both_idle,
@@ -101,7 +101,7 @@ def test_prefill_stopped_before_its_push_d_gives_up_on_its_own(
         result, took = stuck(pd, seed=10, d_timeout_s=60.0)
     kept_pace(bystander)
     assert result.failed, "a request P never pushed must not decode"
-    assert took <= PULL_TIMEOUT_S + 1.5, f"the stuck request took {took:.2f} s"
+    assert took <= PUSH_TIMEOUT_S + 1.5, f"the stuck request took {took:.2f} s"
     # A stopped P answers no status question either: D judges it gone, or times out first.
     assert given_up(pd) == gave_up + 1
     pd.concurrent_identical(seed=11)
@@ -113,7 +113,7 @@ def test_prefill_stopped_before_its_push_d_gives_up_on_its_own(
         pd,
         "push, netns + TCP: P stopped (SIGSTOP) after D registered, D streaming",
         f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; D gives up "
-        "after pull_timeout_s on its own, revokes its grants and fails the request; P, "
+        "after push_timeout_s on its own, revokes its grants and fails the request; P, "
         "resumed, writes nothing into blocks D took back; next request identical",
         took,
     )
@@ -147,7 +147,7 @@ def test_prefill_aborted_before_it_computes_d_hears_at_once(
     """D registered; P's leg is aborted before P computes it (its client gives up while P's
     engine core is frozen; on resume the engine takes the request and its abort together).
     P's scheduler finishes it without a lease, P's worker keeps why, and D hears it at its
-    next status question: the request fails well before pull_timeout_s, counted as heard."""
+    next status question: the request fails well before push_timeout_s, counted as heard."""
     decode = pd["decode"]
     heard = hixl_counter(decode, "push_failures_heard")
     timeouts = hixl_counter(decode, "push_timeouts")
@@ -180,8 +180,8 @@ def test_prefill_aborted_before_it_computes_d_hears_at_once(
         pd,
         "push, netns + TCP: P's leg aborted before P computes it (D registered)",
         f"P finishes the prompt without a lease and keeps why; D hears it at its next status "
-        f"question and fails the request {took:.2f} s after P resumed (pull_timeout_s: "
-        f"{PULL_TIMEOUT_S:g} s); next request identical",
+        f"question and fails the request {took:.2f} s after P resumed (push_timeout_s: "
+        f"{PUSH_TIMEOUT_S:g} s); next request identical",
         took,
     )
 
@@ -261,7 +261,7 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
     pd: PushPair, net: NetnsBed, fault_report: FaultReport
 ) -> None:
     """P dies with D's blocks half written: no word ever comes, D gives up within
-    pull_timeout_s (at its next status question, which P's host refuses), revokes (after the
+    push_timeout_s (at its next status question, which P's host refuses), revokes (after the
     write under way ended with P's connection) and fails the request; D keeps streaming its
     own; a restarted P serves the next request."""
     gave_up = given_up(pd)
@@ -277,7 +277,7 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
             net.restore()
     kept_pace(bystander)
     assert result.failed, "a request whose push P never finished must not decode"
-    assert detected <= PULL_TIMEOUT_S + MARGIN_S, f"D failed it {detected:.2f} s after P died"
+    assert detected <= PUSH_TIMEOUT_S + MARGIN_S, f"D failed it {detected:.2f} s after P died"
     # This request, and any other D had under way with that P (a first contact telling it
     # to free a request D let go, say), which the dead P's host refuses at once.
     assert given_up(pd) >= gave_up + 1
@@ -291,7 +291,7 @@ def test_prefill_killed_mid_push_d_fails_on_its_own(
         "push, netns + TCP: P killed (SIGKILL) mid-push, D streaming",
         f"D's largest inter-token gap {bystander.largest_gap_s * 1000:.0f} ms; no word comes; "
         "at D's next status question P's host refuses the side channel, so D judges P gone "
-        "(else its own pull_timeout_s), revokes its grants and fails the request; P "
+        "(else its own push_timeout_s), revokes its grants and fails the request; P "
         f"restarted in {restarted:.0f} s, next request identical",
         detected,
     )
@@ -303,7 +303,7 @@ def test_prefill_killed_under_load_behind_the_router_frees_d_at_once(
     """16 requests through vllm-router, 8 at a time, P's writes slowed so that D always waits
     on some; P's process group is SIGKILLed once D holds four or more. Every request D holds
     waits on that P: D fails them together (P's host refuses D's side channel at once), not
-    one after another and not at pull_timeout_s, so D is idle again within one handshake timeout;
+    one after another and not at push_timeout_s, so D is idle again within one handshake timeout;
     nothing is leaked, and after P's restart requests are served, token-identical."""
     decode = pd["decode"]
     timeouts = hixl_counter(decode, "push_timeouts")
@@ -328,7 +328,7 @@ def test_prefill_killed_under_load_behind_the_router_frees_d_at_once(
             killed_at = time.monotonic()
             while requests_in_flight(decode) > 0 or kv_usage(decode) > 0:
                 since = time.monotonic() - killed_at
-                assert since < PULL_TIMEOUT_S * 4, f"D still busy {since:.1f} s after the kill"
+                assert since < PUSH_TIMEOUT_S * 4, f"D still busy {since:.1f} s after the kill"
                 held.append((since, kv_usage(decode)))
                 time.sleep(0.05)
             back = time.monotonic() - killed_at
@@ -339,7 +339,7 @@ def test_prefill_killed_under_load_behind_the_router_frees_d_at_once(
     assert served < len(prompts), "P died under load: some requests must have failed"
     assert back <= HANDSHAKE_TIMEOUT_S, f"D was idle again only {back:.2f} s after P died"
     assert hixl_counter(decode, "push_peers_lost") > lost, "D did not judge P gone"
-    assert hixl_counter(decode, "push_timeouts") == timeouts, "D waited out pull_timeout_s"
+    assert hixl_counter(decode, "push_timeouts") == timeouts, "D waited out push_timeout_s"
     pd.servers.wait_gone("prefill")
     restarted = pd.servers.restart("prefill", engine_id=f"push-p-{uuid.uuid4().hex[:8]}")
     after = [token_prompt(120, seed=100 + i) for i in range(3)]

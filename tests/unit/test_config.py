@@ -74,13 +74,15 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (config.backend, config.transport) == ("auto", "auto")
     assert config.transfer_mode is TransferMode.PULL
     assert (config.pull_timeout_s, config.handshake_timeout_s) == (30.0, 5.0)
+    assert config.push_timeout_s == config.pull_timeout_s
     assert (config.transfer_threads, config.tcp_connections) == (2, 2)
     assert (config.lease_s, config.heartbeat_s) == (30.0, 5.0)
     assert config.auth_token == ""
     assert config.cluster_id_base == derived_cluster_id_base("engine-a")
     assert {f.name for f in dataclasses.fields(HixlConfig)} == {
         "side_channel_host", "side_channel_port", "engine_host", "engine_port", "backend",
-        "transport", "transfer_mode", "pull_timeout_s", "handshake_timeout_s", "link_idle_s",
+        "transport", "transfer_mode", "pull_timeout_s", "push_timeout_s", "handshake_timeout_s",
+        "link_idle_s",
         "transfer_threads", "tcp_connections", "server_handshakes", "server_connections", "lease_s",
         "heartbeat_s", "auth_token", "cluster_id_base", "sync_load_bytes",
         "ascend_local_comm_res", "ascend_hccs",
@@ -97,10 +99,21 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"link_idle_s": 31}, 31.0),
         ({"pull_timeout_s": 200}, 400.0),  # twice a pull's bound where that is longer
         ({"pull_timeout_s": 1, "link_idle_s": 1.5}, 1.5),
+        ({"push_timeout_s": 250}, 500.0),  # twice a push's bound where that is longer
     ],
 )
 def test_link_idle_s(extra: dict[str, float], idle_s: float) -> None:
     assert HixlConfig.from_dict(extra, "e").link_idle_s == idle_s
+
+
+def test_push_timeout_s_is_pull_timeout_s_unless_set() -> None:
+    assert HixlConfig.from_dict({"pull_timeout_s": 12}, "e").push_timeout_s == 12.0
+    config = HixlConfig.from_dict({"pull_timeout_s": 12, "push_timeout_s": 3}, "e")
+    assert (config.pull_timeout_s, config.push_timeout_s) == (12.0, 3.0)
+    with pytest.raises(ValueError, match="'link_idle_s' must be .*push_timeout_s \\(40\\)"):
+        HixlConfig.from_dict({"push_timeout_s": 40, "link_idle_s": 35}, "e")
+    with pytest.raises(ValueError, match="'push_timeout_s' must be"):
+        HixlConfig.from_dict({"push_timeout_s": 0}, "e")
 
 
 @pytest.mark.parametrize("value", [30, 10, -1, True, "300", float("nan")])

@@ -28,7 +28,7 @@ The argument, for the native engine (push mode refuses other back-ends at start)
    it, so this holds for each thread's bytes alike. Once vLLM may free or reuse a block
    (after the report), nothing writes it. The word's slot is freed only after its grant
    was revoked, so a word P sets late never passes for another request's.
-5. **D does not wait forever** (D: ``receiver``). It gives up after ``pull_timeout_s``, or
+5. **D does not wait forever** (D: ``receiver``). It gives up after ``push_timeout_s``, or
    sooner where P says it gave up or P is gone (``status``); giving up is revoking first,
    as in 4.
 

@@ -18,7 +18,7 @@ from one D rank that it has nothing to write.
 
 Why D never decodes a block written for another request, nor lets one be written after it
 reported the request: ``guarded_write`` (grants, layers, word, revoke). D gives up on its own
-after ``pull_timeout_s`` (the router never aborts D), and sooner where it learns that no word
+after ``push_timeout_s`` (the router never aborts D), and sooner where it learns that no word
 will come: every ``PUSH_CHECK_S`` while a request has waited that long, it asks the P rank
 (``push.status``). P names the pushes it gave up on (D fails them, and links again first
 where P lost the link it writes over); a P rank that does not answer within
@@ -147,7 +147,7 @@ class PushReceiver:
                 slots = awaited.slots()
                 if slots and all(self._words.is_set(slot) for slot in slots):
                     landed.append(awaited)
-                elif now - awaited.registered_at > self._rank.config.pull_timeout_s:
+                elif now - awaited.registered_at > self._rank.config.push_timeout_s:
                     late.append(awaited)
             for awaited in landed + late:
                 del self._awaited[awaited.spec.request_id]
@@ -156,7 +156,7 @@ class PushReceiver:
         for awaited in late:
             self._rank.outcomes.record("push_timeouts")
             reason = (
-                f"no push from P within pull_timeout_s ({self._rank.config.pull_timeout_s:g} s)"
+                f"no push from P within push_timeout_s ({self._rank.config.push_timeout_s:g} s)"
             )
             self._pool.submit(self._give_up, awaited, reason)
         for awaited in late:
@@ -321,7 +321,7 @@ class PushReceiver:
                 blocks=spec.local_block_ids if takes else (),
                 grants=writer.cache_grants,
                 word=(writer.slot or 0, writer.grants[-1] if writer.grants else 0),
-                wait_s=self._rank.config.pull_timeout_s,
+                wait_s=self._rank.config.push_timeout_s,
                 slices=awaited.slices if takes else None,
                 heads=heads,
                 units_per_block=self._rank.kv.caches[0].units_per_block,

@@ -54,7 +54,7 @@ MESSAGE_TYPE = "push_register"
 MAX_PUSH_BLOCKS = 1 << 20
 MAX_REQUEST_ID_CHARS = 1024
 MAX_GRANT = 2**63 - 1
-# D's wait for a push is its pull_timeout_s (config.MAX_TIMEOUT_S at most).
+# D's wait for a push is its push_timeout_s (config.MAX_TIMEOUT_S at most).
 MAX_WAIT_S = (2**31 - 1) // 1000
 # Runs of slices of one KV head of a D block: a block of MAX_BLOCK_SIZE tokens at most.
 MAX_SLICE_RUNS = 4096
