@@ -11,6 +11,10 @@ MAX_PORT = 65535
 MAX_KV_CACHE_GROUPS = 64
 MAX_BLOCK_SIZE = 2**20
 MAX_LEASE_SLOT = 2**32
+# A unit of a state registration (state_layout), and the parts a model's states lie in (a
+# part per plane of a state, per state group).
+MAX_STATE_UNIT = 2**48
+MAX_STATE_PARTS = 4 * MAX_KV_CACHE_GROUPS
 
 
 def is_int(value: Any) -> bool:

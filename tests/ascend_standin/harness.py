@@ -89,10 +89,16 @@ def launch_prefill_worker(spec: dict[str, Any], directory: Path) -> subprocess.P
 
 
 def launch_prefill(
-    model_dir: Path, engine_id: str, extra: dict[str, Any], leases: Any, directory: Path
+    model_dir: Path,
+    engine_id: str,
+    extra: dict[str, Any],
+    leases: Any,
+    directory: Path,
+    state: bool = False,
 ) -> subprocess.Popen[str]:
     """launch_prefill_worker for P engine ``engine_id`` of ``model_dir`` with the connector's
-    ``extra`` config, leasing ``leases`` (its TP group on a free port)."""
+    ``extra`` config, leasing ``leases`` (its TP group on a free port); with ``state``, a
+    hybrid state model's caches."""
     from hixl_connector.tools.demo.processes import free_port
 
     spec = {
@@ -101,5 +107,6 @@ def launch_prefill(
         "extra": extra,
         "tp_port": free_port(),
         "leases": leases,
+        "state": state,
     }
     return launch_prefill_worker(spec, directory)

@@ -2,7 +2,8 @@
 process, on the "ascend" back-end over the llm_datadist STAND-IN, serving filled KV caches.
 
 Run: python prefill_worker.py SPEC_FILE   (JSON: {"model_dir", "engine_id", "extra",
-"tp_port", "leases": [[request_id, lease_id, [block ids]], ...]}).
+"tp_port", "leases": [[request_id, lease_id, [block ids]], ...], "state": a hybrid state
+model's caches (optional)}).
 Prints {"pid"} once registered and leasing; on EOF shuts down and prints the stand-in's
 recorded calls as one JSON line.
 """
@@ -21,22 +22,23 @@ sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # the stand-in first, then the
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     import llm_datadist
-    from worker_harness import P_INCARNATION, kv_caches, tp_group
+    from worker_harness import P_INCARNATION, tp_group, worker_with_caches
 
-    from hixl_connector.connector.config import HixlConfig
     from hixl_connector.connector.leases.guarded_read import lease_word
     from hixl_connector.connector.metadata import HixlConnectorMetadata, SendSpec, WordSpec
     from hixl_connector.connector.peers.incarnation import IncarnationFile, incarnation_path
-    from hixl_connector.connector.worker.half import HixlWorker
     from hixl_connector.tools.vllm_scheduler import vllm_config
 
+    state = bool(spec.get("state"))
     config = vllm_config(
-        Path(spec["model_dir"]), "kv_producer", engine_id=spec["engine_id"], extra=spec["extra"]
+        Path(spec["model_dir"]),
+        "kv_producer",
+        engine_id=spec["engine_id"],
+        extra=spec["extra"],
+        state="none" if state else "",
     )
     with tp_group(config, spec["tp_port"]):
-        worker = HixlWorker(config, HixlConfig.from_vllm_config(config), spec["engine_id"])
-        caches = kv_caches(fill=True)
-        worker.register_kv_caches(dict(caches))
+        worker, _ = worker_with_caches(config, spec["engine_id"], state, fill=True)
         # P's scheduler: its incarnation, then each lease's word for the workers to publish
         # (lease k takes slot k) and the lease itself.
         nonce = IncarnationFile.open(incarnation_path(spec["engine_id"], 0, 0))

@@ -1,10 +1,12 @@
 """Builds a real HixlWorker the way vLLM would on Ascend, with torch CPU tensors standing in
 for the NPU KV tensors: a VllmConfig of the tiny test model, a one-rank TP group (gloo), and
-KV caches in vllm-ascend's form, one ``(k_cache, v_cache)`` tuple per attention layer.
+KV caches in vllm-ascend's form, one ``(k_cache, v_cache)`` tuple per attention layer; for a
+hybrid state model also a ``[conv, ssm]`` list per state layer, in vllm-ascend's planes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -66,18 +68,98 @@ def kv_caches(fill: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return caches
 
 
+# A hybrid state model as vllm-ascend (0.16 and later) lays it out: each layer slot one
+# 2 MB-aligned buffer of NUM_BLOCKS pages, cut in planes: every block's conv state, every
+# block's ssm state (the same bytes as the attention layer's K: a K block is as large as an
+# ssm state), then V.
+STATE_CONV, STATE_SSM = (3, 64), (4, 16, 8)  # fp32: 768 bytes; 2048, a K block
+STATE_GROUP = 1
+
+
+def attention_layer(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.attn"
+
+
+def state_layer(layer: int) -> str:
+    return f"model.layers.{layer}.linear_attn"
+
+
+def hybrid_kv_cache_config() -> Any:
+    """The KV-cache config of a layer of attention and a state layer in each layer slot."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from hixl_connector.tools.vllm_scheduler import MAX_MODEL_LEN
+
+    attention = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    mamba = MambaSpec(
+        block_size=MAX_MODEL_LEN,
+        shapes=(STATE_CONV, STATE_SSM),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode="none",
+    )
+    layers = range(NUM_LAYERS)
+    groups = [
+        KVCacheGroupSpec([attention_layer(i) for i in layers], attention),
+        KVCacheGroupSpec([state_layer(i) for i in layers], mamba),
+    ]
+    return KVCacheConfig(NUM_BLOCKS, [], groups)
+
+
+def hybrid_kv_caches(fill: bool) -> dict[str, Any]:
+    """kv_caches in vllm-ascend's planes; with ``fill``, K and V as ``kv_caches`` fills them
+    (so an ssm state holds its K block's values) and conv states ``expected_conv``."""
+    n, conv, ssm = NUM_BLOCKS, math.prod(STATE_CONV), math.prod(STATE_SSM)
+    kv_shape = (n, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    caches: dict[str, Any] = {}
+    blocks = torch.arange(n).view(n, 1, 1, 1)
+    for layer in range(NUM_LAYERS):
+        raw = aligned_zeros(n * (conv + 2 * ssm), torch.float32, "cpu")
+        conv_plane = raw[: n * conv].view(n, *STATE_CONV)
+        k = raw[n * conv : n * (conv + ssm)].view(kv_shape)
+        v = raw[n * (conv + ssm) :].view(kv_shape)
+        if fill:
+            k += expected_block(2 * layer, blocks)
+            v += expected_block(2 * layer + 1, blocks)
+            conv_plane += expected_conv(layer, blocks.view(n, 1, 1))
+        caches[attention_layer(layer)] = (k, v)
+        caches[state_layer(layer)] = [conv_plane, k.view(n, *STATE_SSM)]
+    return caches
+
+
+def expected_conv(layer: int, block: Any) -> Any:
+    """The value every element of block ``block``'s conv state of state layer ``layer`` holds
+    on P."""
+    return 1000.0 * (100 + layer) + block
+
+
 def expected_block(tensor: int, block: Any) -> Any:
     """The value every element of block ``block`` of KV tensor ``tensor`` holds on P."""
     return 1000.0 * (tensor + 1) + block
 
 
-def decode_worker(config: Any, engine_id: str) -> tuple[Any, dict[str, tuple[Any, Any]]]:
-    """A real HixlWorker of ``config`` (inside its TP group) with empty KV caches registered:
-    (the worker, its caches)."""
+def decode_worker(config: Any, engine_id: str, state: bool = False) -> tuple[Any, dict[str, Any]]:
+    """A real HixlWorker of ``config`` (inside its TP group) with empty KV caches registered,
+    a hybrid state model's with ``state``: (the worker, its caches)."""
+    return worker_with_caches(config, engine_id, state, fill=False)
+
+
+def worker_with_caches(
+    config: Any, engine_id: str, state: bool, fill: bool
+) -> tuple[Any, dict[str, Any]]:
+    """A real HixlWorker of ``config`` with its KV caches registered (filled with ``fill``),
+    a hybrid state model's with ``state``: (the worker, its caches)."""
     from hixl_connector.connector.config import HixlConfig
     from hixl_connector.connector.worker.half import HixlWorker
 
-    worker = HixlWorker(config, HixlConfig.from_vllm_config(config), engine_id)
-    caches = kv_caches(fill=False)
+    groups = hybrid_kv_cache_config() if state else None
+    worker = HixlWorker(config, HixlConfig.from_vllm_config(config), engine_id, groups)
+    caches: dict[str, Any] = hybrid_kv_caches(fill) if state else dict(kv_caches(fill))
     worker.register_kv_caches(dict(caches))
     return worker, caches

@@ -54,7 +54,7 @@ def announcement(engine_id: str, cluster_id: int, engine_port: int) -> Handshake
         units_per_block=1,
         block_sizes=[BLOCK_TOKENS],
         slice_bytes=0,
-        state_page_units=0,
+        state_parts=[],
         incarnation=0,
     )
 

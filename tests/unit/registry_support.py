@@ -55,7 +55,7 @@ def payload(
         units_per_block=2 // tp_size,
         block_sizes=[16],
         slice_bytes=0,
-        state_page_units=0,
+        state_parts=[],
         incarnation=incarnation,
     )
 

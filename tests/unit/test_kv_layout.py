@@ -35,6 +35,18 @@ def test_kv_split_and_tuple_forms_give_k_v_order() -> None:
     assert layout.block_bytes == 20
 
 
+def test_blocks_of_several_kernel_blocks_are_one_block_each() -> None:
+    """vllm-ascend hands a block of 256 tokens over as two of its kernels' blocks of 128."""
+    num_blocks, kernel_tokens, heads, head_size = 4, 128, 2, 16
+    k, v = (torch.zeros(num_blocks * 2, kernel_tokens, heads, head_size) for _ in range(2))
+    layout = describe_kv_caches({"l0": (k, v)}, num_blocks)
+    assert layout.num_blocks == num_blocks and layout.tensor_addrs == (k.data_ptr(), v.data_ptr())
+    assert layout.block_bytes == 2 * kernel_tokens * heads * head_size * 4
+    assert layout.block_shape == (2 * kernel_tokens, heads, head_size)
+    with pytest.raises(ValueError, match="no block dimension of size 3"):
+        describe_kv_caches({"l0": (k, v)}, 3)
+
+
 @pytest.mark.parametrize(
     ("caches", "message"),
     [

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.mapping.block_slices import SliceRun
 from hixl_connector.connector.mapping.blocks import NULL_BLOCK_ID
+from hixl_connector.connector.mapping.state_groups import StatePart
 from hixl_connector.connector.mapping.tp_mapping import (
     TPMismatch,
     check_tp_pair,
@@ -81,7 +82,9 @@ def test_source_blocks_of_several_groups_are_each_groups_own_never_the_null_bloc
 
 
 # Two state groups (1 and 2) of 3 and 2 units a block, pages of 16 units.
-STATE = StateLayout((0,), 16 * 256, 256, ((1, 3), (2, 2)), (), ())
+STATE = StateLayout(
+    (0,), 64 * 16, 256, ((1, (StatePart(0, 16, 3),)), (2, (StatePart(0, 16, 2),))), (), ()
+)
 
 
 def test_state_pairs_are_the_units_of_ps_slot_that_ds_runs_name() -> None:

@@ -21,11 +21,14 @@ from hixl_connector.connector.mapping.kv_groups import (
 )
 from hixl_connector.connector.mapping.state_groups import (
     StateGroups,
+    StatePart,
+    parts_by_group,
+    placed_runs,
+    placed_units,
     state_bytes,
     state_groups,
+    state_length,
     state_slot,
-    state_unit_bytes,
-    state_units,
     tokens_to_load,
 )
 from hixl_connector.connector.transfer_params import RemotePrefill
@@ -102,39 +105,60 @@ def test_state_parts_and_dtypes_must_pair() -> None:
         state_bytes([], [])
 
 
-@given(st.lists(st.integers(1, 1 << 16), min_size=1, max_size=3), st.integers(0, 1 << 12))
-def test_the_state_unit_makes_every_state_and_the_page_whole_and_is_the_largest(
-    states: list[int], padding: int
-) -> None:
-    page = max(states) + padding
-    unit = state_unit_bytes(page, states)
-    assert page % unit == 0 and all(size % unit == 0 for size in states)
-    assert all(page % bigger or any(s % bigger for s in states) for bigger in (unit * 2, unit * 3))
-
-
-def test_a_state_larger_than_its_page_is_refused() -> None:
-    with pytest.raises(ValueError, match="states of"):
-        state_unit_bytes(1024, [1025])
-    with pytest.raises(ValueError, match="states of"):
-        state_unit_bytes(1024, [0])
-
-
 @given(st.integers(0, 1000), st.integers(1, 64), st.data())
-def test_a_blocks_state_units_are_the_leading_units_of_its_page_and_never_its_padding(
+def test_on_pages_a_blocks_state_is_the_leading_units_of_its_page_and_never_its_padding(
     block: int, page_units: int, data: st.DataObject
 ) -> None:
-    count = data.draw(st.integers(1, page_units))
-    units = state_units(block, page_units, count)
-    assert list(units) == list(range(block * page_units, block * page_units + count))
-    # Never another block's page.
-    assert units.start >= block * page_units and units.stop <= (block + 1) * page_units
+    length = data.draw(st.integers(1, page_units))
+    parts = [StatePart(0, page_units, length)]
+    start = data.draw(st.integers(0, length - 1))
+    count = data.draw(st.integers(1, length - start))
+    units = placed_units(parts, block, start, count)
+    first = block * page_units + start
+    assert units == list(range(first, first + count))
+    assert placed_runs(parts, block, start, count) == [(first, count)]
+    # Never another block's page, nor the page's padding.
+    assert min(units) >= block * page_units and max(units) < block * page_units + length
 
 
-def test_state_units_out_of_the_page_are_refused() -> None:
-    with pytest.raises(ValueError, match="state units"):
-        state_units(0, 4, 5)
-    with pytest.raises(ValueError, match="state units"):
-        state_units(-1, 4, 1)
+@given(st.integers(1, 64), st.integers(1, 32), st.integers(1, 32), st.data())
+def test_on_planes_a_blocks_state_is_its_conv_units_then_its_ssm_units(
+    num_blocks: int, conv: int, ssm: int, data: st.DataObject
+) -> None:
+    # vllm-ascend: every block's conv state, then every block's ssm state.
+    parts = [StatePart(0, conv, conv), StatePart(num_blocks * conv, ssm, ssm)]
+    block = data.draw(st.integers(0, num_blocks - 1))
+    whole = placed_units(parts, block, 0, conv + ssm)
+    assert whole[:conv] == list(range(block * conv, (block + 1) * conv))
+    ssm_first = num_blocks * conv + block * ssm
+    assert whole[conv:] == list(range(ssm_first, ssm_first + ssm))
+    # Any slice of the state is the same slice of the whole, in at most one run per plane.
+    start = data.draw(st.integers(0, conv + ssm - 1))
+    count = data.draw(st.integers(1, conv + ssm - start))
+    assert placed_units(parts, block, start, count) == whole[start : start + count]
+    assert len(placed_runs(parts, block, start, count)) == 1 + (start < conv < start + count)
+    # Blocks never share a unit, and all lie in the two planes.
+    others = [
+        u for b in range(num_blocks) if b != block for u in placed_units(parts, b, 0, conv + ssm)
+    ]
+    assert not set(whole) & set(others)
+    assert all(0 <= unit < num_blocks * (conv + ssm) for unit in whole)
+
+
+def test_units_beyond_a_blocks_state_are_refused() -> None:
+    parts = [StatePart(0, 4, 2), StatePart(100, 3, 3)]
+    for block, start, count in ((0, 0, 6), (0, 5, 1), (-1, 0, 1), (0, -1, 1), (0, 0, 0)):
+        with pytest.raises(ValueError, match="state of 5 units"):
+            placed_runs(parts, block, start, count)
+
+
+def test_the_handshakes_rows_give_each_groups_parts_in_order() -> None:
+    rows = [[1, 0, 36, 7], [3, 0, 12, 12], [3, 768, 16, 16]]
+    assert parts_by_group(rows) == {
+        1: (StatePart(0, 36, 7),),
+        3: (StatePart(0, 12, 12), StatePart(768, 16, 16)),
+    }
+    assert state_length(parts_by_group(rows)[3]) == 28
 
 
 def test_the_state_groups_of_a_kv_cache_config() -> None:

@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hixl_connector.connector.kv.layout import describe_kv_caches
 from hixl_connector.connector.kv.state_layout import Sharding, model_n_groups, state_layer_specs
+from hixl_connector.connector.mapping.state_groups import StatePart
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.peers.handshake import describe_mismatch
@@ -86,8 +87,11 @@ def test_the_state_is_registered_in_whole_units_over_the_attention_buffers() -> 
     assert state is not None
     assert layout.num_layers == REGIONS and layout.block_bytes == PAGE
     assert state.regions == layout.tensor_addrs
-    assert state.page_bytes == PAGE and state.unit_bytes == 128  # gcd(2048, 896)
+    assert state.unit_bytes == 128  # gcd(2048, 896)
+    # One part: a block's state is contiguous, a page apart.
+    assert state.group_parts == ((1, (StatePart(0, PAGE // 128, STATE // 128),)),)
     assert state.group_units == ((1, STATE // 128),)
+    assert state.region_units == ((NUM_BLOCKS - 1) * PAGE + STATE) // 128
     # Block 3's state: its page's leading 7 units, never the padding or block 4.
     assert list(state.units(1, 3)) == list(range(3 * 16, 3 * 16 + 7))
     with pytest.raises(ValueError, match="group 0 holds no state"):
@@ -114,9 +118,26 @@ def test_the_handshake_names_a_state_dtype_that_differs() -> None:
 
 def test_a_state_the_engine_cannot_move_whole_is_refused() -> None:
     kv_caches, config, buffer = hybrid()
-    # Pages of another size than the attention page.
-    kv_caches["m1"] = torch.as_strided(buffer, (NUM_BLOCKS, 1, 1, STATE), (PAGE // 2, 1, 1, 1))
-    with pytest.raises(ValueError, match="state layer m1: 896 bytes a block, 1024 apart"):
+    # A layer of the group laid out otherwise than the others.
+    start = NUM_BLOCKS * PAGE
+    kv_caches["m1"] = torch.as_strided(
+        buffer, (NUM_BLOCKS, 1, 1, STATE), (PAGE // 2, 1, 1, 1), start
+    )
+    with pytest.raises(ValueError, match="state layer m1 lies in its buffer as"):
+        describe(kv_caches, config)
+    # A state whose bytes are not what its MambaSpec makes.
+    kv_caches["m1"] = torch.as_strided(buffer, (NUM_BLOCKS, 1, 1, 512), (PAGE, 1, 1, 1), start)
+    with pytest.raises(ValueError, match=r"state layer m1: parts of \[512\] bytes a block"):
+        describe(kv_caches, config)
+    # Blocks whose states overlap.
+    kv_caches["m1"] = torch.as_strided(buffer, (NUM_BLOCKS, 1, 1, STATE), (512, 1, 1, 1), start)
+    with pytest.raises(ValueError, match="blocks of 896 bytes only 512 bytes apart"):
+        describe(kv_caches, config)
+    # Parts in two allocations: the span between them is no memory of the state's.
+    conv = torch.as_strided(buffer, (NUM_BLOCKS, 3 * 64 * 2), (PAGE, 1), start)
+    elsewhere = torch.zeros(NUM_BLOCKS, 2, 8, 8)
+    kv_caches["m1"] = [conv.view(torch.bfloat16).view(NUM_BLOCKS, 3, 64), elsewhere]
+    with pytest.raises(ValueError, match="beyond the memory they lie in"):
         describe(kv_caches, config)
     kv_caches, config, _ = hybrid()
     # A state in memory of its own, beside no attention layer.
@@ -186,7 +207,7 @@ def moved_units(
     """Per P rank, the units of its state slot 3 and of D rank ``rank``'s slot 5 they land
     in: as D reads them, or as each P rank writes them from the runs D registers with it."""
     if mode == "pull":
-        return state.reads([(1, 3, 5)], p_tp, p_states[0].page_units, rank)
+        return state.reads([(1, 3, 5)], p_tp, dict(p_states[0].group_parts), rank)
     send = SendSpec("r", 1, 0, 0, ((10,), (3,)), num_tokens=7)
     written = {}
     for p_rank, runs in state.writes([(1, 5)], p_tp, rank).items():
@@ -233,7 +254,7 @@ def test_a_state_that_does_not_divide_is_refused_between_tp_sizes(conv_layout_ds
     layout = describe(*mamba2_rank(1)[:2], Sharding(1, 2))
     state = layout.state
     state.check_tp(2)  # divides
-    assert set(state.reads([(1, 0, 0)], 1, state.page_units, 0)) == {0}
+    assert set(state.reads([(1, 0, 0)], 1, dict(state.group_parts), 0)) == {0}
     # A Mamba2 layer at TP 2 whose n_groups the model config does not give.
     unknown = describe(*mamba2_rank(2)[:2], Sharding(2))
     with pytest.raises(ShardMismatch, match="tp_size=1 and decode tp_size=2 differ.*n_groups"):
@@ -247,11 +268,11 @@ def test_under_the_sd_layout_the_state_moves_between_equal_tp_sizes_only() -> No
     with pytest.raises(ShardMismatch, match="VLLM_SSM_CONV_STATE_LAYOUT=DS on prefill and"):
         state.check_tp(2)
     with pytest.raises(ShardMismatch):
-        state.reads([(1, 0, 0)], 2, state.page_units, 0)
+        state.reads([(1, 0, 0)], 2, dict(state.group_parts), 0)
     with pytest.raises(ShardMismatch):
         state.writes([(1, 0)], 2, 0)
     whole = dict(state.group_units)[1]  # between equal TP sizes: the whole state
-    assert state.writes([(1, 2)], 1, 0) == {0: [(1, 0, 2 * state.page_units, whole)]}
+    assert state.writes([(1, 2)], 1, 0) == {0: [(1, 0, state.units(1, 2)[0], whole)]}
 
 
 def test_the_mamba2_groups_are_read_from_each_family_config() -> None:

@@ -5,8 +5,10 @@ manager, layers of different groups share one buffer: it is registered once). Pl
 - CPU: one tensor per layer, `[num_blocks, kv_heads, block_size, 2 * head_size]`, every layer
   a view into one buffer;
 - GPU-style K/V split: one tensor per layer, `[2, num_blocks, ...]`;
-- Ascend: a tuple `(k_cache, v_cache)` per layer; MLA: `(latent, rope)` parts of different
-  block shapes (each part is registered as a cache of its own).
+- Ascend: a tuple `(k_cache, v_cache)` per layer, `[num_blocks * k, 128, ...]` where a block
+  is k of the kernels' 128-token blocks; MLA: `(latent, rope)` parts of different block
+  shapes (each part is registered as a cache of its own). A hybrid state model's K lies in
+  the same bytes as its states' ssm plane (state_layout).
 Whatever the form, each registered tensor must be block-major: block b of tensor t starts at
 `addr[t] + b * block_bytes` and is `block_bytes` contiguous bytes. Where KV heads are
 contiguous inside a block (CPU: heads are the block's outermost dimension), a block is
@@ -94,9 +96,13 @@ def _block_major_views(entry: Any, num_blocks: int) -> list[Any]:
         return [entry]
     if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
         return [entry[0], entry[1]]
+    if len(shape) >= 2 and num_blocks and shape[0] % num_blocks == 0 and entry.is_contiguous():
+        # vllm-ascend: its kernels' blocks of 128 tokens, several to one of vLLM's.
+        return [entry.view(num_blocks, shape[0] // num_blocks * shape[1], *shape[2:])]
     raise ValueError(
         f"KV cache tensor of shape {list(shape)} has no block dimension of size {num_blocks} "
-        "(expected [num_blocks, ...], [2, num_blocks, ...] or a tuple of such tensors)"
+        "(expected [num_blocks, ...], [2, num_blocks, ...], [num_blocks * k, ...] or a tuple "
+        "of such tensors)"
     )
 
 
@@ -188,7 +194,7 @@ def describe_kv_caches(
         head_major=head_major,
         slice_bytes=SLICE_ELEMENTS * int(first.element_size()) if sliced else 0,
         layer_index=tuple(names),
-        state=describe_state(kv_caches, state_specs, addrs, part_bytes[0], sharding),
+        state=describe_state(kv_caches, state_specs, addrs, num_blocks, sharding),
     )
 
 

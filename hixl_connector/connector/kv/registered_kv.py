@@ -88,7 +88,9 @@ class RegisteredKV:
     lease_word_memory: WordMemory | None = None  # ... and the words themselves
     push_words: RegisteredCache | None = None  # D, push mode: where P's last writes land
     push_word_memory: WordMemory | None = None  # ... and the words themselves
-    state: RegisteredCache | None = None  # the state pages in units, where a model has state
+    state: RegisteredCache | None = (
+        None  # the states in units (state_layout), where a model has any
+    )
 
     def guarded_reads(self) -> GuardedReads[BlocksPull]:
         """This decode engine's guarded reads (leases.guarded_read): its scratch rows, each
@@ -302,8 +304,15 @@ def register_kv(
     placement = api.Placement.DEVICE if on_device else api.Placement.HOST
     kv_parts = registrations(layout)
     if on_device and config.ascend_hccs:
+        # vllm-ascend lays a hybrid state model's K and V after its conv states.
+        beside = " (K and V laid after the conv states)" if layout.state is not None else ""
         for part in kv_parts:
-            profile.check_device_alignment(list(part.addrs), f"cache model_id {part.model_id}")
+            what = f"cache model_id {part.model_id}{beside}"
+            profile.check_device_alignment(list(part.addrs), what)
+        if layout.state is not None:
+            profile.check_device_alignment(
+                list(layout.state.regions), f"cache model_id {STATE_MODEL_ID} (the states)"
+            )
     role = {(True, False): api.LLMRole.PROMPT, (False, True): api.LLMRole.DECODER}.get(
         (producer, consumer), api.LLMRole.MIX
     )
@@ -336,8 +345,7 @@ def register_kv(
         )
         state = None
         if layout.state is not None:
-            regions = layout.state.regions
-            units = layout.num_blocks * layout.state.page_units
+            regions, units = layout.state.regions, layout.state.region_units
             registration = Registration(STATE_MODEL_ID, regions, layout.state.unit_bytes, 1, units)
             state = _register(api, datadist, cluster_id, registration, placement)
         slices = None

@@ -1,12 +1,16 @@
 """Where a hybrid state model's states lie in vLLM's KV memory, for the engine.
 
-With the hybrid KV-cache manager, layer i of every KV-cache group lies in one buffer: the
-buffer of an attention layer is also, block by block, the pages of a state layer of each state
-group (a block id belongs to one group at a time). A state page holds the layer's conv state
-from byte 0, then its ssm state, then padding up to the attention page. The buffers are
-registered once more in units that make each state whole (``state_groups.state_unit_bytes``),
-and, where TP sizes may differ, each rank's slice of it (``state_shards``), so a read names
-the state's units of a block and never its padding, nor the attention layout's heads.
+With the hybrid KV-cache manager, layer i of every KV-cache group lies in one buffer (a block
+id belongs to one group at a time), and a state layer's block is its conv state, then its ssm
+state. Platforms place them differently in that buffer:
+- vLLM (CPU, GPU): in pages of the attention page's size, block by block: conv state from the
+  page's byte 0, then ssm state, then padding;
+- vllm-ascend (0.16 and later): in planes: all blocks' conv states from the buffer's byte 0,
+  then all their ssm states (the same bytes as the attention layers' K), then V.
+Each buffer is registered once more, from the state's first byte, in units that make each
+part whole (``StatePart``), and, where TP sizes may differ, each rank's slice of it
+(``state_shards``): a read names the state's units of a block and never padding, another
+block's state or the attention layout's heads.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from typing import Any
 
 from hixl_connector.connector.mapping.state_groups import (
     StateBytes,
+    StatePart,
     is_state_spec,
+    placed_runs,
+    placed_units,
     state_bytes,
-    state_unit_bytes,
-    state_units,
+    state_length,
 )
 from hixl_connector.connector.mapping.state_shards import (
     CHANNELS_FIRST,
@@ -36,8 +42,12 @@ from hixl_connector.connector.mapping.state_shards import (
 
 # (state group, P's block, D's block) of each state slot a read fills.
 StateSlot = tuple[int, int, int]
-# (first unit in P's state page, first unit in D's, count) of a slice of a state.
-PageRun = tuple[int, int, int]
+# (first unit of P's state, first unit of D's, count), counted from each state's start.
+ShardRun = tuple[int, int, int]
+# Each state group's parts: (group, its StateParts).
+GroupParts = tuple[tuple[int, tuple[StatePart, ...]], ...]
+# (offset from the state's first byte, stride between blocks, bytes a block) of a part.
+BytePart = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -51,11 +61,11 @@ class Sharding:
 
 @dataclass(frozen=True)
 class StateLayout:
-    regions: tuple[int, ...]  # the registered buffers that hold state layers
-    page_bytes: int  # one block of a buffer: the attention page, a state page padded
+    regions: tuple[int, ...]  # where each registered buffer's states begin, in layer order
+    region_units: int  # the units each region registers
     unit_bytes: int
-    group_units: tuple[tuple[int, int], ...]  # (state group, units of its state in a block)
-    # Each state layer's block-major view (the state's bytes of every block); never
+    group_parts: GroupParts  # where each state group's state of a block lies (StatePart)
+    # Each state layer's parts as block-major byte views ([num_blocks, part bytes]); never
     # serialised.
     views: tuple[Any, ...]
     # Per state group, what the handshake compares: the state's parts (over the whole
@@ -68,67 +78,79 @@ class StateLayout:
     unshardable: str = ""
 
     @property
-    def page_units(self) -> int:
-        return self.page_bytes // self.unit_bytes
+    def group_units(self) -> tuple[tuple[int, int], ...]:
+        """(state group, units of its state in a block)."""
+        return tuple((group, state_length(parts)) for group, parts in self.group_parts)
 
-    def units(self, group: int, block: int) -> range:
-        """The units of the state of ``group`` in block ``block`` of every region."""
-        count = dict(self.group_units).get(group)
-        if count is None:
+    def parts(self, group: int) -> tuple[StatePart, ...]:
+        parts = dict(self.group_parts).get(group)
+        if parts is None:
             raise ValueError(f"KV-cache group {group} holds no state")
-        return state_units(block, self.page_units, count)
+        return parts
+
+    def units(self, group: int, block: int) -> list[int]:
+        """The units of the state of ``group`` in block ``block`` of every region, in state
+        order."""
+        parts = self.parts(group)
+        return placed_units(parts, block, 0, state_length(parts))
 
     def slot_units(self, slots: Iterable[tuple[int, int]]) -> list[int]:
         """The units of the states of ``slots``, (group, block) each, in order."""
         return [unit for group, block in slots for unit in self.units(group, block)]
 
-    def page_runs(self, group: int, p_tp: int, d_rank: int) -> dict[int, list[PageRun]]:
+    def shard_runs(self, group: int, p_tp: int, d_rank: int) -> dict[int, list[ShardRun]]:
         """Per P rank of a P engine of ``p_tp``, where this rank's state of ``group`` lies
-        in that rank's state page and in this rank's, counted in units from each page's
-        start: the whole state between equal TP sizes, else this rank's slices of P's.
-        Raises ShardMismatch where the state cannot move between the two TP sizes."""
-        units = dict(self.group_units).get(group)
-        if units is None:
-            raise ValueError(f"KV-cache group {group} holds no state")
+        in that rank's state and in this rank's, counted in units from each state's start:
+        the whole state between equal TP sizes, else this rank's slices of P's. Raises
+        ShardMismatch where the state cannot move between the two TP sizes."""
+        units = state_length(self.parts(group))
         unit = self.unit_bytes
-        runs: dict[int, list[PageRun]] = {}
+        runs: dict[int, list[ShardRun]] = {}
         for piece in self._slices(units, dict(self.shards).get(group), p_tp, d_rank):
             run = (piece.src // unit, piece.dst // unit, piece.nbytes // unit)
             runs.setdefault(piece.p_rank, []).append(run)
         return runs
 
     def reads(
-        self, slots: Iterable[StateSlot], p_tp: int, p_page_units: int, d_rank: int
+        self,
+        slots: Iterable[StateSlot],
+        p_tp: int,
+        p_parts: Mapping[int, Sequence[StatePart]],
+        d_rank: int,
     ) -> dict[int, tuple[list[int], list[int]]]:
         """Per P rank, the units of its states and of this rank's they land in, for the state
-        slots of a request read from a P engine of ``p_tp`` whose pages are ``p_page_units``
-        units (page_runs). Raises ShardMismatch where the states cannot be read between the
-        two TP sizes."""
+        slots of a request read from a P engine of ``p_tp`` whose states lie in ``p_parts``
+        (per group, from its handshake; shard_runs). Raises ShardMismatch where the states
+        cannot be read between the two TP sizes, ValueError where P's parts do not hold them."""
         reads: dict[int, tuple[list[int], list[int]]] = {}
         for group, p_block, d_block in slots:
-            for p_rank, runs in self.page_runs(group, p_tp, d_rank).items():
+            theirs, ours = p_parts.get(group), self.parts(group)
+            if theirs is None:
+                raise ValueError(f"the prefill engine holds no state of KV-cache group {group}")
+            for p_rank, runs in self.shard_runs(group, p_tp, d_rank).items():
                 src, dst = reads.setdefault(p_rank, ([], []))
                 for p_first, d_first, count in runs:
-                    first_src = p_block * p_page_units + p_first
-                    first_dst = d_block * self.page_units + d_first
-                    src.extend(range(first_src, first_src + count))
-                    dst.extend(range(first_dst, first_dst + count))
+                    src.extend(placed_units(theirs, p_block, p_first, count))
+                    dst.extend(placed_units(ours, d_block, d_first, count))
         return reads
 
     def writes(
         self, slots: Iterable[tuple[int, int]], p_tp: int, d_rank: int
     ) -> dict[int, list[tuple[int, int, int, int]]]:
         """Push mode: per P rank, (state group, first unit counted from the start of that
-        rank's slot of the group, first unit here, count) of each run it writes into this
-        rank's state slots ``slots``, (group, block) each (page_runs). Raises ShardMismatch
-        where the states cannot move between the two TP sizes."""
+        rank's state of the group, first unit here, count) of each run it writes into this
+        rank's state slots ``slots``, (group, block) each (shard_runs), a run for each of
+        this rank's parts it lands in. Raises ShardMismatch where the states cannot move
+        between the two TP sizes."""
         writes: dict[int, list[tuple[int, int, int, int]]] = {}
         for group, d_block in slots:
-            first = d_block * self.page_units
-            for p_rank, runs in self.page_runs(group, p_tp, d_rank).items():
-                writes.setdefault(p_rank, []).extend(
-                    (group, p_first, first + d_first, count) for p_first, d_first, count in runs
-                )
+            ours = self.parts(group)
+            for p_rank, runs in self.shard_runs(group, p_tp, d_rank).items():
+                out = writes.setdefault(p_rank, [])
+                for p_first, d_first, count in runs:
+                    for first, n in placed_runs(ours, d_block, d_first, count):
+                        out.append((group, p_first, first, n))
+                        p_first += n
         return writes
 
     def check_tp(self, p_tp: int) -> None:
@@ -159,7 +181,8 @@ class StateLayout:
 
     def compatibility_fields(self) -> dict[str, Any]:
         """What P and D must agree on for a state read: each group's state, the conv layout
-        and the units the pages are registered in."""
+        and the units the states are registered in (where they lie is each side's own: the
+        handshake's ``state_parts``)."""
         return {
             "kv_state": list(self.described),
             "kv_state_conv_layout": _conv_state_layout(),
@@ -183,48 +206,137 @@ def describe_state(
     kv_caches: Mapping[str, Any],
     specs: Mapping[str, tuple[int, Any]],
     registered: Sequence[int],
-    page_bytes: int,
+    num_blocks: int,
     sharding: Sharding | None = None,
 ) -> StateLayout | None:
-    """The state layers of ``kv_caches`` (``specs``: state_layer_specs), each in a buffer
-    of ``registered`` (the attention layers' bases) whose pages are ``page_bytes``; None for a
-    model without state. Refuses a state the engine cannot move whole."""
+    """The state layers of ``kv_caches`` (``specs``: state_layer_specs) of ``num_blocks``
+    blocks, each in a buffer of an attention layer (``registered``: their bases, in layer
+    order); None for a model without state. Refuses a state the engine cannot move whole."""
     if not specs:
         return None
     sharding = sharding or Sharding()
     parts: dict[int, StateBytes] = {}
     group_specs: dict[int, Any] = {}
-    regions: list[int] = []
-    views = []
+    placed: dict[int, tuple[BytePart, ...]] = {}
+    extents: dict[int, int] = {}  # the base of each buffer's states: bytes they reach
+    order: dict[int, int] = {}  # the base of each buffer's states: its first attention layer
+    views: list[Any] = []
     for name, (group, spec) in specs.items():
         sizes = [int(getattr(dtype, "itemsize", 0)) for dtype in spec.dtypes]
         layer = state_bytes([tuple(shape) for shape in spec.shapes], sizes)
         parts[group], group_specs[group] = layer, spec
-        view = _state_view(name, kv_caches[name], layer, page_bytes)
-        base = int(view.data_ptr())
-        if base not in registered:
+        tensors = _state_tensors(kv_caches[name])
+        base, byte_parts, extent = _placed(name, tensors, layer, num_blocks)
+        if placed.setdefault(group, byte_parts) != byte_parts:
             raise ValueError(
-                f"state layer {name} lies in no buffer of an attention layer; the connector "
-                "moves state only beside attention (a hybrid model, hybrid KV-cache manager on)"
+                f"state layer {name} lies in its buffer as {byte_parts} (offset, stride, bytes), "
+                f"another layer of KV-cache group {group} as {placed[group]}"
             )
-        if base not in regions:
-            regions.append(base)
-        views.append(view)
+        extents[base] = max(extents.get(base, 0), extent)
+        order[base] = _anchor(name, base, extent, registered)
+        views.extend(_byte_view(tensor) for tensor in tensors)
+    if len(set(extents.values())) != 1:
+        raise ValueError(
+            f"the buffers that hold state layers reach {sorted(set(extents.values()))} bytes; "
+            "the connector registers every such buffer alike"
+        )
+    extent = extents.popitem()[1]
     shards, unshardable = _shards(group_specs, parts, sharding)
     pieces_of = dict(shards)
-    unit = state_unit_bytes(page_bytes, [layer.nbytes for layer in parts.values()])
-    unit = math.gcd(unit, *(granule_bytes(pieces) for pieces in pieces_of.values()))
+    numbers = [number for byte_parts in placed.values() for part in byte_parts for number in part]
+    unit = math.gcd(extent, *numbers, *(granule_bytes(pieces) for pieces in pieces_of.values()))
     return StateLayout(
-        regions=tuple(sorted(regions, key=list(registered).index)),
-        page_bytes=page_bytes,
+        regions=tuple(sorted(order, key=order.__getitem__)),
+        region_units=extent // unit,
         unit_bytes=unit,
-        group_units=tuple((g, layer.nbytes // unit) for g, layer in sorted(parts.items())),
+        group_parts=tuple(
+            (g, tuple(StatePart(o // unit, s // unit, n // unit) for o, s, n in placed[g]))
+            for g in sorted(placed)
+        ),
         views=tuple(views),
         described=tuple(_describe(group_specs[g], pieces_of.get(g)) for g in sorted(group_specs)),
         tp_size=sharding.tp_size,
         shards=shards,
         unshardable=unshardable,
     )
+
+
+def _state_tensors(entry: Any) -> list[Any]:
+    """A state layer's tensors: vLLM hands over one view of the whole state, or its parts
+    (conv, ssm)."""
+    return list(entry) if isinstance(entry, (tuple, list)) else [entry]
+
+
+def _placed(
+    name: str, tensors: Sequence[Any], layer: StateBytes, num_blocks: int
+) -> tuple[int, tuple[BytePart, ...], int]:
+    """Where a state layer lies: the address of its first byte, its parts from there
+    (adjacent tensors of one stride merged: a block's state contiguous in a page is one
+    part), and the bytes its blocks reach from that address."""
+    found = []
+    for tensor in tensors:
+        shape, size = list(tensor.shape), int(tensor.element_size())
+        if not shape or int(shape[0]) != num_blocks or not tensor[0].is_contiguous():
+            raise ValueError(
+                f"state layer {name}: a part of shape {shape} and strides "
+                f"{list(tensor.stride())} is not {num_blocks} blocks of contiguous bytes"
+            )
+        found.append(
+            (int(tensor.data_ptr()), int(tensor.stride(0)) * size, tensor[0].numel() * size)
+        )
+    sizes = tuple(nbytes for _, _, nbytes in found)
+    if sizes not in (layer.parts, (layer.nbytes,)):
+        raise ValueError(
+            f"state layer {name}: parts of {list(sizes)} bytes a block; its MambaSpec's shapes "
+            f"and dtypes make {list(layer.parts)}"
+        )
+    base = min(address for address, _, _ in found)
+    merged: list[BytePart] = []
+    for address, stride, nbytes in found:
+        offset = address - base
+        if merged and merged[-1][1] == stride and sum(merged[-1][::2]) == offset:
+            merged[-1] = (merged[-1][0], stride, merged[-1][2] + nbytes)
+        else:
+            merged.append((offset, stride, nbytes))
+    for _offset, stride, nbytes in merged:
+        if stride < nbytes:
+            raise ValueError(
+                f"state layer {name}: blocks of {nbytes} bytes only {stride} bytes apart"
+            )
+    extent = max(offset + (num_blocks - 1) * stride + nbytes for offset, stride, nbytes in merged)
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        start = int(storage.data_ptr())
+        if not start <= base <= base + extent <= start + int(storage.nbytes()):
+            raise ValueError(
+                f"state layer {name}: its blocks reach bytes {base:#x} to {base + extent:#x}, "
+                "beyond the memory they lie in"
+            )
+    return base, tuple(merged), extent
+
+
+def _anchor(name: str, base: int, extent: int, registered: Sequence[int]) -> int:
+    """The first attention layer whose buffer state layer ``name``, at ``base``, lies in
+    (regions follow the layers' order on both sides)."""
+    for index, address in enumerate(registered):
+        if base <= address < base + extent:
+            return index
+    raise ValueError(
+        f"state layer {name} lies in no buffer of an attention layer; the connector moves "
+        "state only beside attention (a hybrid model, hybrid KV-cache manager on)"
+    )
+
+
+def _byte_view(tensor: Any) -> Any:
+    """``tensor``'s blocks as bytes: [num_blocks, block bytes], its blocks' stride apart."""
+    import torch
+
+    storage = tensor.untyped_storage()
+    offset = int(tensor.data_ptr()) - int(storage.data_ptr())
+    size = int(tensor.element_size())
+    as_bytes = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+    shape = (int(tensor.shape[0]), int(tensor[0].numel()) * size)
+    return as_bytes.as_strided(shape, (int(tensor.stride(0)) * size, 1), offset)
 
 
 def _shards(
@@ -276,29 +388,6 @@ def _describe(spec: Any, shards: tuple[Shard, ...] | None) -> str:
         f"{kind}:{parts}:{[str(d) for d in spec.dtypes]}:"
         f"{spec.mamba_cache_mode}:{spec.num_speculative_blocks}"
     )
-
-
-def _state_view(name: str, entry: Any, layer: StateBytes, page_bytes: int) -> Any:
-    """The layer's state as a block-major view of ``layer.nbytes`` bytes a block, pages of
-    ``page_bytes`` apart: vLLM hands over one such view, or its parts (conv, ssm) each a view
-    of the same pages."""
-    first = entry[0] if isinstance(entry, (tuple, list)) else entry
-    stride = int(first.stride(0)) * int(first.element_size())
-    block = int(first[0].numel()) * int(first.element_size())
-    whole = not isinstance(entry, (tuple, list)) and block == layer.nbytes
-    split = isinstance(entry, (tuple, list)) and block == layer.parts[0]
-    if stride != page_bytes or not (whole or split):
-        raise ValueError(
-            f"state layer {name}: {block} bytes a block, {stride} apart; expected the state's "
-            f"{layer.parts} bytes at the start of pages of {page_bytes} bytes"
-        )
-    import torch
-
-    # The layer's pages as bytes: [num_blocks, state bytes], page_bytes apart.
-    storage = first.untyped_storage()
-    offset = int(first.data_ptr()) - int(storage.data_ptr())
-    as_bytes = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
-    return as_bytes.as_strided((int(first.shape[0]), layer.nbytes), (page_bytes, 1), offset)
 
 
 def _conv_state_layout() -> str:

@@ -9,8 +9,9 @@ running state per request rather than a block per tokens.
 - A state group's block table is not a list of token blocks: the running state sits in one
   slot (``state_slot``), beside speculative scratch slots or null placeholders that are never
   read or written.
-- A state block is a page padded up to the attention page: a layer's conv state, then its
-  ssm state, then padding. Only the state's bytes move (``state_bytes``).
+- A state block lies in parts (``StatePart``): on vLLM's pages, a layer's conv state, then
+  its ssm state, then padding up to the attention page; on vllm-ascend's planes, all blocks'
+  conv states, then all their ssm states. Only the state's bytes move (``state_bytes``).
 
 Pure: no torch, no engine.
 """
@@ -106,10 +107,10 @@ def state_slot(row_length: int, num_tokens: int, block_size: int, groups: StateG
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Where one state layer's parts sit in its page: the conv state from byte 0, then the
-    ssm state (none for short convolutions), then padding up to the attention page."""
+    """The bytes of one state layer's parts: the conv state, then the ssm state (none for
+    short convolutions)."""
 
-    parts: tuple[int, ...]  # bytes of each part, in page order
+    parts: tuple[int, ...]  # bytes of each part, in MambaSpec.shapes order
 
     @property
     def nbytes(self) -> int:
@@ -124,19 +125,54 @@ def state_bytes(shapes: Sequence[Sequence[int]], dtype_sizes: Sequence[int]) -> 
     return StateBytes(tuple(math.prod(shape) * size for shape, size in sizes))
 
 
-def state_unit_bytes(page_bytes: int, state_sizes: Sequence[int]) -> int:
-    """The largest unit in which every state group's bytes, and the page, are whole: the
-    state is registered in such units, so a read names the state's units and never the
-    padding."""
-    if page_bytes < 1 or any(not 0 < size <= page_bytes for size in state_sizes):
-        raise ValueError(f"states of {list(state_sizes)} bytes in pages of {page_bytes}")
-    return math.gcd(page_bytes, *state_sizes)
+@dataclass(frozen=True)
+class StatePart:
+    """Where one part of a state group's states lies in the state registration, in units:
+    block b's part is units ``[first + b * stride, first + b * stride + length)``. A state is
+    its parts in order: one part where a block's state is contiguous (vLLM's pages), a part
+    per plane where all blocks' conv states lie before all their ssm states (vllm-ascend)."""
+
+    first: int
+    stride: int
+    length: int
 
 
-def state_units(block: int, page_units: int, state_units_count: int) -> range:
-    """The units of block ``block``'s state (the page's leading ``state_units_count`` of its
-    ``page_units``)."""
-    if not 0 < state_units_count <= page_units or block < 0:
-        raise ValueError(f"block {block}: {state_units_count} state units of {page_units}")
-    start = block * page_units
-    return range(start, start + state_units_count)
+def parts_by_group(rows: Sequence[Sequence[int]]) -> dict[int, tuple[StatePart, ...]]:
+    """Each state group's parts, from [group, first, stride, length] rows in state order
+    (the handshake's ``state_parts``)."""
+    parts: dict[int, tuple[StatePart, ...]] = {}
+    for group, first, stride, length in rows:
+        parts[group] = (*parts.get(group, ()), StatePart(first, stride, length))
+    return parts
+
+
+def state_length(parts: Sequence[StatePart]) -> int:
+    """The units of one block's state."""
+    return sum(part.length for part in parts)
+
+
+def placed_runs(
+    parts: Sequence[StatePart], block: int, start: int, count: int
+) -> list[tuple[int, int]]:
+    """Where units ``[start, start + count)`` of block ``block``'s state (counted from the
+    state's start) lie in the registration: runs of (first unit, count), one per part they
+    touch, in state order."""
+    if block < 0 or start < 0 or count < 1 or start + count > state_length(parts):
+        raise ValueError(
+            f"units {start} to {start + count} of block {block}'s state of "
+            f"{state_length(parts)} units"
+        )
+    runs = []
+    offset = 0
+    for part in parts:
+        low, high = max(start, offset), min(start + count, offset + part.length)
+        if low < high:
+            runs.append((part.first + block * part.stride + low - offset, high - low))
+        offset += part.length
+    return runs
+
+
+def placed_units(parts: Sequence[StatePart], block: int, start: int, count: int) -> list[int]:
+    """The units ``placed_runs`` names, one by one."""
+    runs = placed_runs(parts, block, start, count)
+    return [unit for first, n in runs for unit in range(first, first + n)]

@@ -22,6 +22,8 @@ from hixl_connector.connector.limits import (
     MAX_CLUSTER_ID,
     MAX_KV_CACHE_GROUPS,
     MAX_PORT,
+    MAX_STATE_PARTS,
+    MAX_STATE_UNIT,
     MAX_U64,
     check_field,
     is_int,
@@ -29,7 +31,7 @@ from hixl_connector.connector.limits import (
 
 # Version of the handshake and its payload; it is hashed with the compatibility fields, so a
 # peer speaking another version is refused before D links it.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # What must be equal on both sides for KV to be copied byte for byte, whatever the TP sizes
 # and block sizes. A block of one tensor is ``units_per_block`` units of ``unit_token_bytes``
@@ -101,7 +103,9 @@ class HandshakePayload:
     units_per_block: int  # registered units per block: this rank's KV heads, or 1
     block_sizes: list[int]  # tokens per block of each KV-cache group
     slice_bytes: int  # bytes of one registered slice (block_slices); 0: not registered
-    state_page_units: int  # a block's units in the state registration (state_layout); 0: none
+    # Where each state group's state of a block lies in the state registration: [group,
+    # first unit, units between blocks, units] per part (state_groups.StatePart); empty: none.
+    state_parts: list[list[int]]
     incarnation: int  # P's start nonce (peers.incarnation); 0 on an engine that does not prefill
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,7 +145,7 @@ class HandshakePayload:
             units_per_block=check_field(where, "units_per_block", data, int, 1, 65535),
             block_sizes=_block_sizes(where, data.get("block_sizes")),
             slice_bytes=check_field(where, "slice_bytes", data, int, 0, 2**20),
-            state_page_units=check_field(where, "state_page_units", data, int, 0, 2**31),
+            state_parts=_state_parts(where, data.get("state_parts")),
             incarnation=check_field(where, "incarnation", data, int, 0, MAX_U64),
         )
 
@@ -155,6 +159,26 @@ def _block_sizes(where: str, value: Any) -> list[int]:
     for size in value:
         check_field(where, "block_sizes", size, int, 1, MAX_BLOCK_SIZE)
     return list(value)
+
+
+def _state_parts(where: str, value: Any) -> list[list[int]]:
+    if not isinstance(value, list) or len(value) > MAX_STATE_PARTS:
+        raise ValueError(
+            f"{where} field 'state_parts' must be a list of at most {MAX_STATE_PARTS} parts, "
+            f"got {value!r:.200}"
+        )
+    for part in value:
+        if not isinstance(part, list) or len(part) != 4:
+            raise ValueError(
+                f"{where} field 'state_parts' holds [group, first, stride, length] lists, "
+                f"got {part!r:.200}"
+            )
+        group, first, stride, length = part
+        check_field(where, "state_parts", group, int, 0, MAX_KV_CACHE_GROUPS - 1)
+        check_field(where, "state_parts", first, int, 0, MAX_STATE_UNIT)
+        check_field(where, "state_parts", stride, int, 0, MAX_STATE_UNIT)
+        check_field(where, "state_parts", length, int, 1, MAX_STATE_UNIT)
+    return [list(part) for part in value]
 
 
 def _is_primitive(value: Any) -> bool:

@@ -8,7 +8,7 @@ rank mirrors a KV head of (as a pull would read them: tp_mapping), link it (Peer
 grant its cluster those heads of the request's blocks in every registered KV cache (where
 P's blocks are smaller: their slices, with where each slice of P's blocks lands), the units
 of a hybrid state model's state slots that P rank holds (its whole state between equal TP
-sizes, else this rank's slices of it: state_layout.page_runs), and one push word
+sizes, else this rank's slices of it: state_layout.shard_runs), and one push word
 of its own, clear the word, and register all of it with that rank (``push_register``).
 Each P rank writes its heads, then its lease word into its push word. `collect` (on the step
 thread) looks at the words: once every one is set, every block landed, and the request is

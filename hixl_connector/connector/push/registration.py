@@ -28,8 +28,8 @@ D's registered KV caches, so one grant per cache covers the blocks of every grou
 A hybrid state model's state groups have no positions (``groups`` counts 0 for them): D
 names, in runs of units of the state registration, which of P's state of each group land
 where in its own state slots (``state_runs``: [group, first unit counted from the start of
-P's slot, first unit of D's, count]; the whole state between equal TP sizes, else this D
-rank's slices of the P rank's, state_layout.page_runs), grants those units (``state_grant``),
+P's state, first unit of D's, count]; the whole state between equal TP sizes, else this D
+rank's slices of the P rank's, state_layout.shard_runs), grants those units (``state_grant``),
 and says how many prompt tokens the state must hold (``num_tokens``, N−1: P refuses a prompt
 it computed whole). P writes them from its own slot of each group after the prompt was
 computed (a state layer is final only after P's last chunk) and before the word.
@@ -46,6 +46,7 @@ from hixl_connector.connector.limits import (
     MAX_BLOCK_SIZE,
     MAX_CLUSTER_ID,
     MAX_KV_CACHE_GROUPS,
+    MAX_STATE_UNIT,
     check_field,
 )
 from hixl_connector.connector.mapping.block_slices import SliceRun
@@ -60,7 +61,6 @@ MAX_WAIT_S = (2**31 - 1) // 1000
 MAX_SLICE_RUNS = 4096
 # Runs of a request's state units: a run per piece of a state (conv parts, ssm) and group.
 MAX_STATE_RUNS = 16 * MAX_KV_CACHE_GROUPS
-MAX_STATE_UNIT = 2**48
 MAX_UNITS_PER_BLOCK = 65536  # KV heads of a block on one rank
 MAX_RANKS = 65535
 
@@ -77,7 +77,8 @@ class HeadRun:
 @dataclass(frozen=True)
 class StateRun:
     """``count`` units of the state of KV-cache group ``group``: from unit ``src`` of P's state
-    slot of that group, counted from its start, to unit ``dst`` of D's state registration."""
+    of that group, counted from the state's start (wherever P's parts place it), to unit
+    ``dst`` of D's state registration, onwards in one part of D's."""
 
     group: int
     src: int

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hixl_connector.connector.kv.layout import KVLayout
+from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.peers.handshake import (
     SCHEMA_VERSION,
     HandshakePayload,
@@ -56,9 +57,20 @@ def handshake_payload(
         units_per_block=layout.units_per_block,
         block_sizes=list(block_sizes),
         slice_bytes=layout.slice_bytes,
-        state_page_units=layout.state.page_units if layout.state is not None else 0,
+        state_parts=state_parts(layout.state),
         incarnation=0,
     )
+
+
+def state_parts(state: StateLayout | None) -> list[list[int]]:
+    """Where this engine's states lie, for D to read them from here (StateLayout.group_parts)."""
+    if state is None:
+        return []
+    return [
+        [group, part.first, part.stride, part.length]
+        for group, parts in state.group_parts
+        for part in parts
+    ]
 
 
 def kv_memory(layout: KVLayout) -> str:

@@ -11,6 +11,7 @@ from hixl_connector.connector.kv.layout import KVLayout
 from hixl_connector.connector.kv.state_layout import StateLayout
 from hixl_connector.connector.mapping.block_slices import blocks_per_block, slice_ids
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
+from hixl_connector.connector.mapping.state_groups import parts_by_group
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.mapping.tp_mapping import HeadRead, unit_ids
 from hixl_connector.connector.metadata import RecvSpec
@@ -72,15 +73,18 @@ def state_reads(
         return []
     assert state is not None
     by_rank = {peer.payload.tp_rank: peer for peer in readers}
-    page_units = {peer.payload.state_page_units for peer in readers}
-    if len(page_units) != 1 or not min(page_units):
+    placements = {str(peer.payload.state_parts) for peer in readers}
+    if len(placements) != 1 or not readers[0].payload.state_parts:
         raise UnreadableRequest(
-            f"prefill engine {spec.remote.engine_id} registered state pages of "
-            f"{sorted(page_units)} units on its ranks; a state model registers one size"
+            f"prefill engine {spec.remote.engine_id} registered its states as {sorted(placements)} "
+            "on its ranks; a state model's ranks place them alike"
         )
+    p_parts = parts_by_group(readers[0].payload.state_parts)
     try:
-        slots = state.reads(spec.state_block_ids, spec.remote.tp_size, page_units.pop(), d_rank)
+        slots = state.reads(spec.state_block_ids, spec.remote.tp_size, p_parts, d_rank)
     except ShardMismatch as e:
+        raise UnreadableRequest(f"prefill engine {spec.remote.engine_id}: {e}") from None
+    except ValueError as e:
         raise UnreadableRequest(f"prefill engine {spec.remote.engine_id}: {e}") from None
     reads = []
     for p_rank, (src, dst) in sorted(slots.items()):
