@@ -1,20 +1,14 @@
-"""The architecture page's layout against the tree and the README's layout block.
-
-``ARCHITECTURE.md`` lives beside the repository (``../shared/``), not in it: where a checkout
-has it, every folder and document its "Layout of the repository" names must exist, and every
-room it names inside ``connector/`` must be a room of the README's layout block too. Where
-it is absent (a clean clone, CI), the test says so and skips.
-"""
+"""The architecture page (docs/architecture.md) and the README's layout block against the tree:
+every folder, room and document they name exists, and every room of the connector is named.
+test_import_rules.py ranks the rooms as the page does."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-ARCHITECTURE = ROOT.parent / "shared" / "ARCHITECTURE.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 CONNECTOR_ROOMS = ("scheduler", "worker", "kv", "leases", "push", "mapping", "peers")
 
 
@@ -25,8 +19,6 @@ def _code_block(text: str, heading: str) -> str:
 
 
 def _architecture_layout() -> str:
-    if not ARCHITECTURE.exists():
-        pytest.skip(f"{ARCHITECTURE} is outside this checkout")
     return _code_block(ARCHITECTURE.read_text(), "## Layout of the repository")
 
 
@@ -48,11 +40,15 @@ def test_the_readme_layout_names_every_room_of_the_connector_and_no_other() -> N
 
 def test_the_architecture_layout_names_only_what_the_tree_has() -> None:
     layout = _architecture_layout()
+    ranked = ARCHITECTURE.read_text().split("## The connector's rooms, bottom up")[1]
     for room in CONNECTOR_ROOMS:
-        assert f"{room}/" in layout, room
+        assert f"`{room}`" in ranked, room
         assert (ROOT / "hixl_connector" / "connector" / room).is_dir(), room
-    for folder in ("datadist", "tools"):
-        assert f"{folder}/" in layout and (ROOT / "hixl_connector" / folder).is_dir()
+    for folder in re.findall(
+        r"^hixl_connector/  ([a-z_]+)/|^                 ([a-z_]+)/ ", layout, re.M
+    ):
+        name = "".join(folder)
+        assert (ROOT / "hixl_connector" / name).is_dir(), name
     for package in ("native", "ascend"):
         assert (ROOT / "hixl_connector" / "datadist" / package).is_dir()
     native_rooms = re.search(r"native/src/\s+(.*?) beside", layout)
@@ -60,7 +56,10 @@ def test_the_architecture_layout_names_only_what_the_tree_has() -> None:
     for room in native_rooms.group(1).split():
         assert (ROOT / "native" / "src" / room.rstrip("/")).is_dir(), room
     for document in re.findall(r"([a-z_]+\.md)", layout):
-        if document != "README.md":
+        if document not in ("README.md", "CHANGELOG.md"):
             assert (ROOT / "docs" / document).exists(), document
-    for top in ("pyproject.toml", "README.md", ".ci", "configs", "native", "tests"):
+    tests = re.findall(r"([a-z0-9_]+)/ \(", layout.split("\ntests/")[1])
+    assert tests and all((ROOT / "tests" / name).is_dir() for name in tests), tests
+    top_level = ("pyproject.toml", "README.md", "CHANGELOG.md", ".ci", "configs", "native", "tests")
+    for top in top_level:
         assert top in layout and (ROOT / top).exists(), top

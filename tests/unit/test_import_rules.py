@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,27 +33,19 @@ def test_the_planning_room_is_pure() -> None:
 
 
 CONNECTOR = "hixl_connector.connector"
-# The connector's rooms from the bottom up: a module imports only from its own room or one
-# below it. A room is a folder of connector/ or a module beside the facade.
-ROOMS = (
-    "limits",
-    "endpoints",
-    "transfer_params",
-    "mapping",
-    "metadata",
-    "link_reports",
-    "config",
-    "stats",
-    "outcomes",
-    "vllm_interface",
-    "peers",
-    "leases",
-    "kv",
-    "push",
-    "scheduler",
-    "worker",
-    "facade",
-)
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def ranked_rooms() -> tuple[str, ...]:
+    """The connector's rooms from the bottom up, as docs/architecture.md ranks them: a module
+    imports only from its own room or one below it. A room is a folder of connector/ or a
+    module beside the facade."""
+    section = ARCHITECTURE.read_text().split("## The connector's rooms, bottom up")[1]
+    section = section.split("\n## ")[0]
+    return tuple(re.findall(r"^\d+\. `([a-z_]+)`:", section, flags=re.MULTILINE))
+
+
+ROOMS = ranked_rooms()
 # Below it or not, the scheduler half reaches neither the worker half, the KV, push, nor the
 # network (test_the_scheduler_half_imports_... checks what that loads).
 SCHEDULER_NEVER = (
@@ -93,7 +86,11 @@ def connector_imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def test_every_room_of_the_connector_is_ranked() -> None:
+    assert len(ROOMS) == len(set(ROOMS))
     assert {room_of(module) for module in connector_modules()} == set(ROOMS)
+    # The page names what the scheduler half never reaches, as this test checks it.
+    never = ARCHITECTURE.read_text().split("The scheduler half never reaches")[1].split(".\n")[0]
+    assert sorted(re.findall(r"`([a-z_.]+)`", never)) == sorted(SCHEDULER_NEVER)
 
 
 def test_no_import_inside_the_connector_runs_upward() -> None:
