@@ -88,6 +88,21 @@ def launch_prefill_worker(spec: dict[str, Any], directory: Path) -> subprocess.P
     return launch([sys.executable, str(HERE / "prefill_worker.py"), str(spec_file)], env)
 
 
+def prefill_extra(side_host: str, cluster_id_base: int) -> dict[str, Any]:
+    """The connector's config of a stand-in P on the "ascend" back-end: its side channel on
+    ``side_host``, its engine on IPv4 loopback (as CANN requires), each on a free port."""
+    from hixl_connector.tools.demo.processes import free_port
+
+    return {
+        "backend": "ascend",
+        "side_channel_host": side_host,
+        "side_channel_port": free_port(side_host),
+        "engine_host": "127.0.0.1",
+        "engine_port": free_port(),
+        "cluster_id_base": cluster_id_base,
+    }
+
+
 def launch_prefill(
     model_dir: Path,
     engine_id: str,

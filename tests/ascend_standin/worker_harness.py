@@ -144,10 +144,60 @@ def expected_block(tensor: int, block: Any) -> Any:
     return 1000.0 * (tensor + 1) + block
 
 
-def decode_worker(config: Any, engine_id: str, state: bool = False) -> tuple[Any, dict[str, Any]]:
-    """A real HixlWorker of ``config`` (inside its TP group) with empty KV caches registered,
-    a hybrid state model's with ``state``: (the worker, its caches)."""
-    return worker_with_caches(config, engine_id, state, fill=False)
+@contextmanager
+def decode_engine(
+    model_dir: Any, engine_id: str, extra: dict[str, Any], state: bool = False
+) -> Iterator[tuple[Any, dict[str, Any], Any]]:
+    """A real HixlWorker as D (kv_consumer) of ``model_dir`` with the connector's ``extra``
+    config, over the stand-in, inside its TP group, with empty KV caches registered (a hybrid
+    state model's with ``state``): (the worker, its caches, the stand-in)."""
+    from harness import standin_on_path
+
+    from hixl_connector.tools.demo.processes import free_port
+    from hixl_connector.tools.vllm_scheduler import vllm_config
+
+    mode = "none" if state else ""
+    config = vllm_config(model_dir, "kv_consumer", engine_id=engine_id, extra=extra, state=mode)
+    with standin_on_path() as standin, tp_group(config, free_port()):
+        worker, caches = worker_with_caches(config, engine_id, state, fill=False)
+        yield worker, caches, standin
+
+
+def received(worker: Any, spec: Any, timeout_s: float) -> bool:
+    """Hands read ``spec`` to D's ``worker`` as a step of vLLM's would, then asks for results
+    until it has one (bounded): whether it was received rather than failed."""
+    import time
+
+    from hixl_connector.connector.metadata import HixlConnectorMetadata
+
+    worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        results = worker.get_transfer_results()
+        if spec.request_id in results.finished_recving:
+            return spec.request_id not in results.failed_recving
+        time.sleep(0.02)
+    raise AssertionError(f"no result for {spec.request_id} within {timeout_s}s")
+
+
+def decode_engine_extra(cluster_id_base: int, timeout_s: float) -> dict[str, Any]:
+    """The connector's config of a stand-in D on the "ascend" back-end (whose engine listens
+    on D too), reads and handshakes bounded by ``timeout_s``."""
+    from hixl_connector.tools.demo.processes import free_port
+
+    return {
+        "backend": "ascend",
+        "cluster_id_base": cluster_id_base,
+        "engine_port": free_port(),
+        "pull_timeout_s": timeout_s,
+        "handshake_timeout_s": 2 * timeout_s,
+    }
+
+
+def decode_worker(config: Any, engine_id: str) -> tuple[Any, dict[str, Any]]:
+    """A real HixlWorker of ``config`` (inside its TP group) with empty KV caches registered:
+    (the worker, its caches)."""
+    return worker_with_caches(config, engine_id, state=False, fill=False)
 
 
 def worker_with_caches(

@@ -55,6 +55,7 @@ def announcement(engine_id: str, cluster_id: int, engine_port: int) -> Handshake
         block_sizes=[BLOCK_TOKENS],
         slice_bytes=0,
         state_parts=[],
+        kv_parts=[],
         incarnation=0,
     )
 

@@ -56,6 +56,7 @@ def payload(
         block_sizes=[16],
         slice_bytes=0,
         state_parts=[],
+        kv_parts=[],
         incarnation=incarnation,
     )
 

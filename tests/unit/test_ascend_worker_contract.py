@@ -23,21 +23,19 @@ import pytest
 from loopback import has_ipv6_loopback
 from standin_imports import standin_helpers_importable
 
-from hixl_connector.tools.demo.processes import free_port
-from hixl_connector.tools.vllm_scheduler import vllm_config
-
 with standin_helpers_importable():
     from harness import (
         launch_prefill,
+        prefill_extra,
         ready,
-        standin_on_path,
         stop,
     )
     from worker_harness import (
         P_INCARNATION,
-        decode_worker,
+        decode_engine,
+        decode_engine_extra,
         expected_block,
-        tp_group,
+        received,
     )
 
 P_BASE, D_BASE = 100_000, 200_000
@@ -63,16 +61,8 @@ LEASES: list[tuple[str, int, list[int]]] = [
 def prefill(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, standin_fabric: str
 ) -> Iterator[dict[str, Any]]:
-    side_port, engine_port = free_port(SIDE_HOST), free_port()
-    extra = {
-        "backend": "ascend",
-        "side_channel_host": SIDE_HOST,
-        "side_channel_port": side_port,
-        "engine_host": "127.0.0.1",
-        "engine_port": engine_port,
-        "cluster_id_base": P_BASE,
-        "ascend_local_comm_res": '{"version":"1.3"}',
-    }
+    extra = {**prefill_extra(SIDE_HOST, P_BASE), "ascend_local_comm_res": '{"version":"1.3"}'}
+    side_port = extra["side_channel_port"]
     # Not waited for here: P imports vLLM while D does the same in this process.
     proc = launch_prefill(
         tiny_model_dir, "p-engine", extra, LEASES, tmp_path_factory.mktemp("prefill")
@@ -86,18 +76,10 @@ def prefill(
 
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    extra = {
-        "backend": "ascend",
-        "cluster_id_base": D_BASE,
-        "engine_port": free_port(),  # the hixl back-end listens on D too
-        "pull_timeout_s": 1.0,
-        "handshake_timeout_s": 2.0,
-    }
-    config = vllm_config(tiny_model_dir, "kv_consumer", engine_id="d-engine", extra=extra)
+    extra = decode_engine_extra(D_BASE, 1.0)
     os.environ["HIXL_STANDIN_TRANSPORT"] = "tcp"  # a stopped peer then times a pull out
     try:
-        with standin_on_path() as standin, tp_group(config, free_port()):
-            worker, caches = decode_worker(config, "d-engine")
+        with decode_engine(tiny_model_dir, "d-engine", extra) as (worker, caches, standin):
             state = {"worker": worker, "caches": caches, "standin": standin}
             ready(prefill["proc"])  # P registered and leasing
             yield state
@@ -110,7 +92,7 @@ def decode(tiny_model_dir: Path, prefill: dict[str, Any]) -> Iterator[dict[str, 
 def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local: list[int]) -> bool:
     from hixl_connector.connector.endpoints import RemoteEndpoint
     from hixl_connector.connector.leases.guarded_read import lease_word
-    from hixl_connector.connector.metadata import HixlConnectorMetadata, RecvSpec
+    from hixl_connector.connector.metadata import RecvSpec
 
     request, lease_id, remote_blocks = LEASES[lease]
     remote = RemoteEndpoint("p-engine", SIDE_HOST, prefill["side_port"], 1, P_BASE, P_INCARNATION)
@@ -124,16 +106,7 @@ def _receive(decode: dict[str, Any], prefill: dict[str, Any], lease: int, local:
         lease_slot=lease,  # the stand-in P publishes lease k in slot k
         lease_word=lease_word(lease_id, [remote_blocks], P_INCARNATION),
     )
-    worker = decode["worker"]
-    worker.start_load_kv(HixlConnectorMetadata(to_recv=[spec]))
-    deadline = time.monotonic() + RESULT_TIMEOUT_S
-    while time.monotonic() < deadline:
-        results = worker.get_transfer_results()
-        recving, failed = results.finished_recving, results.failed_recving
-        if spec.request_id in recving:
-            return spec.request_id not in failed
-        time.sleep(0.02)
-    raise AssertionError(f"no result for {spec.request_id} within {RESULT_TIMEOUT_S}s")
+    return received(decode["worker"], spec, RESULT_TIMEOUT_S)
 
 
 def _block(decode: dict[str, Any], tensor: int, block: int) -> set[float]:

@@ -18,7 +18,12 @@ from vllm.v1.kv_cache_interface import (
 
 from hixl_connector.connector.kv.layout import KVLayout, describe_kv_caches
 from hixl_connector.connector.kv.state_layout import state_layer_specs
-from hixl_connector.connector.mapping.state_groups import StatePart, parts_by_group
+from hixl_connector.connector.mapping.state_groups import (
+    StatePart,
+    parts_by_group,
+    placed_units,
+    state_length,
+)
 from hixl_connector.connector.metadata import SendSpec
 from hixl_connector.connector.push.registration import PushRegistration, StateRun
 from hixl_connector.connector.push.request_push import state_pairs
@@ -70,10 +75,10 @@ def test_the_states_are_registered_from_each_buffers_first_byte_in_two_planes() 
     assert state is not None
     unit = 128  # gcd(384, 1024)
     assert state.unit_bytes == unit
-    # From the conv plane's first byte (2 MB aligned on the NPU, where K is not) to the end
-    # of the ssm plane; V is none of the states' bytes.
+    # The whole buffer, from the conv plane's first byte (2 MB aligned on the NPU, where K
+    # and V are not): the KV is read through it too.
     assert state.regions == tuple(memory.data_ptr() + r * n * PAGE for r in range(REGIONS))
-    assert state.region_units == n * (CONV_BYTES + SSM_BYTES) // unit
+    assert state.region_units == n * PAGE // unit
     conv_units, ssm_units = CONV_BYTES // unit, SSM_BYTES // unit
     parts = (StatePart(0, conv_units, conv_units), StatePart(n * conv_units, ssm_units, ssm_units))
     assert state.group_parts == ((1, parts),)
@@ -81,11 +86,15 @@ def test_the_states_are_registered_from_each_buffers_first_byte_in_two_planes() 
         *range(5 * conv_units, 6 * conv_units),
         *range(n * conv_units + 5 * ssm_units, n * conv_units + 6 * ssm_units),
     ]
-    # The attention layers' K and V stay registered as the KV, beside the states.
+    # An attention block's K (the ssm plane's bytes) and V, in the same registration.
+    assert layout.kv_in_states_buffers and layout.tensors_per_layer == 2
+    assert state.kv_parts == (
+        StatePart(n * conv_units, ssm_units, ssm_units),
+        StatePart(n * (conv_units + ssm_units), ssm_units, ssm_units),
+    )
     assert layout.tensor_addrs == tuple(
         t.data_ptr() for r in range(REGIONS) for t in kv_caches[f"a{r}"]
     )
-    assert layout.block_bytes == SSM_BYTES and layout.tensors_per_layer == 2
     # The handshake's rows give D the same parts.
     assert parts_by_group(state_parts(state)) == dict(state.group_parts)
     # The controls' views: each part's bytes of a block, in place.
@@ -132,6 +141,33 @@ def test_a_state_moves_between_engines_of_other_block_counts_and_nothing_else_ch
         ssm = raw + n * CONV_BYTES + 5 * SSM_BYTES
         allowed |= set(range(ssm, ssm + SSM_BYTES))
     assert changed and set(changed) <= allowed
+
+
+def test_kv_blocks_move_through_the_states_registration_between_block_counts() -> None:
+    """P of 8 blocks, D of 12: P's K and V of blocks 1 and 2 land as D's of blocks 6 and 7, as
+    D maps them through each side's KV parts (read_units.kv_beside_states), and nothing else:
+    no conv state, no other block (K of a block is its ssm state: the same bytes)."""
+    p_layout, p_caches, p_memory = planes(8)
+    d_layout, d_caches, d_memory = planes(12)
+    assert p_layout.state is not None and d_layout.state is not None
+    p_memory.copy_(torch.randint(-128, 128, p_memory.shape, dtype=torch.int8))
+    before = d_memory.clone()
+    p_kv, d_kv = p_layout.state.kv_parts, d_layout.state.kv_parts
+    length = state_length(d_kv)
+    src = [u for block in (1, 2) for u in placed_units(p_kv, block, 0, length)]
+    dst = [u for block in (6, 7) for u in placed_units(d_kv, block, 0, length)]
+    copy_units(p_layout, p_memory, d_layout, d_memory, src, dst)
+    for region in range(REGIONS):
+        for tensor in range(2):  # K, V
+            p_kv_tensor = p_caches[f"a{region}"][tensor]
+            d_kv_tensor = d_caches[f"a{region}"][tensor]
+            assert same_bytes(d_kv_tensor[6:8], p_kv_tensor[1:3])
+    changed = (d_memory != before).nonzero().flatten().tolist()
+    assert changed
+    # Only K and V of blocks 6 and 7: never a conv state, nor another block.
+    for i in changed:
+        offset = i % (12 * PAGE) - 12 * CONV_BYTES
+        assert offset >= 0 and (offset % (12 * SSM_BYTES)) // SSM_BYTES in (6, 7)
 
 
 def same_bytes(a: Any, b: Any) -> bool:

@@ -25,7 +25,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hixl_connector.connector.kv.state_layout import Sharding, StateLayout, describe_state
+from hixl_connector.connector.kv.state_layout import (
+    AttentionTensors,
+    Sharding,
+    StateLayout,
+    describe_state,
+)
 from hixl_connector.connector.mapping.block_slices import SLICE_ELEMENTS
 
 
@@ -56,6 +61,12 @@ class KVLayout:
     @property
     def num_tensors(self) -> int:
         return len(self.tensor_addrs)
+
+    @property
+    def kv_in_states_buffers(self) -> bool:
+        """The KV lies in planes beside a hybrid model's states (vllm-ascend): it is read
+        through the states' registration (state_layout) and not registered on its own."""
+        return self.state is not None and bool(self.state.kv_parts)
 
     @property
     def units_per_block(self) -> int:
@@ -177,15 +188,16 @@ def describe_kv_caches(
         unit_elements *= int(dim)
     sliced = head_major and unit_elements % SLICE_ELEMENTS == 0
     addrs = tuple(int(view.data_ptr()) for view in views)
-    sizes = [part_bytes[i % len(part_bytes)] * num_blocks for i in range(len(views))]
-    _check_disjoint(addrs, sizes)
+    tensor_block_bytes = tuple(part_bytes[i % len(part_bytes)] for i in range(len(views)))
+    _check_disjoint(addrs, [n * num_blocks for n in tensor_block_bytes])
+    tensors_per_layer = len(first_layer)
     return KVLayout(
         tensor_addrs=addrs,
         # With unlike parts: the mean over the parts, so blocks x block_bytes x num_tensors
         # stays the bytes a pull moves.
         block_bytes=sum(part_bytes) // len(part_bytes) if unlike else part_bytes[0],
         num_blocks=num_blocks,
-        tensors_per_layer=counts.pop(),
+        tensors_per_layer=tensors_per_layer,
         num_layers=len(per_layer),
         dtype=str(first.dtype).removeprefix("torch."),
         block_shape=tuple(int(d) for d in first.shape[1:]),
@@ -194,7 +206,13 @@ def describe_kv_caches(
         head_major=head_major,
         slice_bytes=SLICE_ELEMENTS * int(first.element_size()) if sliced else 0,
         layer_index=tuple(names),
-        state=describe_state(kv_caches, state_specs, addrs, num_blocks, sharding),
+        state=describe_state(
+            kv_caches,
+            state_specs,
+            AttentionTensors(addrs, tensor_block_bytes, tensors_per_layer),
+            num_blocks,
+            sharding,
+        ),
     )
 
 

@@ -294,6 +294,12 @@ def register_kv(
     device = _kv_device(layout)
     api = load_backend(config.backend, getattr(device, "type", None))
     profile = api.PROFILE
+    if config.pushes and layout.kv_in_states_buffers:
+        raise ValueError(
+            "kv_connector_extra_config 'transfer_mode': 'push' writes KV blocks registered "
+            "on their own, and this KV lies in planes beside a hybrid model's states "
+            "(vllm-ascend): use 'transfer_mode': 'pull'"
+        )
     if config.pushes and not profile.native_options:
         raise ValueError(
             f"kv_connector_extra_config 'transfer_mode': 'push' needs the native engine's "
@@ -302,13 +308,12 @@ def register_kv(
         )
     on_device = device is not None and profile.registers_as_device(device)
     placement = api.Placement.DEVICE if on_device else api.Placement.HOST
-    kv_parts = registrations(layout)
+    # On vllm-ascend's planes the KV is read through the states' registration, which starts at
+    # each buffer's (aligned) first byte where K and V do not.
+    kv_parts = [] if layout.kv_in_states_buffers else registrations(layout)
     if on_device and config.ascend_hccs:
-        # vllm-ascend lays a hybrid state model's K and V after its conv states.
-        beside = " (K and V laid after the conv states)" if layout.state is not None else ""
         for part in kv_parts:
-            what = f"cache model_id {part.model_id}{beside}"
-            profile.check_device_alignment(list(part.addrs), what)
+            profile.check_device_alignment(list(part.addrs), f"cache model_id {part.model_id}")
         if layout.state is not None:
             profile.check_device_alignment(
                 list(layout.state.regions), f"cache model_id {STATE_MODEL_ID} (the states)"
@@ -375,8 +380,9 @@ def register_kv(
         datadist.finalize()
         raise
     bound = getattr(datadist, "listen_port", None)  # native extension; CANN binds `port`
+    bases = [p.addrs for p in kv_parts] + ([layout.state.regions] if layout.state else [])
     limits = [
-        profile.max_pairs_per_pull(len(p.addrs)) for p in kv_parts if profile.max_pairs_per_pull
+        profile.max_pairs_per_pull(len(addrs)) for addrs in bases if profile.max_pairs_per_pull
     ]
     return RegisteredKV(
         api,

@@ -51,6 +51,16 @@ BytePart = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
+class AttentionTensors:
+    """The attention layers' registered tensors, in registration order: their bases, their
+    bytes a block, and how many make a layer."""
+
+    addrs: tuple[int, ...]
+    block_bytes: tuple[int, ...]
+    per_layer: int
+
+
+@dataclass(frozen=True)
 class Sharding:
     """How TP divides this engine's states: its TP size, and a Mamba2 model's ``n_groups``
     (the model config's; None for a model without)."""
@@ -76,6 +86,10 @@ class StateLayout:
     # ``unshardable`` saying why, where the states move between equal TP sizes only.
     shards: tuple[tuple[int, tuple[Shard, ...]], ...] = ()
     unshardable: str = ""
+    # Where an attention block's KV (the layer's tensors, K then V) lies in a region, where
+    # it lies in the states' buffers beside them (vllm-ascend's planes): it is then read
+    # through the regions and not registered on its own. Empty on vLLM's pages.
+    kv_parts: tuple[StatePart, ...] = ()
 
     @property
     def group_units(self) -> tuple[tuple[int, int], ...]:
@@ -188,7 +202,18 @@ class StateLayout:
             "kv_state_conv_layout": _conv_state_layout(),
             "kv_state_regions": len(self.regions),
             "kv_state_unit_bytes": self.unit_bytes,
+            "kv_state_planes": bool(self.kv_parts),
         }
+
+
+def state_without_kv(p_rank: int, engine_id: str) -> str:
+    """Why a D rank cannot take its state from P rank ``p_rank``: it takes none of that rank's
+    KV heads (KV heads replicated over TP ranks), so it holds no lease or grant there."""
+    return (
+        f"this rank's state lies on prefill rank {p_rank} of engine {engine_id}, whose KV it "
+        "does not take (KV heads replicated over TP ranks): run TP sizes whose KV heads and "
+        "states divide alike"
+    )
 
 
 def state_layer_specs(kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
@@ -205,13 +230,13 @@ def state_layer_specs(kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
 def describe_state(
     kv_caches: Mapping[str, Any],
     specs: Mapping[str, tuple[int, Any]],
-    registered: Sequence[int],
+    attention: AttentionTensors,
     num_blocks: int,
     sharding: Sharding | None = None,
 ) -> StateLayout | None:
     """The state layers of ``kv_caches`` (``specs``: state_layer_specs) of ``num_blocks``
-    blocks, each in a buffer of an attention layer (``registered``: their bases, in layer
-    order); None for a model without state. Refuses a state the engine cannot move whole."""
+    blocks, each in a buffer of an attention layer (``attention``: the registered tensors);
+    None for a model without state. Refuses a state the engine cannot move whole."""
     if not specs:
         return None
     sharding = sharding or Sharding()
@@ -220,6 +245,7 @@ def describe_state(
     placed: dict[int, tuple[BytePart, ...]] = {}
     extents: dict[int, int] = {}  # the base of each buffer's states: bytes they reach
     order: dict[int, int] = {}  # the base of each buffer's states: its first attention layer
+    beside: dict[int, tuple[BytePart, ...]] = {}  # ... and the KV in it, on planes
     views: list[Any] = []
     for name, (group, spec) in specs.items():
         sizes = [int(getattr(dtype, "itemsize", 0)) for dtype in spec.dtypes]
@@ -227,14 +253,24 @@ def describe_state(
         parts[group], group_specs[group] = layer, spec
         tensors = _state_tensors(kv_caches[name])
         base, byte_parts, extent = _placed(name, tensors, layer, num_blocks)
+        _check_memory(name, tensors, base, extent)
         if placed.setdefault(group, byte_parts) != byte_parts:
             raise ValueError(
                 f"state layer {name} lies in its buffer as {byte_parts} (offset, stride, bytes), "
                 f"another layer of KV-cache group {group} as {placed[group]}"
             )
-        extents[base] = max(extents.get(base, 0), extent)
-        order[base] = _anchor(name, base, extent, registered)
+        order[base], beside[base] = _anchor(name, base, extent, attention, num_blocks)
+        extents[base] = max(
+            extents.get(base, 0), extent, *(o + s * num_blocks for o, s, _ in beside[base])
+        )
+        _check_memory(name, tensors, base, extents[base])
         views.extend(_byte_view(tensor) for tensor in tensors)
+    if len(set(beside.values())) != 1:
+        raise ValueError(
+            f"the attention layers lie in the states' buffers as {sorted(set(beside.values()))} "
+            "(offset, stride, bytes); the connector registers every such buffer alike"
+        )
+    kv_parts = beside.popitem()[1]
     if len(set(extents.values())) != 1:
         raise ValueError(
             f"the buffers that hold state layers reach {sorted(set(extents.values()))} bytes; "
@@ -243,7 +279,9 @@ def describe_state(
     extent = extents.popitem()[1]
     shards, unshardable = _shards(group_specs, parts, sharding)
     pieces_of = dict(shards)
-    numbers = [number for byte_parts in placed.values() for part in byte_parts for number in part]
+    numbers = [
+        n for byte_parts in (*placed.values(), kv_parts) for part in byte_parts for n in part
+    ]
     unit = math.gcd(extent, *numbers, *(granule_bytes(pieces) for pieces in pieces_of.values()))
     return StateLayout(
         regions=tuple(sorted(order, key=order.__getitem__)),
@@ -258,6 +296,7 @@ def describe_state(
         tp_size=sharding.tp_size,
         shards=shards,
         unshardable=unshardable,
+        kv_parts=tuple(StatePart(o // unit, s // unit, n // unit) for o, s, n in kv_parts),
     )
 
 
@@ -304,23 +343,39 @@ def _placed(
                 f"state layer {name}: blocks of {nbytes} bytes only {stride} bytes apart"
             )
     extent = max(offset + (num_blocks - 1) * stride + nbytes for offset, stride, nbytes in merged)
+    return base, tuple(merged), extent
+
+
+def _check_memory(name: str, tensors: Sequence[Any], base: int, extent: int) -> None:
+    """The bytes registered for state layer ``name``'s buffer are memory its tensors lie in:
+    nothing outside what vLLM allocated is ever read or written."""
     for tensor in tensors:
         storage = tensor.untyped_storage()
         start = int(storage.data_ptr())
         if not start <= base <= base + extent <= start + int(storage.nbytes()):
             raise ValueError(
-                f"state layer {name}: its blocks reach bytes {base:#x} to {base + extent:#x}, "
-                "beyond the memory they lie in"
+                f"state layer {name}: its buffer's states and KV reach bytes {base:#x} to "
+                f"{base + extent:#x}, beyond the memory they lie in"
             )
-    return base, tuple(merged), extent
 
 
-def _anchor(name: str, base: int, extent: int, registered: Sequence[int]) -> int:
-    """The first attention layer whose buffer state layer ``name``, at ``base``, lies in
-    (regions follow the layers' order on both sides)."""
-    for index, address in enumerate(registered):
+def _anchor(
+    name: str, base: int, extent: int, attention: AttentionTensors, num_blocks: int
+) -> tuple[int, tuple[BytePart, ...]]:
+    """The first attention tensor in the buffer state layer ``name``, at ``base``, lies in
+    (regions follow the layers' order on both sides), and where that layer's KV lies from
+    ``base``: nowhere where it starts there (vLLM's pages: it registers on its own), else in
+    planes beside the states (vllm-ascend)."""
+    for index, address in enumerate(attention.addrs):
         if base <= address < base + extent:
-            return index
+            first = index - index % attention.per_layer
+            layer = range(first, first + attention.per_layer)
+            if attention.addrs[first] == base:
+                return index, ()
+            return index, tuple(
+                (attention.addrs[i] - base, attention.block_bytes[i], attention.block_bytes[i])
+                for i in layer
+            )
     raise ValueError(
         f"state layer {name} lies in no buffer of an attention layer; the connector moves "
         "state only beside attention (a hybrid model, hybrid KV-cache manager on)"

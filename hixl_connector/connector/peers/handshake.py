@@ -29,6 +29,8 @@ from hixl_connector.connector.limits import (
     is_int,
 )
 
+# The tensors of an attention layer (K and V; an MLA layer's parts).
+MAX_KV_PARTS = 8
 # Version of the handshake and its payload; it is hashed with the compatibility fields, so a
 # peer speaking another version is refused before D links it.
 SCHEMA_VERSION = 7
@@ -106,6 +108,10 @@ class HandshakePayload:
     # Where each state group's state of a block lies in the state registration: [group,
     # first unit, units between blocks, units] per part (state_groups.StatePart); empty: none.
     state_parts: list[list[int]]
+    # Where an attention block's KV lies in the state registration, where it lies beside the
+    # states (vllm-ascend's planes): [first unit, units between blocks, units] per tensor of
+    # a layer; empty where the KV is registered on its own.
+    kv_parts: list[list[int]]
     incarnation: int  # P's start nonce (peers.incarnation); 0 on an engine that does not prefill
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,6 +152,7 @@ class HandshakePayload:
             block_sizes=_block_sizes(where, data.get("block_sizes")),
             slice_bytes=check_field(where, "slice_bytes", data, int, 0, 2**20),
             state_parts=_state_parts(where, data.get("state_parts")),
+            kv_parts=_kv_parts(where, data.get("kv_parts")),
             incarnation=check_field(where, "incarnation", data, int, 0, MAX_U64),
         )
 
@@ -161,24 +168,41 @@ def _block_sizes(where: str, value: Any) -> list[int]:
     return list(value)
 
 
+# [group, first unit, units between blocks, units] of a state's part; [first, stride, units]
+# of a KV tensor's part: each column's bounds.
+STATE_PART_BOUNDS = (
+    (0, MAX_KV_CACHE_GROUPS - 1),
+    (0, MAX_STATE_UNIT),
+    (0, MAX_STATE_UNIT),
+    (1, MAX_STATE_UNIT),
+)
+KV_PART_BOUNDS = STATE_PART_BOUNDS[1:]
+
+
 def _state_parts(where: str, value: Any) -> list[list[int]]:
-    if not isinstance(value, list) or len(value) > MAX_STATE_PARTS:
+    return _rows(where, "state_parts", value, MAX_STATE_PARTS, STATE_PART_BOUNDS)
+
+
+def _kv_parts(where: str, value: Any) -> list[list[int]]:
+    return _rows(where, "kv_parts", value, MAX_KV_PARTS, KV_PART_BOUNDS)
+
+
+def _rows(
+    where: str, name: str, value: Any, most: int, bounds: tuple[tuple[int, int], ...]
+) -> list[list[int]]:
+    """A list of at most ``most`` rows of ints, each column within its ``bounds``."""
+    if not isinstance(value, list) or len(value) > most:
         raise ValueError(
-            f"{where} field 'state_parts' must be a list of at most {MAX_STATE_PARTS} parts, "
-            f"got {value!r:.200}"
+            f"{where} field {name!r} must be a list of at most {most} parts, got {value!r:.200}"
         )
-    for part in value:
-        if not isinstance(part, list) or len(part) != 4:
+    for row in value:
+        if not isinstance(row, list) or len(row) != len(bounds):
             raise ValueError(
-                f"{where} field 'state_parts' holds [group, first, stride, length] lists, "
-                f"got {part!r:.200}"
+                f"{where} field {name!r} holds lists of {len(bounds)} ints, got {row!r:.200}"
             )
-        group, first, stride, length = part
-        check_field(where, "state_parts", group, int, 0, MAX_KV_CACHE_GROUPS - 1)
-        check_field(where, "state_parts", first, int, 0, MAX_STATE_UNIT)
-        check_field(where, "state_parts", stride, int, 0, MAX_STATE_UNIT)
-        check_field(where, "state_parts", length, int, 1, MAX_STATE_UNIT)
-    return [list(part) for part in value]
+        for number, (low, high) in zip(row, bounds, strict=True):
+            check_field(where, name, number, int, low, high)
+    return [list(row) for row in value]
 
 
 def _is_primitive(value: Any) -> bool:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from hixl_connector.connector.endpoints import RemoteEndpoint
 from hixl_connector.connector.kv.decode_rank import DecodeRank
+from hixl_connector.connector.kv.state_layout import state_without_kv
 from hixl_connector.connector.mapping.block_slices import blocks_per_block
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.mapping.tp_mapping import RankPlan
@@ -358,11 +359,7 @@ class PushReceiver:
         runs = {p: [StateRun(*run) for run in rank_runs] for p, rank_runs in writes.items()}
         elsewhere = sorted(p for p in runs if not plan.reads_from(p))
         if elsewhere:
-            raise PushRefused(
-                f"this rank's state lies on prefill rank {elsewhere[0]} of engine "
-                f"{spec.remote.engine_id}, whose KV it does not take (KV heads replicated "
-                "over TP ranks): run TP sizes whose KV heads and states divide alike"
-            )
+            raise PushRefused(state_without_kv(elsewhere[0], spec.remote.engine_id))
         return runs
 
     def _slices(self, peer: Peer) -> Slices | None:

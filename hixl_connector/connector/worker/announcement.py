@@ -58,6 +58,9 @@ def handshake_payload(
         block_sizes=list(block_sizes),
         slice_bytes=layout.slice_bytes,
         state_parts=state_parts(layout.state),
+        kv_parts=[[p.first, p.stride, p.length] for p in layout.state.kv_parts]
+        if layout.state is not None
+        else [],
         incarnation=0,
     )
 

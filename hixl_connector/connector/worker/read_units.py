@@ -8,10 +8,15 @@ land straight in their slots here.
 from __future__ import annotations
 
 from hixl_connector.connector.kv.layout import KVLayout
-from hixl_connector.connector.kv.state_layout import StateLayout
+from hixl_connector.connector.kv.state_layout import StateLayout, state_without_kv
 from hixl_connector.connector.mapping.block_slices import blocks_per_block, slice_ids
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
-from hixl_connector.connector.mapping.state_groups import parts_by_group
+from hixl_connector.connector.mapping.state_groups import (
+    StatePart,
+    parts_by_group,
+    placed_units,
+    state_length,
+)
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.mapping.tp_mapping import HeadRead, unit_ids
 from hixl_connector.connector.metadata import RecvSpec
@@ -44,6 +49,25 @@ def peer_units(
         read.count,
     )
     return peer.cluster_id, src, dst
+
+
+def kv_beside_states(peer: Peer, read: Read, spec: RecvSpec, state: StateLayout) -> Read:
+    """On vllm-ascend's planes (``StateLayout.kv_parts``), one P rank's blocks of the request
+    (``read``: peer_units) and the blocks here they land in, as units of the state
+    registration: P's through the parts P announced, these through this engine's."""
+    theirs = tuple(StatePart(*row) for row in peer.payload.kv_parts)
+    if spec.blocks_per_block != 1 or not theirs:
+        raise UnreadableRequest(
+            f"prefill engine {peer.engine_id} and this engine place the KV beside a hybrid "
+            "model's states (vllm-ascend's planes) only with one block size on both"
+        )
+    cluster_id, src, dst = read
+    length = state_length(state.kv_parts)
+    return (
+        cluster_id,
+        [unit for block in src for unit in placed_units(theirs, block, 0, length)],
+        [unit for block in dst for unit in placed_units(state.kv_parts, block, 0, length)],
+    )
 
 
 def check_state_tp(spec: RecvSpec, state: StateLayout | None) -> None:
@@ -89,11 +113,7 @@ def state_reads(
     reads = []
     for p_rank, (src, dst) in sorted(slots.items()):
         if p_rank not in by_rank:
-            raise UnreadableRequest(
-                f"this rank's state lies on prefill rank {p_rank} of engine "
-                f"{spec.remote.engine_id}, whose KV it does not read (KV heads replicated "
-                "over TP ranks): run TP sizes whose KV heads and states divide alike"
-            )
+            raise UnreadableRequest(state_without_kv(p_rank, spec.remote.engine_id))
         reads.append((by_rank[p_rank].cluster_id, src, dst))
     return reads
 

@@ -53,6 +53,7 @@ from hixl_connector.connector.worker.read_units import (
     check_block_ids,
     check_block_sizes,
     check_state_tp,
+    kv_beside_states,
     peer_units,
     state_reads,
 )
@@ -257,13 +258,21 @@ class Receiver:
             except LeaseError:
                 self._rank.outcomes.record("refused_pulls")
                 raise
+            layout = self._rank.layout
             reads = [
-                peer_units(peers[read.p_rank], read, spec, self._rank.layout, self._rank.plans)
+                peer_units(peers[read.p_rank], read, spec, layout, self._rank.plans)
                 for read in plan.reads
             ]
-            states = state_reads(readers, spec, self._rank.tp_rank, self._rank.layout.state)
+            states = state_reads(readers, spec, self._rank.tp_rank, layout.state)
             words = [(peer.cluster_id, spec.lease_slot) for peer in readers]
-            blocks = self._rank.kv.block_pulls(reads, spec.blocks_per_block > 1)
+            if layout.state is not None and layout.kv_in_states_buffers:
+                units = [
+                    kv_beside_states(peers[read.p_rank], units, spec, layout.state)
+                    for read, units in zip(plan.reads, reads, strict=True)
+                ]
+                blocks = self._rank.kv.state_pulls(units)
+            else:
+                blocks = self._rank.kv.block_pulls(reads, spec.blocks_per_block > 1)
             blocks += self._rank.kv.state_pulls(states) if states else []
             pull = self._guarded.batch(words, blocks, row)
             handle, started = self._submit(spec, pull)
@@ -272,7 +281,6 @@ class Receiver:
             self._end(spec)
             self._fail(spec, peers, e)
             return
-        layout = self._rank.layout
         unit_bytes = layout.slice_bytes if spec.blocks_per_block > 1 else layout.unit_bytes
         nbytes = sum(len(src) for _, src, _ in reads) * unit_bytes * layout.num_tensors
         if layout.state is not None:
