@@ -31,12 +31,17 @@ took after P's prefill.
                                          [--modes pull,push,nixl]
                                          [--model llama|llama-wide|nemotron-h|qwen3-next|lfm2]
                                          [--sync-load-bytes N] [--work-dir DIR]
+                                         [--time-hooks]
 
 ``--modes nixl`` adds P and D with vLLM's NixlConnector (not for ``lfm2``, whose state NIXL
 does not move). The hybrid state models (``nemotron-h``: Mamba2, ``qwen3-next``: Gated
 DeltaNet, ``lfm2``: short convolutions) run in bf16 without prefix caching (vLLM 0.32's CPU
 Mamba2 kernel fails with it), every deployment alike. Beside TTFT, each deployment's decode
 step (ITL p50) is printed against plain's.
+
+``--time-hooks`` times the connector's hooks inside each P and D server (tools/hook_timer)
+and prints, per server, each hook's cost a call and the connector's own time per engine step
+over the whole run (waits of idle steps apart), and the servers' busiest threads.
 
 ``--prompts`` is per deployment and level, split over the rounds. ``--sync-load-bytes``
 sets D's ``sync_load_bytes`` (0: every read asynchronous), to compare reads in the step of
@@ -70,6 +75,7 @@ from hixl_connector.tools.demo.servers import (
     start_vllm_server,
 )
 from hixl_connector.tools.demo.tiny_model import build_tiny_model
+from hixl_connector.tools.hook_times import dumps, summary, timer_env
 
 HEALTH_TIMEOUT_S = 300.0
 # Hybrid state models, served in bf16 without prefix caching by every deployment alike: vLLM
@@ -192,7 +198,7 @@ def start_pd(
             core=core,
             kv_transfer_config=configs[role],
             extra_args=server_args(args.model),
-            extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if mode == "nixl" else None,
+            extra_env=server_env(mode, args.time_hooks, work / "hooks" / f"{mode}-{role}"),
         )
         for role, core in (("prefill", 0), ("decode", 1))
     )
@@ -203,6 +209,15 @@ def start_pd(
     started.append(router)
     router.wait_healthy(60.0)
     return Deployment(mode, router.url, servers)
+
+
+def server_env(mode: str, time_hooks: bool, hook_times: Path) -> dict[str, str] | None:
+    """What a P or D server's environment adds: NIXL's side-channel port, and where the
+    connector's hooks are timed into with ``--time-hooks``."""
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} if mode == "nixl" else {}
+    if time_hooks and mode != "nixl":
+        env |= timer_env(hook_times)
+    return env or None
 
 
 def server_args(model: str) -> tuple[str, ...]:
@@ -272,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=BENCH_MODELS, default="llama")
     parser.add_argument("--sync-load-bytes", type=int, default=None)
     parser.add_argument("--work-dir", default="")
+    parser.add_argument(
+        "--time-hooks",
+        action="store_true",
+        help="time the connector's hooks inside P and D and print their cost per step",
+    )
     args = parser.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.modes = args.modes.split(",")
@@ -323,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     for pd in pds:
         if pd.name != "nixl":  # NixlConnector has no hixl counters
             print(f"  {pd.name}, all levels: {_servers(pd)}")
+    if args.time_hooks:
+        print("  the connector's hooks inside each server, over the whole run:")
+        for name, record in dumps(work / "hooks"):
+            print("\n".join(f"    {line}" for line in summary(name, record)))
     print(f"  files: {work}")
     return 0 if complete else 1
 
