@@ -88,9 +88,9 @@ class RegisteredKV:
     lease_word_memory: WordMemory | None = None  # ... and the words themselves
     push_words: RegisteredCache | None = None  # D, push mode: where P's last writes land
     push_word_memory: WordMemory | None = None  # ... and the words themselves
-    state: RegisteredCache | None = (
-        None  # the states in units (state_layout), where a model has any
-    )
+    # The states in units (state_layout), where a model has any; on vllm-ascend's planes, the
+    # KV beside them too.
+    state: RegisteredCache | None = None
 
     def guarded_reads(self) -> GuardedReads[BlocksPull]:
         """This decode engine's guarded reads (leases.guarded_read): its scratch rows, each

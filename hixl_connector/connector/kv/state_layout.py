@@ -23,6 +23,7 @@ from typing import Any
 from hixl_connector.connector.mapping.state_groups import (
     StateBytes,
     StatePart,
+    block_units,
     is_state_spec,
     placed_runs,
     placed_units,
@@ -105,8 +106,7 @@ class StateLayout:
     def units(self, group: int, block: int) -> list[int]:
         """The units of the state of ``group`` in block ``block`` of every region, in state
         order."""
-        parts = self.parts(group)
-        return placed_units(parts, block, 0, state_length(parts))
+        return block_units(self.parts(group), [block])
 
     def slot_units(self, slots: Iterable[tuple[int, int]]) -> list[int]:
         """The units of the states of ``slots``, (group, block) each, in order."""
@@ -259,7 +259,7 @@ def describe_state(
                 f"state layer {name} lies in its buffer as {byte_parts} (offset, stride, bytes), "
                 f"another layer of KV-cache group {group} as {placed[group]}"
             )
-        order[base], beside[base] = _anchor(name, base, extent, attention, num_blocks)
+        order[base], beside[base] = _anchor(name, base, extent, attention)
         extents[base] = max(
             extents.get(base, 0), extent, *(o + s * num_blocks for o, s, _ in beside[base])
         )
@@ -360,7 +360,7 @@ def _check_memory(name: str, tensors: Sequence[Any], base: int, extent: int) -> 
 
 
 def _anchor(
-    name: str, base: int, extent: int, attention: AttentionTensors, num_blocks: int
+    name: str, base: int, extent: int, attention: AttentionTensors
 ) -> tuple[int, tuple[BytePart, ...]]:
     """The first attention tensor in the buffer state layer ``name``, at ``base``, lies in
     (regions follow the layers' order on both sides), and where that layer's KV lies from

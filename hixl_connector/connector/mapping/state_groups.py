@@ -137,6 +137,12 @@ class StatePart:
     length: int
 
 
+def block_units(parts: Sequence[StatePart], blocks: Sequence[int]) -> list[int]:
+    """The units of ``blocks``, each whole (all its parts, in order), one block after another."""
+    length = state_length(parts)
+    return [unit for block in blocks for unit in placed_units(parts, block, 0, length)]
+
+
 def parts_by_group(rows: Sequence[Sequence[int]]) -> dict[int, tuple[StatePart, ...]]:
     """Each state group's parts, from [group, first, stride, length] rows in state order
     (the handshake's ``state_parts``)."""

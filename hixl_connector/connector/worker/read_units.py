@@ -13,9 +13,8 @@ from hixl_connector.connector.mapping.block_slices import blocks_per_block, slic
 from hixl_connector.connector.mapping.read_plans import ReadPlans, UnreadableRequest
 from hixl_connector.connector.mapping.state_groups import (
     StatePart,
+    block_units,
     parts_by_group,
-    placed_units,
-    state_length,
 )
 from hixl_connector.connector.mapping.state_shards import ShardMismatch
 from hixl_connector.connector.mapping.tp_mapping import HeadRead, unit_ids
@@ -62,12 +61,7 @@ def kv_beside_states(peer: Peer, read: Read, spec: RecvSpec, state: StateLayout)
             "model's states (vllm-ascend's planes) only with one block size on both"
         )
     cluster_id, src, dst = read
-    length = state_length(state.kv_parts)
-    return (
-        cluster_id,
-        [unit for block in src for unit in placed_units(theirs, block, 0, length)],
-        [unit for block in dst for unit in placed_units(state.kv_parts, block, 0, length)],
-    )
+    return cluster_id, block_units(theirs, src), block_units(state.kv_parts, dst)
 
 
 def check_state_tp(spec: RecvSpec, state: StateLayout | None) -> None:
@@ -106,9 +100,7 @@ def state_reads(
     p_parts = parts_by_group(readers[0].payload.state_parts)
     try:
         slots = state.reads(spec.state_block_ids, spec.remote.tp_size, p_parts, d_rank)
-    except ShardMismatch as e:
-        raise UnreadableRequest(f"prefill engine {spec.remote.engine_id}: {e}") from None
-    except ValueError as e:
+    except ValueError as e:  # ShardMismatch too
         raise UnreadableRequest(f"prefill engine {spec.remote.engine_id}: {e}") from None
     reads = []
     for p_rank, (src, dst) in sorted(slots.items()):

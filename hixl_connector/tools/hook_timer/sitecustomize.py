@@ -7,17 +7,15 @@ its threads' CPU ticks. A profiling aid for bench-serve, never loaded by the con
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+from hixl_connector.tools.hook_timer.after_import import after_import
 
 ENV = "HIXL_HOOK_TIMES"
 FACADE = "hixl_connector.connector.facade"
@@ -105,34 +103,13 @@ def _dump(path: str, stats: dict[str, list[int]], role: dict[str, str]) -> None:
             return
 
 
-class _FacadeFinder(importlib.abc.MetaPathFinder):
-    """Finds the facade as usual, and times its class's hooks once its module has run."""
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != FACADE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-        out = self._path
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            stats: dict[str, list[int]] = {}
-            role: dict[str, str] = {}
-            time_hooks(module.HixlConnector, stats, role)
-            threading.Thread(target=_dump, args=(out, stats, role), daemon=True).start()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+def _time_facade(facade: ModuleType) -> None:
+    stats: dict[str, list[int]] = {}
+    role: dict[str, str] = {}
+    time_hooks(facade.HixlConnector, stats, role)
+    args = (os.environ[ENV], stats, role)
+    threading.Thread(target=_dump, args=args, daemon=True).start()
 
 
 if os.environ.get(ENV):
-    sys.meta_path.insert(0, _FacadeFinder(os.environ[ENV]))
+    after_import(FACADE, _time_facade)

@@ -11,36 +11,15 @@ else of vLLM is changed. Without this folder on the path, vLLM is untouched.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
 from types import ModuleType
-from typing import Any
+
+from hixl_connector.tools.hook_timer.after_import import after_import
 
 TRITON_UTILS = "vllm.triton_utils"
 
 
-class _AfterTritonUtils(importlib.abc.MetaPathFinder):
-    """Finds vllm.triton_utils as usual, then marks Triton present once it has run."""
-
-    def find_spec(
-        self, fullname: str, path: Any, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TRITON_UTILS:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            module.HAS_TRITON = True  # type: ignore[attr-defined]
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+def _mark_triton_present(triton_utils: ModuleType) -> None:
+    triton_utils.HAS_TRITON = True  # type: ignore[attr-defined]
 
 
-sys.meta_path.insert(0, _AfterTritonUtils())
+after_import(TRITON_UTILS, _mark_triton_present)
